@@ -1,0 +1,233 @@
+"""`trtbuild`: build engines from models.toml or a user's ONNX, and run the bundled Triton server."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from builder.errors import BuilderError, ManifestError
+from builder.manifest import (
+    CALIBRATION_METHODS,
+    TASKS,
+    CalibrationSpec,
+    DataSpec,
+    DimRange,
+    ModelSpec,
+    ServingSpec,
+    load_manifest,
+    parse_dim_range,
+    parse_precisions,
+)
+
+log = logging.getLogger("builder")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    repository: Path
+    state_dir: Path
+    http_port: int
+    grpc_port: int
+    metrics_port: int
+    background: bool
+    timeout: float
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="trtbuild", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv: debug)")
+    parser.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def common_build(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--repository", type=Path, default=Path("model_repository"), help="Triton model repository")
+        p.add_argument("--report", type=Path, default=None,
+                       help="build report JSON (default: REPOSITORY/build_report.json)")
+        p.add_argument("--runtime", default="auto", help="auto | onnxruntime | tensorrt (default: auto)")
+        p.add_argument("--serving-backend", default="python",
+                       help="python (bundled Triton + ONNX Runtime) | onnxruntime (NGC image's native backend)")
+        p.add_argument("--force", action="store_true", help="rebuild even when inputs are unchanged")
+
+    engines = sub.add_parser("engines", help="build every model in the manifest")
+    engines.add_argument("--manifest", type=Path, default=Path("models.toml"))
+    engines.add_argument("--only", action="append", default=[], metavar="NAME", help="build only NAME (repeatable)")
+    common_build(engines)
+
+    build = sub.add_parser("build", help="build a user's ONNX model")
+    build.add_argument("--onnx", type=Path, required=True)
+    build.add_argument("--name", required=True)
+    build.add_argument("--precision", default="fp32,fp16,int8", help="comma-separated: fp32,fp16,int8")
+    build.add_argument("--calibration", type=Path, help=".npz keyed by input name, leading sample axis")
+    build.add_argument("--calibration-method", default="entropy", help="entropy | max")
+    build.add_argument("--calibration-samples", type=int, default=512)
+    build.add_argument("--eval-data", type=Path, help="held-out .npz (default: last quarter of --calibration)")
+    build.add_argument("--max-batch", type=int, default=16)
+    build.add_argument("--dim", action="append", default=[], metavar="NAME=MIN:OPT:MAX",
+                       help="range of a dynamic non-batch dim (repeatable)")
+    build.add_argument("--task", default="generic", help="classification | embedding | generic")
+    common_build(build)
+
+    serve = sub.add_parser("serve", help="run the bundled Triton server on the repository")
+    serve.add_argument("--repository", type=Path, default=Path("model_repository"))
+    serve.add_argument("--state-dir", type=Path, default=Path(".run"), help="log, pid file, backend folder")
+    serve.add_argument("--http-port", type=int, default=8000)
+    serve.add_argument("--grpc-port", type=int, default=8001)
+    serve.add_argument("--metrics-port", type=int, default=8002)
+    serve.add_argument("--background", action="store_true", help="return once /v2/health/ready answers 200")
+    serve.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for readiness")
+
+    stop = sub.add_parser("stop", help="stop a server started with serve --background")
+    stop.add_argument("--state-dir", type=Path, default=Path(".run"))
+    return parser
+
+
+def _parse_dims(values: list[str]) -> dict[str, DimRange]:
+    dims = {}
+    for value in values:
+        name, sep, rng = value.partition("=")
+        parts = rng.split(":")
+        if not sep or not name or len(parts) != 3 or not all(p.isdigit() for p in parts):
+            raise ManifestError(f"--dim {value!r}: expected NAME=MIN:OPT:MAX with integers")
+        dims[name] = parse_dim_range([int(p) for p in parts], f"--dim {name}")
+    return dims
+
+
+def _spec_from_build_args(args: argparse.Namespace) -> ModelSpec:
+    precisions = parse_precisions(args.precision, "--precision")
+    if args.max_batch < 1:
+        raise ManifestError(f"--max-batch {args.max_batch}: expected a positive integer")
+    if args.task not in TASKS:
+        raise ManifestError(f"--task {args.task!r}: expected one of {', '.join(TASKS)}")
+    if args.calibration_method not in CALIBRATION_METHODS:
+        raise ManifestError(
+            f"--calibration-method {args.calibration_method!r}: expected one of {', '.join(CALIBRATION_METHODS)}"
+        )
+    if "int8" in precisions and args.calibration is None:
+        raise ManifestError("--precision int8: expected --calibration FILE.npz (real inputs, keyed by input name)")
+    for flag, path in (("--calibration", args.calibration), ("--eval-data", args.eval_data)):
+        if path is not None and path.suffix != ".npz":
+            raise ManifestError(f"{flag} {path}: expected a .npz file")
+    calibration = None
+    if args.calibration is not None:
+        calibration = CalibrationSpec(
+            data=DataSpec(str(args.calibration), args.calibration_samples), method=args.calibration_method
+        )
+    evaluation = DataSpec(str(args.eval_data), 1 << 20) if args.eval_data else None
+    name = args.name
+    if not name.replace("_", "").replace("-", "").isalnum():
+        raise ManifestError(f"--name {name!r}: expected letters, digits, '_' and '-' only")
+    opt = max(1, args.max_batch // 2)
+    return ModelSpec(
+        name=name,
+        onnx=args.onnx,
+        batch=DimRange(1, opt, args.max_batch),
+        precisions=precisions,
+        task=args.task,
+        dims=_parse_dims(args.dim),
+        calibration=calibration,
+        evaluation=evaluation,
+        serving=ServingSpec(),
+    ).check()
+
+
+def _build(args: argparse.Namespace, specs: list[ModelSpec]) -> int:
+    from builder.pipeline import BuildOptions, build_all
+    from builder.runtimes import select
+    from builder.triton_config import SERVING_BACKENDS
+
+    if args.serving_backend not in SERVING_BACKENDS:
+        raise ManifestError(f"--serving-backend {args.serving_backend!r}: expected one of {', '.join(SERVING_BACKENDS)}")
+    options = BuildOptions(repository=args.repository, runtime=select(args.runtime),
+                           serving_backend=args.serving_backend, force=args.force)
+    report = args.report or args.repository / "build_report.json"
+    results = build_all(specs, options, report, ["trtbuild", *sys.argv[1:]])
+    for result in results:
+        if result.status == "unchanged":
+            print(f"{result.name}: unchanged, nothing rebuilt")
+            continue
+        for v in result.variants:
+            acc = v.accuracy
+            extra = f" top1={acc['top1_agreement']:.3f}" if "top1_agreement" in acc else ""
+            cached = " (calibration reused)" if v.calibration and v.calibration.get("cached") else ""
+            print(f"{v.name}: {v.runtime} {v.size_bytes / 1e6:.1f} MB cos_min={acc['cosine_min']:.5f} "
+                  f"max_abs={acc['max_abs']:.3g}{extra} {v.build_seconds:.1f}s{cached}")
+    print(f"report: {report}")
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from builder.triton_server import Ports, TritonServer
+
+    cfg = ServeConfig(args.repository, args.state_dir, args.http_port, args.grpc_port, args.metrics_port,
+                      args.background, args.timeout)
+    server = TritonServer(cfg.repository, cfg.state_dir, Ports(cfg.http_port, cfg.grpc_port, cfg.metrics_port))
+    pid_file = cfg.state_dir / "tritonserver.pid"
+    if cfg.background:
+        server.start(timeout=cfg.timeout, detach=True)
+        assert server.process is not None
+        pid_file.write_text(f"{server.process.pid}\n")
+        print(f"tritonserver ready: http :{cfg.http_port}, grpc :{cfg.grpc_port}, metrics :{cfg.metrics_port} "
+              f"(pid {server.process.pid}, log {server.log_file})")
+        return 0
+    server.start(timeout=cfg.timeout)
+    assert server.process is not None
+    pid_file.write_text(f"{server.process.pid}\n")
+    print(f"tritonserver ready: http :{cfg.http_port}, grpc :{cfg.grpc_port}, metrics :{cfg.metrics_port}; "
+          "Ctrl-C stops it")
+    try:
+        return server.process.wait()
+    except KeyboardInterrupt:
+        server.stop()
+        return 0
+    finally:
+        pid_file.unlink(missing_ok=True)
+
+
+def _configure_logging(verbose: int, quiet: bool) -> None:
+    level = logging.WARNING if quiet else logging.DEBUG if verbose > 1 else logging.INFO
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if verbose < 2:
+        for noisy in ("modelopt", "onnxslim", "root", "urllib3", "numexpr"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    _configure_logging(args.verbose, args.quiet)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        if args.command == "engines":
+            specs = load_manifest(args.manifest)
+            if args.only:
+                unknown = sorted(set(args.only) - {s.name for s in specs})
+                if unknown:
+                    raise ManifestError(f"--only {', '.join(unknown)}: not in {args.manifest} "
+                                        f"(models: {', '.join(s.name for s in specs)})")
+                specs = [s for s in specs if s.name in args.only]
+            return _build(args, specs)
+        if args.command == "build":
+            return _build(args, [_spec_from_build_args(args)])
+        if args.command == "serve":
+            return _serve(args)
+        if args.command == "stop":
+            from builder.triton_server import stop_pid
+
+            stopped = stop_pid(args.state_dir / "tritonserver.pid")
+            print("tritonserver stopped" if stopped else "no tritonserver was running")
+            return 0
+    except BuilderError as exc:
+        print(f"trtbuild: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("trtbuild: interrupted", file=sys.stderr)
+        return 130
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
