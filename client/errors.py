@@ -1,0 +1,17 @@
+"""One exception base for the package; the CLI prints these as one line and exits 1."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class PerfClientError(Exception):
+    """A user-facing error: bad option, unreachable server, unknown model, bad input data."""
+
+
+class RunAborted(PerfClientError):
+    """The run stopped part-way (the server died); `partial` holds what was measured before."""
+
+    def __init__(self, message: str, partial: list[Any]) -> None:
+        super().__init__(message)
+        self.partial = partial

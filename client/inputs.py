@@ -1,0 +1,132 @@
+"""Request payloads built from the model's metadata: random, zero, or real data from .npz / a folder."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+
+from client.errors import PerfClientError
+from client.protocol import ModelMeta
+
+NUMPY_TYPES = {
+    "FP32": np.float32, "FP16": np.float16, "FP64": np.float64, "INT64": np.int64, "INT32": np.int32,
+    "INT16": np.int16, "INT8": np.int8, "UINT8": np.uint8, "BOOL": np.bool_,
+}
+# Distinct payloads rotated through, so a cache or a branch predictor never sees one request only.
+_PAYLOADS = 8
+
+
+def parse_shapes(values: list[str]) -> dict[str, tuple[int, ...]]:
+    shapes = {}
+    for value in values:
+        name, sep, dims = value.partition(":")
+        try:
+            parsed = tuple(int(d) for d in dims.split(",")) if dims else ()
+        except ValueError:
+            parsed = ()
+        if not sep or not name or not parsed or min(parsed) < 1:
+            raise PerfClientError(f"--shape {value!r}: expected NAME:D1,D2,... with positive integers")
+        shapes[name] = parsed
+    return shapes
+
+
+def _resolve_shape(meta: ModelMeta, name: str, shape: tuple[int, ...],
+                   overrides: Mapping[str, tuple[int, ...]]) -> tuple[int, ...]:
+    if name in overrides:
+        given = overrides[name]
+        if len(given) != len(shape) or any(d != -1 and d != g for d, g in zip(shape, given, strict=True)):
+            raise PerfClientError(f"--shape {name}:{','.join(map(str, given))}: model {meta.name} expects "
+                                  f"{list(shape)} (-1 is free)")
+        return given
+    if any(d < 0 for d in shape):
+        raise PerfClientError(f"input {name!r} of {meta.name} has dynamic dims {list(shape)}; "
+                              f"expected --shape {name}:DIMS")
+    return shape
+
+
+def build_payloads(meta: ModelMeta, batch: int, source: str, overrides: Mapping[str, tuple[int, ...]],
+                   seed: int = 0) -> list[dict[str, np.ndarray]]:
+    """Up to 8 distinct payloads of `batch` samples each."""
+    if batch < 1:
+        raise PerfClientError(f"-b {batch}: expected a positive batch size")
+    if meta.max_batch_size == 0 and batch != 1:
+        raise PerfClientError(f"-b {batch}: model {meta.name} does not batch (max_batch_size 0); expected -b 1")
+    if meta.max_batch_size and batch > meta.max_batch_size:
+        raise PerfClientError(f"-b {batch}: model {meta.name} accepts at most {meta.max_batch_size}")
+    unknown = sorted(set(overrides) - {t.name for t in meta.inputs})
+    if unknown:
+        raise PerfClientError(f"--shape {', '.join(unknown)}: not inputs of {meta.name} "
+                              f"(inputs: {', '.join(t.name for t in meta.inputs)})")
+    if source in ("random", "zero"):
+        return _synthetic(meta, batch, source, overrides, seed)
+    path = Path(source)
+    if path.suffix == ".npz":
+        if not path.is_file():
+            raise PerfClientError(f"--input-data {source}: file not found")
+        with np.load(path, allow_pickle=False) as archive:
+            data = {k: archive[k] for k in archive.files}
+    elif path.is_dir():
+        data = {p.stem: np.load(p, allow_pickle=False) for p in sorted(path.glob("*.npy"))}
+    else:
+        raise PerfClientError(f"--input-data {source!r}: expected random, zero, a .npz file or a folder of .npy files")
+    return _from_samples(meta, batch, data, source)
+
+
+def _synthetic(meta: ModelMeta, batch: int, kind: str, overrides: Mapping[str, tuple[int, ...]],
+               seed: int) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    payloads = []
+    for _ in range(1 if kind == "zero" else _PAYLOADS):
+        payload = {}
+        for tensor in meta.inputs:
+            if tensor.datatype not in NUMPY_TYPES:
+                raise PerfClientError(f"input {tensor.name!r}: datatype {tensor.datatype} is not supported")
+            dtype = NUMPY_TYPES[tensor.datatype]
+            shape = _resolve_shape(meta, tensor.name, tensor.shape, overrides)
+            full = ((batch,) if meta.max_batch_size else ()) + shape
+            if kind == "zero":
+                array = np.zeros(full, dtype=dtype)
+            elif np.issubdtype(dtype, np.floating):
+                array = rng.standard_normal(full).astype(dtype)
+            elif dtype is np.bool_:
+                array = rng.random(full) < 0.5
+            else:
+                # Small non-negative integers are valid token ids, masks and class indices alike.
+                array = rng.integers(0, 2, size=full).astype(dtype)
+            payload[tensor.name] = array
+        payloads.append(payload)
+    return payloads
+
+
+def _from_samples(meta: ModelMeta, batch: int, data: Mapping[str, np.ndarray],
+                  source: str) -> list[dict[str, np.ndarray]]:
+    names = [t.name for t in meta.inputs]
+    if sorted(data) != sorted(names):
+        raise PerfClientError(f"--input-data {source}: holds {sorted(data)}, model {meta.name} expects {sorted(names)}")
+    count = min(len(v) for v in data.values())
+    payloads = []
+    for start in range(0, max(count - batch + 1, 1), batch):
+        payload = {}
+        for tensor in meta.inputs:
+            array = data[tensor.name]
+            dtype = NUMPY_TYPES.get(tensor.datatype)
+            if dtype is None or array.dtype != np.dtype(dtype):
+                raise PerfClientError(f"--input-data {source}: {tensor.name!r} is {array.dtype}, "
+                                      f"model expects {tensor.datatype}")
+            chunk = array[start : start + batch] if meta.max_batch_size else array[start]
+            if meta.max_batch_size and len(chunk) < batch:
+                raise PerfClientError(f"--input-data {source}: {tensor.name!r} has {len(array)} samples, "
+                                      f"fewer than -b {batch}")
+            sample_shape = chunk.shape[1:] if meta.max_batch_size else chunk.shape
+            if len(sample_shape) != len(tensor.shape) or any(
+                d != -1 and d != s for d, s in zip(tensor.shape, sample_shape, strict=True)
+            ):
+                raise PerfClientError(f"--input-data {source}: {tensor.name!r} samples are {list(sample_shape)}, "
+                                      f"model expects {list(tensor.shape)}")
+            payload[tensor.name] = np.ascontiguousarray(chunk)
+        payloads.append(payload)
+        if len(payloads) >= _PAYLOADS:
+            break
+    return payloads
