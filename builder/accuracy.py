@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
 from builder.errors import AccuracyError
 from builder.manifest import Tolerance
@@ -12,7 +14,7 @@ from builder.manifest import Tolerance
 Metrics = dict[str, float]
 
 
-def compare(reference: Mapping[str, np.ndarray], candidate: Mapping[str, np.ndarray], task: str) -> Metrics:
+def compare(reference: Mapping[str, NDArray[Any]], candidate: Mapping[str, NDArray[Any]], task: str) -> Metrics:
     """max_abs: largest absolute difference; max_rel: max_abs over the largest |reference| value
     (an element-wise ratio explodes near zero); cosine: per-sample cosine similarity of each output;
     top1_agreement: share of samples whose arg-max class matches (classifiers)."""
@@ -20,7 +22,7 @@ def compare(reference: Mapping[str, np.ndarray], candidate: Mapping[str, np.ndar
         raise AccuracyError(f"outputs differ: reference {sorted(reference)}, variant {sorted(candidate)}")
     max_abs = 0.0
     max_ref = 0.0
-    cosines: list[np.ndarray] = []
+    cosines: list[NDArray[Any]] = []
     for name, ref in reference.items():
         ref64 = np.asarray(ref, dtype=np.float64)
         cand64 = np.asarray(candidate[name], dtype=np.float64)

@@ -6,9 +6,11 @@ import logging
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
+from numpy.typing import NDArray
 
 from builder import onnx_model
 from builder.runtimes import ort_session, run_session
@@ -20,7 +22,7 @@ _ATOL = 1e-4
 _RTOL = 1e-3
 
 
-def slim(path: Path, probe: Mapping[str, np.ndarray]) -> dict[str, object]:
+def slim(path: Path, probe: Mapping[str, NDArray[Any]]) -> dict[str, object]:
     """Slim the model at `path` in place when its outputs on `probe` stay equal; report what happened."""
     import onnxslim
 

@@ -61,7 +61,8 @@ def _parser() -> argparse.ArgumentParser:
     build = sub.add_parser("build", help="build a user's ONNX model")
     build.add_argument("--onnx", type=Path, required=True)
     build.add_argument("--name", required=True)
-    build.add_argument("--precision", default="fp32,fp16,int8", help="comma-separated: fp32,fp16,int8")
+    build.add_argument("--precision", default=None,
+                       help="comma-separated fp32,fp16,int8 (default: fp32,fp16, plus int8 with --calibration)")
     build.add_argument("--calibration", type=Path, help=".npz keyed by input name, leading sample axis")
     build.add_argument("--calibration-method", default="entropy", help="entropy | max")
     build.add_argument("--calibration-samples", type=int, default=512)
@@ -81,6 +82,13 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--background", action="store_true", help="return once /v2/health/ready answers 200")
     serve.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for readiness")
 
+    verify = sub.add_parser("verify", help="compare the server's gRPC and HTTP answers with ONNX Runtime")
+    verify.add_argument("--manifest", type=Path, default=Path("models.toml"))
+    verify.add_argument("--repository", type=Path, default=Path("model_repository"))
+    verify.add_argument("--http-url", default="localhost:8000")
+    verify.add_argument("--grpc-url", default="localhost:8001")
+    verify.add_argument("--samples", type=int, default=16, help="held-out samples per variant")
+
     stop = sub.add_parser("stop", help="stop a server started with serve --background")
     stop.add_argument("--state-dir", type=Path, default=Path(".run"))
     return parser
@@ -98,7 +106,8 @@ def _parse_dims(values: list[str]) -> dict[str, DimRange]:
 
 
 def _spec_from_build_args(args: argparse.Namespace) -> ModelSpec:
-    precisions = parse_precisions(args.precision, "--precision")
+    default = "fp32,fp16,int8" if args.calibration is not None else "fp32,fp16"
+    precisions = parse_precisions(args.precision or default, "--precision")
     if args.max_batch < 1:
         raise ManifestError(f"--max-batch {args.max_batch}: expected a positive integer")
     if args.task not in TASKS:
@@ -141,7 +150,9 @@ def _build(args: argparse.Namespace, specs: list[ModelSpec]) -> int:
     from builder.triton_config import SERVING_BACKENDS
 
     if args.serving_backend not in SERVING_BACKENDS:
-        raise ManifestError(f"--serving-backend {args.serving_backend!r}: expected one of {', '.join(SERVING_BACKENDS)}")
+        raise ManifestError(
+            f"--serving-backend {args.serving_backend!r}: expected one of {', '.join(SERVING_BACKENDS)}"
+        )
     options = BuildOptions(repository=args.repository, runtime=select(args.runtime),
                            serving_backend=args.serving_backend, force=args.force)
     report = args.report or args.repository / "build_report.json"
@@ -214,6 +225,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _build(args, [_spec_from_build_args(args)])
         if args.command == "serve":
             return _serve(args)
+        if args.command == "verify":
+            from builder.verify import verify_models
+
+            results = verify_models(load_manifest(args.manifest), args.repository,
+                                    {"grpc": args.grpc_url, "http": args.http_url}, args.samples)
+            for r in results:
+                print(f"{r.variant:<28} {r.protocol:<5} {r.samples:>3} held-out samples  "
+                      f"max |server - onnxruntime| = {r.max_abs_diff:.2e}  {'OK' if r.ok else 'MISMATCH'}")
+            bad = [f"{r.variant} ({r.protocol})" for r in results if not r.ok]
+            if bad:
+                raise BuilderError(f"server answers differ from ONNX Runtime for {', '.join(bad)}")
+            return 0
         if args.command == "stop":
             from builder.triton_server import stop_pid
 

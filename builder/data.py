@@ -8,15 +8,17 @@ import logging
 import zipfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
 from builder.errors import DataError, ManifestError
 from builder.manifest import DataSpec, DimRange, TensorSpec
 
 log = logging.getLogger(__name__)
 
-Samples = dict[str, np.ndarray]
+Samples = dict[str, NDArray[Any]]
 SampleFn = Callable[[int, int], Samples]
 
 
@@ -61,7 +63,7 @@ def load(spec: DataSpec, what: str) -> Samples:
 
 
 def validate(
-    samples: Mapping[str, np.ndarray],
+    samples: Mapping[str, NDArray[Any]],
     inputs: tuple[TensorSpec, ...],
     dims: Mapping[str, DimRange],
     what: str,
@@ -106,7 +108,7 @@ def validate(
     return counts.pop()
 
 
-def digest(samples: Mapping[str, np.ndarray]) -> str:
+def digest(samples: Mapping[str, NDArray[Any]]) -> str:
     """A content hash of the samples, stable across runs (names, dtypes, shapes, bytes)."""
     h = hashlib.sha256()
     for name in sorted(samples):
@@ -116,7 +118,7 @@ def digest(samples: Mapping[str, np.ndarray]) -> str:
     return h.hexdigest()
 
 
-def take(samples: Mapping[str, np.ndarray], start: int, stop: int) -> Samples:
+def take(samples: Mapping[str, NDArray[Any]], start: int, stop: int) -> Samples:
     return {k: v[start:stop] for k, v in samples.items()}
 
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from functools import cache
 from importlib import resources
+from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
 from builder.data import Samples
 
@@ -24,7 +26,7 @@ IMAGE_SIZE = 224
 SEQUENCE_LENGTH = 64
 
 
-def _photo(name: str) -> np.ndarray:
+def _photo(name: str) -> NDArray[Any]:
     import skimage.data
 
     image = getattr(skimage.data, name)()
@@ -36,10 +38,10 @@ def _photo(name: str) -> np.ndarray:
     image = image[..., :3]
     if image.dtype != np.uint8:
         image = (image.astype(np.float32) * 255).clip(0, 255).astype(np.uint8)
-    return image
+    return np.asarray(image)
 
 
-def _crops(names: tuple[str, ...], count: int, seed: int) -> np.ndarray:
+def _crops(names: tuple[str, ...], count: int, seed: int) -> NDArray[Any]:
     """Random square crops (35-100 % of the short side), flips, resized to 224, EfficientNet-Lite normalised."""
     from skimage.transform import resize
 
@@ -55,7 +57,7 @@ def _crops(names: tuple[str, ...], count: int, seed: int) -> np.ndarray:
         crop = image[top : top + side, left : left + side]
         if rng.random() < 0.5:
             crop = crop[:, ::-1]
-        pixels = resize(crop, (IMAGE_SIZE, IMAGE_SIZE), preserve_range=True, anti_aliasing=True)
+        pixels = resize(crop, (IMAGE_SIZE, IMAGE_SIZE), preserve_range=True, anti_aliasing=True)  # type: ignore[no-untyped-call]
         batch[i] = ((pixels.astype(np.float32) - 127.0) / 128.0).transpose(2, 0, 1)
     return batch
 

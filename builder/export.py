@@ -60,7 +60,7 @@ def export(spec: ModelSpec, out_path: Path) -> onnx.ModelProto:
                 str(out_path),
                 input_names=[t.name for t in spec.inputs],
                 output_names=output_names,
-                dynamic_axes=dynamic_axes,  # type: ignore[arg-type]
+                dynamic_axes=dynamic_axes,
                 opset_version=spec.opset,
                 do_constant_folding=True,
                 dynamo=False,

@@ -14,11 +14,11 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+from numpy.typing import NDArray
 
 from builder import __version__, accuracy, cleanup, onnx_model, precision, triton_config
 from builder import data as data_mod
-from builder.errors import BuilderError, DataError
+from builder.errors import DataError
 from builder.manifest import ModelSpec, Tolerance
 from builder.repository import RECORD, Staging, read_record, write_json
 from builder.runtimes import Runtime
@@ -176,7 +176,7 @@ def build_model(spec: ModelSpec, options: BuildOptions, staging: Staging) -> Mod
     return ModelResult(spec.name, "built", key, variants, slim_report, time.perf_counter() - started)
 
 
-def _ort_reference(fp32_path: Path, evaluation: data_mod.Samples) -> dict[str, np.ndarray]:
+def _ort_reference(fp32_path: Path, evaluation: data_mod.Samples) -> dict[str, NDArray[Any]]:
     from builder.runtimes import ort_session, run_session
 
     return run_session(ort_session(fp32_path), evaluation, _EVAL_BATCH)
@@ -191,7 +191,7 @@ def _build_variant(
     evaluation: data_mod.Samples,
     calibration: data_mod.Samples | None,
     calib_digest: str | None,
-    reference: dict[str, np.ndarray],
+    reference: dict[str, NDArray[Any]],
     key: str,
     options: BuildOptions,
     staging: Staging,

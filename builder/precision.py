@@ -19,9 +19,10 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
+from typing import Any
 
-import numpy as np
 import onnx
+from numpy.typing import NDArray
 
 from builder import onnx_model
 from builder.errors import BuilderError
@@ -74,7 +75,7 @@ def to_fp16(fp32_path: Path, out_path: Path) -> dict[str, object]:
 
         try:
             model = convert_to_mixed_precision(str(fp32_path), low_precision_type="fp16", keep_io_types=True)
-        except Exception as exc:  # noqa: BLE001 - ModelOpt raises many kinds; name the step
+        except Exception as exc:
             raise BuilderError(f"{fp32_path}: FP16 conversion failed: {exc}") from exc
     onnx.save(model, str(out_path))
     onnx_model.load(out_path)
@@ -97,7 +98,7 @@ def calibration_key(fp32_sha: str, data_digest: str, spec: CalibrationSpec) -> s
 def to_int8(
     fp32_path: Path,
     fp32_sha: str,
-    calibration: Mapping[str, np.ndarray],
+    calibration: Mapping[str, NDArray[Any]],
     data_digest: str,
     spec: CalibrationSpec,
     out_path: Path,
@@ -119,6 +120,7 @@ def to_int8(
     if cached.is_file():
         log.info("INT8: reusing calibration %s (inputs unchanged)", key[:12])
         shutil.copyfile(cached, out_path)
+        settings["quantize_linear_nodes"] = _count_q(out_path)
         return CalibrationResult(out_path, key, True, samples, settings)
     log.info("INT8: calibrating on %d samples (%s)", samples, spec.method)
     with tempfile.TemporaryDirectory(prefix="trtbuild-int8-") as tmp, _quiet():
@@ -140,12 +142,21 @@ def to_int8(
                 output_path=str(tmp_out),
                 log_level="WARNING",
             )
-        except Exception as exc:  # noqa: BLE001 - ModelOpt raises many kinds; name the step
+        except Exception as exc:
             raise BuilderError(f"{fp32_path}: INT8 calibration failed: {exc}") from exc
-        onnx_model.load(tmp_out)
+        quantized = onnx_model.load(tmp_out)
+        qdq = sum(1 for n in quantized.graph.node if n.op_type == "QuantizeLinear")
+        if qdq == 0:
+            log.warning("INT8: ModelOpt quantized no node of %s (it skips GEMV-shaped and small MatMuls); "
+                        "the int8 variant computes in FP32", fp32_path.name)
         cached.parent.mkdir(parents=True, exist_ok=True)
         partial = cached.with_suffix(f".{os.getpid()}.tmp")
         shutil.copyfile(tmp_out, partial)
         os.replace(partial, cached)
         shutil.copyfile(tmp_out, out_path)
+    settings["quantize_linear_nodes"] = qdq
     return CalibrationResult(out_path, key, False, samples, settings)
+
+
+def _count_q(path: Path) -> int:
+    return sum(1 for n in onnx.load(str(path)).graph.node if n.op_type == "QuantizeLinear")

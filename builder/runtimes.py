@@ -11,10 +11,11 @@ import logging
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import onnxruntime as ort
+from numpy.typing import NDArray
 
 from builder.errors import RuntimeUnavailableError
 
@@ -22,7 +23,7 @@ log = logging.getLogger(__name__)
 
 RUNTIMES = ("auto", "onnxruntime", "tensorrt")
 
-Outputs = dict[str, np.ndarray]
+Outputs = dict[str, NDArray[Any]]
 
 
 class Runtime(Protocol):
@@ -31,7 +32,7 @@ class Runtime(Protocol):
 
     def compile(self, onnx_path: Path, out_path: Path) -> None: ...
 
-    def run(self, artifact: Path, samples: Mapping[str, np.ndarray], batch_size: int) -> Outputs: ...
+    def run(self, artifact: Path, samples: Mapping[str, NDArray[Any]], batch_size: int) -> Outputs: ...
 
 
 def ort_session(path: Path, intra_op_threads: int = 0) -> ort.InferenceSession:
@@ -43,11 +44,11 @@ def ort_session(path: Path, intra_op_threads: int = 0) -> ort.InferenceSession:
     return ort.InferenceSession(str(path), sess_options=options, providers=["CPUExecutionProvider"])
 
 
-def run_session(session: ort.InferenceSession, samples: Mapping[str, np.ndarray], batch_size: int) -> Outputs:
+def run_session(session: ort.InferenceSession, samples: Mapping[str, NDArray[Any]], batch_size: int) -> Outputs:
     """Run every sample through the session in batches; outputs concatenated along axis 0."""
     count = len(next(iter(samples.values())))
     names = [o.name for o in session.get_outputs()]
-    chunks: dict[str, list[np.ndarray]] = {n: [] for n in names}
+    chunks: dict[str, list[NDArray[Any]]] = {n: [] for n in names}
     for start in range(0, count, batch_size):
         feed = {k: v[start : start + batch_size] for k, v in samples.items()}
         for name, value in zip(names, session.run(names, feed), strict=True):
@@ -64,7 +65,7 @@ class OnnxRuntimeCPU:
     def compile(self, onnx_path: Path, out_path: Path) -> None:
         shutil.copyfile(onnx_path, out_path)
 
-    def run(self, artifact: Path, samples: Mapping[str, np.ndarray], batch_size: int) -> Outputs:
+    def run(self, artifact: Path, samples: Mapping[str, NDArray[Any]], batch_size: int) -> Outputs:
         return run_session(ort_session(artifact), samples, batch_size)
 
 

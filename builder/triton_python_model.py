@@ -51,7 +51,7 @@ class TritonPythonModel:
                 size = len(feeds[i][self.input_names[0]])
                 tensors = [
                     pb_utils.Tensor(name, np.ascontiguousarray(value[start : start + size]))
-                    for name, value in zip(self.output_names, results)
+                    for name, value in zip(self.output_names, results, strict=True)
                 ]
                 responses[i] = pb_utils.InferenceResponse(output_tensors=tensors)
                 start += size

@@ -50,8 +50,8 @@ def all_minilm_l6_v2() -> torch.nn.Module:
     from transformers import AutoModel
     from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    hf_logging.set_verbosity_error()  # type: ignore[no-untyped-call]
     return _MeanPooledEncoder(AutoModel.from_pretrained(_minilm_dir())).eval()
 
 

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from client.engine import LevelResult, LoadLevel, LoadRun, Measurement, validate_levels
+from client.engine import LevelResult, LoadLevel, LoadRun, Measurement, ProgressFn, validate_levels
 from client.errors import PerfClientError, RunAborted
 from client.inputs import build_payloads, parse_shapes
 from client.power import SOURCES, open_meter
@@ -81,7 +81,9 @@ def _levels(args: argparse.Namespace) -> tuple[LoadLevel, ...]:
             raise PerfClientError(f"--concurrency-range {args.concurrency_range!r}: expected START:END[:STEP]")
         start, end, step = int(parts[0]), int(parts[1]), int(parts[2]) if len(parts) == 3 else 1
         if start < 1 or end < start or step < 1:
-            raise PerfClientError(f"--concurrency-range {args.concurrency_range!r}: expected 1 <= START <= END, STEP >= 1")
+            raise PerfClientError(
+                f"--concurrency-range {args.concurrency_range!r}: expected 1 <= START <= END, STEP >= 1"
+            )
         levels = [LoadLevel(concurrency=c) for c in range(start, end + 1, step)]
     else:
         levels = [LoadLevel(concurrency=args.concurrency if args.concurrency is not None else 1)]
@@ -118,7 +120,7 @@ def parse_config(argv: Sequence[str] | None) -> tuple[PerfConfig, argparse.Names
     return config, args
 
 
-def _progress(model: str) -> object:
+def _progress(model: str) -> ProgressFn:
     tty = sys.stderr.isatty()
 
     def show(level: LoadLevel, index: int, w: Window) -> None:
@@ -158,7 +160,7 @@ async def measure(config: PerfConfig) -> list[tuple[str, LevelResult]]:
             for model, payloads in prepared:
                 for level in config.levels:
                     run = LoadRun(conn, model, payloads, config.batch, meter, config.measurement,
-                                  _progress(model) if config.progress else None)  # type: ignore[arg-type]
+                                  _progress(model) if config.progress else None)
                     try:
                         result = await run.run(level)
                     except RunAborted as exc:
@@ -200,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         rows = asyncio.run(measure(config))
     except RunAborted as exc:
-        rows = exc.partial  # type: ignore[assignment]
+        rows = exc.partial
         _write_outputs(config, rows, str(exc))
         if rows:
             print(table(rows))

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
 from client.errors import PerfClientError
 from client.protocol import ModelMeta
@@ -47,7 +49,7 @@ def _resolve_shape(meta: ModelMeta, name: str, shape: tuple[int, ...],
 
 
 def build_payloads(meta: ModelMeta, batch: int, source: str, overrides: Mapping[str, tuple[int, ...]],
-                   seed: int = 0) -> list[dict[str, np.ndarray]]:
+                   seed: int = 0) -> list[dict[str, NDArray[Any]]]:
     """Up to 8 distinct payloads of `batch` samples each."""
     if batch < 1:
         raise PerfClientError(f"-b {batch}: expected a positive batch size")
@@ -75,7 +77,7 @@ def build_payloads(meta: ModelMeta, batch: int, source: str, overrides: Mapping[
 
 
 def _synthetic(meta: ModelMeta, batch: int, kind: str, overrides: Mapping[str, tuple[int, ...]],
-               seed: int) -> list[dict[str, np.ndarray]]:
+               seed: int) -> list[dict[str, NDArray[Any]]]:
     rng = np.random.default_rng(seed)
     payloads = []
     for _ in range(1 if kind == "zero" else _PAYLOADS):
@@ -100,8 +102,8 @@ def _synthetic(meta: ModelMeta, batch: int, kind: str, overrides: Mapping[str, t
     return payloads
 
 
-def _from_samples(meta: ModelMeta, batch: int, data: Mapping[str, np.ndarray],
-                  source: str) -> list[dict[str, np.ndarray]]:
+def _from_samples(meta: ModelMeta, batch: int, data: Mapping[str, NDArray[Any]],
+                  source: str) -> list[dict[str, NDArray[Any]]]:
     names = [t.name for t in meta.inputs]
     if sorted(data) != sorted(names):
         raise PerfClientError(f"--input-data {source}: holds {sorted(data)}, model {meta.name} expects {sorted(names)}")

@@ -6,6 +6,7 @@ cross-checks the counter. The chosen source is named in every result, or `none` 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import re
 import threading
@@ -47,7 +48,7 @@ class PowerTrace:
         points = [(t, w) for t, w in self.samples if start <= t <= end]
         if len(points) < 2:
             return None
-        return sum((t1 - t0) * (w0 + w1) / 2 for (t0, w0), (t1, w1) in zip(points, points[1:], strict=False))
+        return sum((t1 - t0) * (w0 + w1) / 2 for (t0, w0), (t1, w1) in itertools.pairwise(points))
 
 
 class NvmlMeter:

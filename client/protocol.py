@@ -6,7 +6,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
+from numpy.typing import NDArray
 
 from client.errors import PerfClientError
 
@@ -48,22 +48,22 @@ def _int(value: Any) -> int:
     return int(value) if value not in (None, "") else 0
 
 
+def _part(stats: dict[str, Any], key: str) -> dict[str, Any]:
+    value = stats.get(key, {})
+    return value if isinstance(value, dict) else {}
+
+
 def parse_statistics(payload: dict[str, Any], model: str) -> ServerStats:
     for entry in payload.get("model_stats", []):
         if entry.get("name") != model:
             continue
         stats = entry.get("inference_stats", {})
-
-        def part(key: str) -> dict[str, Any]:
-            value = stats.get(key, {})
-            return value if isinstance(value, dict) else {}
-
         return ServerStats(
-            success_count=_int(part("success").get("count")),
-            queue_ns=_int(part("queue").get("ns")),
-            compute_input_ns=_int(part("compute_input").get("ns")),
-            compute_infer_ns=_int(part("compute_infer").get("ns")),
-            compute_output_ns=_int(part("compute_output").get("ns")),
+            success_count=_int(_part(stats, "success").get("count")),
+            queue_ns=_int(_part(stats, "queue").get("ns")),
+            compute_input_ns=_int(_part(stats, "compute_input").get("ns")),
+            compute_infer_ns=_int(_part(stats, "compute_infer").get("ns")),
+            compute_output_ns=_int(_part(stats, "compute_output").get("ns")),
             inference_count=_int(entry.get("inference_count")),
             execution_count=_int(entry.get("execution_count")),
         )
@@ -125,7 +125,7 @@ class Connection:
 
         return ModelMeta(name, max_batch, tensors(meta.get("inputs", [])), tensors(meta.get("outputs", [])))
 
-    def prepare(self, arrays: dict[str, np.ndarray], datatypes: dict[str, str]) -> list[Any]:
+    def prepare(self, arrays: dict[str, NDArray[Any]], datatypes: dict[str, str]) -> list[Any]:
         if self.protocol == "grpc":
             import tritonclient.grpc as grpcclient
 

@@ -64,7 +64,11 @@ def _atomic_write(path: Path, write: Any) -> None:
 
 def write_json(path: Path, docs: list[dict[str, Any]]) -> None:
     payload: Any = docs[0] if len(docs) == 1 else {"runs": docs}
-    _atomic_write(path, lambda h: (json.dump(payload, h, indent=2), h.write("\n")))
+    def write(handle: Any) -> None:
+        json.dump(payload, handle, indent=2)
+        handle.write("\n")
+
+    _atomic_write(path, write)
 
 
 def write_csv(path: Path, results: Sequence[LevelResult]) -> None:

@@ -5,8 +5,10 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
 from client.protocol import ServerStats
 
@@ -53,7 +55,7 @@ _PERCENTILES = {"p50": 50, "p90": 90, "p95": 95, "p99": 99}
 LATE_NS = 1_000_000
 
 
-def latency_summary(latencies_ns: np.ndarray) -> dict[str, float]:
+def latency_summary(latencies_ns: NDArray[Any]) -> dict[str, float]:
     if latencies_ns.size == 0:
         return {k: 0.0 for k in ("avg", *_PERCENTILES, "max")}
     us = latencies_ns / 1e3

@@ -1,0 +1,70 @@
+# Every target installs what it needs into .venv first (fast when up to date).
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+export HF_HUB_OFFLINE := 1
+
+MANIFEST   ?= models.toml
+REPOSITORY ?= model_repository
+HTTP_PORT  ?= 8000
+GRPC_PORT  ?= 8001
+METRICS_PORT ?= 8002
+CONCURRENCY ?= 32
+VARIANTS := efficientnet_lite0_fp32 efficientnet_lite0_fp16 efficientnet_lite0_int8 \
+            minilm_l6_v2_fp32 minilm_l6_v2_fp16 minilm_l6_v2_int8
+
+.PHONY: install demo test test-gpu engines serve serve-bg stop verify perf lint bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --disable-pip-version-check --upgrade pip
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[dev]'
+	@# Only the tritonserver binary is used from this wheel; --no-deps keeps its numpy pin out.
+	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps nvidia-pytriton==0.7.0
+	touch $@
+
+engines: $(STAMP)
+	$(BIN)/trtbuild engines --manifest $(MANIFEST) --repository $(REPOSITORY)
+
+serve: $(STAMP)
+	$(BIN)/trtbuild serve --repository $(REPOSITORY) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
+
+serve-bg: $(STAMP)
+	$(BIN)/trtbuild serve --background --repository $(REPOSITORY) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
+
+stop: $(STAMP)
+	$(BIN)/trtbuild stop
+
+verify: $(STAMP)
+	$(BIN)/trtbuild verify --manifest $(MANIFEST) --repository $(REPOSITORY) --http-url localhost:$(HTTP_PORT) --grpc-url localhost:$(GRPC_PORT)
+
+perf: $(STAMP)
+	$(BIN)/perfclient $(addprefix -m ,$(VARIANTS)) -u localhost:$(GRPC_PORT) --concurrency $(CONCURRENCY) \
+	  --shape input_ids:64 --shape attention_mask:64 --measurement-interval 3000 --max-trials 5 \
+	  --metrics-url http://localhost:$(METRICS_PORT)/metrics --json reports/demo_perf.json --csv reports/demo_perf.csv --no-progress
+
+# Build every model, start Triton, check its answers against ONNX Runtime over gRPC and HTTP,
+# load every variant at concurrency 32, print one comparison table, stop the server.
+demo: engines
+	$(MAKE) --no-print-directory serve-bg
+	status=0; $(MAKE) --no-print-directory verify && $(MAKE) --no-print-directory perf || status=$$?; \
+	  $(MAKE) --no-print-directory stop; exit $$status
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+test-gpu: $(STAMP)
+	$(BIN)/python -m pytest -q -m "gpu or tensorrt" tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check builder client tests bench
+	$(BIN)/mypy
+
+bench: $(STAMP)
+	$(BIN)/python bench/variants.py --manifest $(MANIFEST) --repository $(REPOSITORY)
+
+clean:
+	rm -rf .run .cache reports $(REPOSITORY)/*_fp32 $(REPOSITORY)/*_fp16 $(REPOSITORY)/*_int8 $(REPOSITORY)/build_report.json

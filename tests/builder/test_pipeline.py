@@ -1,0 +1,132 @@
+"""The whole pipeline on tiny generated models: every precision, reuse, tolerance failures, atomicity."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from builder.errors import AccuracyError, DataError
+from builder.manifest import DataSpec, DimRange, ModelSpec, TensorSpec, Tolerance
+from builder.pipeline import BuildOptions, build_all
+from builder.runtimes import OnnxRuntimeCPU
+from builder.triton_config import parse
+from tests.conftest import tiny_specs
+from tests.tiny_models import mlp_samples
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def options(repository: Path, cache: Path) -> BuildOptions:
+    return BuildOptions(repository=repository, runtime=OnnxRuntimeCPU(), cache_dir=cache)
+
+
+def test_every_precision_is_built_checked_and_recorded(tiny_repository: tuple[Path, list[ModelSpec]]) -> None:
+    repository, _ = tiny_repository
+    names = sorted(p.name for p in repository.iterdir() if p.is_dir())
+    assert names == ["mlp_fp16", "mlp_fp32", "mlp_int8", "seq_fp16", "seq_fp32"]
+    for name in names:
+        record = json.loads((repository / name / "build.json").read_text())
+        assert record["name"] == name and len(record["sha256"]) == 64
+        assert record["tools"]["onnxruntime"] and record["tools"]["nvidia-modelopt"]
+        config = parse((repository / name / "config.pbtxt").read_text())
+        assert config.name == name and config.backend == "python"
+        assert (repository / name / "1" / "model.onnx").is_file()
+        assert (repository / name / "1" / "model.py").is_file()
+    fp16 = onnx.load(str(repository / "mlp_fp16" / "1" / "model.onnx"))
+    assert any(i.data_type == onnx.TensorProto.FLOAT16 for i in fp16.graph.initializer)
+    assert fp16.graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT  # I/O stay FP32
+    int8 = onnx.load(str(repository / "mlp_int8" / "1" / "model.onnx"))
+    assert {"QuantizeLinear", "DequantizeLinear"} <= {n.op_type for n in int8.graph.node}
+    mlp8 = json.loads((repository / "mlp_int8" / "build.json").read_text())
+    assert mlp8["accuracy"]["top1_agreement"] >= 0.8
+    assert mlp8["calibration"]["method"] == "entropy" and mlp8["calibration"]["samples"] == 64
+    report = json.loads((repository / "build_report.json").read_text())
+    assert {m["name"] for m in report["models"]} == {"mlp", "seq"}
+    assert parse((repository / "seq_fp32" / "config.pbtxt").read_text()).max_batch_size == 4
+
+
+def test_unchanged_inputs_rebuild_nothing(tiny_repository: tuple[Path, list[ModelSpec]], repo_copy: Path,
+                                          tmp_path: Path) -> None:
+    _, specs = tiny_repository
+    before = snapshot(repo_copy)
+    results = build_all(specs, options(repo_copy, tmp_path / "cache"), None, ["pytest"])
+    assert [r.status for r in results] == ["unchanged", "unchanged"]
+    assert snapshot(repo_copy) == before
+
+
+def test_calibration_is_reused_while_its_inputs_are_unchanged(tmp_path: Path) -> None:
+    mlp = tiny_specs(tmp_path)[0]
+    cache = tmp_path / "cache"
+    first = build_all([mlp], options(tmp_path / "r1", cache), None, ["pytest"])
+    second = build_all([mlp], options(tmp_path / "r2", cache), None, ["pytest"])
+    int8 = next(v for v in first[0].variants if v.precision == "int8")
+    again = next(v for v in second[0].variants if v.precision == "int8")
+    assert int8.calibration and not int8.calibration["cached"]
+    assert again.calibration and again.calibration["cached"]
+    assert again.sha256 == int8.sha256
+    np.savez(tmp_path / "mlp_calib.npz", **mlp_samples(64, seed=7))  # new data, new calibration
+    third = build_all([mlp], options(tmp_path / "r3", cache), None, ["pytest"])
+    fresh = next(v for v in third[0].variants if v.precision == "int8")
+    assert fresh.calibration and not fresh.calibration["cached"]
+
+
+def test_max_calibration_method_builds_too(tmp_path: Path) -> None:
+    mlp = tiny_specs(tmp_path)[0]
+    assert mlp.calibration is not None
+    spec = replace(mlp, precisions=("fp32", "int8"), calibration=replace(mlp.calibration, method="max"))
+    (result,) = build_all([spec], options(tmp_path / "r", tmp_path / "cache"), None, ["pytest"])
+    assert result.variants[1].calibration and result.variants[1].calibration["method"] == "max"
+
+
+def test_tolerance_failure_names_the_variant_and_leaves_the_repository_untouched(
+    tiny_repository: tuple[Path, list[ModelSpec]], repo_copy: Path, tmp_path: Path
+) -> None:
+    _, specs = tiny_repository
+    strict = replace(specs[0], tolerances={"int8": Tolerance(max_abs=1e-6)})
+    before = snapshot(repo_copy)
+    opts = options(repo_copy, tmp_path / "cache")
+    opts.force = True
+    with pytest.raises(AccuracyError, match=r"mlp_int8: max_abs = [0-9.e-]+ is above the limit max_abs = 1e-06"):
+        build_all([specs[1], strict], opts, None, ["pytest"])
+    assert snapshot(repo_copy) == before
+    assert not [p for p in repo_copy.iterdir() if p.name.startswith(".")]
+
+
+def test_bad_calibration_data_fails_before_anything_is_written(
+    tiny_repository: tuple[Path, list[ModelSpec]], repo_copy: Path, tmp_path: Path
+) -> None:
+    _, specs = tiny_repository
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, x=np.zeros((64, 4, 32), np.float64))
+    assert specs[0].calibration is not None
+    spec = replace(specs[0], calibration=replace(specs[0].calibration,
+                                                 data=replace(specs[0].calibration.data, source=str(bad))))
+    before = snapshot(repo_copy)
+    with pytest.raises(DataError, match="input 'x' has dtype float64, expected float32"):
+        build_all([spec], options(repo_copy, tmp_path / "cache"), None, ["pytest"])
+    assert snapshot(repo_copy) == before
+
+
+def test_pytorch_source_is_exported_with_a_dynamic_batch_axis(tmp_path: Path) -> None:
+    spec = ModelSpec(
+        name="tiny_torch", source="tests.tiny_models:tiny_torch", task="classification",
+        inputs=(TensorSpec("x", "float32", (-1, 4, 32)),), outputs=("logits",), batch=DimRange(1, 4, 8),
+        precisions=("fp32", "fp16"),
+    )
+    spec = replace(spec, evaluation=DataSpec("tests.tiny_models:mlp_samples_fn", 24, 3))
+    (result,) = build_all([spec], options(tmp_path / "repo", tmp_path / "cache"), None, ["pytest"])
+    assert [v.precision for v in result.variants] == ["fp32", "fp16"]
+    model = onnx.load(str(tmp_path / "repo" / "tiny_torch_fp32" / "1" / "model.onnx"))
+    batch_dim = model.graph.input[0].type.tensor_type.shape.dim[0]
+    assert batch_dim.dim_param and not batch_dim.dim_value
+    assert model.opset_import[0].version >= 17
+    assert result.variants[1].accuracy["top1_agreement"] == 1.0

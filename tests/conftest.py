@@ -1,0 +1,94 @@
+"""Shared fixtures: marker skips, a tiny model repository, and a real Triton server on free ports."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from builder.manifest import CalibrationSpec, DataSpec, DimRange, ModelSpec, Tolerance
+from builder.pipeline import BuildOptions, build_all
+from builder.runtimes import OnnxRuntimeCPU, tensorrt_available
+from builder.triton_server import Ports, TritonServer, free_ports
+from tests.tiny_models import mlp_onnx, mlp_samples, sequence_onnx
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def _has_gpu() -> bool:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        count = int(pynvml.nvmlDeviceGetCount())
+        pynvml.nvmlShutdown()
+        return count > 0
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    gpu = _has_gpu()
+    trt = gpu and tensorrt_available()
+    for item in items:
+        if "gpu" in item.keywords and not gpu:
+            item.add_marker(pytest.mark.skip(reason="no NVIDIA GPU here"))
+        if "tensorrt" in item.keywords and not trt:
+            item.add_marker(pytest.mark.skip(reason="TensorRT with a GPU is not available here"))
+
+
+def tiny_specs(data_dir: Path) -> list[ModelSpec]:
+    """An MLP classifier (fp32/fp16/int8, calibration from .npz) and a sequence model with a named dim."""
+    mlp = mlp_onnx(data_dir / "mlp.onnx")
+    np.savez(data_dir / "mlp_calib.npz", **mlp_samples(64, seed=0))
+    np.savez(data_dir / "mlp_eval.npz", **mlp_samples(32, seed=1))
+    seq = sequence_onnx(data_dir / "seq.onnx")
+    rng = np.random.default_rng(2)
+    np.savez(data_dir / "seq_eval.npz", ids=rng.integers(0, 50, size=(16, 12)).astype(np.int64))
+    return [
+        ModelSpec(
+            name="mlp", onnx=mlp, task="classification", batch=DimRange(1, 4, 8),
+            precisions=("fp32", "fp16", "int8"),
+            calibration=CalibrationSpec(DataSpec(str(data_dir / "mlp_calib.npz"), 64)),
+            evaluation=DataSpec(str(data_dir / "mlp_eval.npz"), 32),
+            tolerances={"int8": Tolerance(cosine_min=0.95, top1_agreement_min=0.8)},
+        ),
+        ModelSpec(
+            name="seq", onnx=seq, batch=DimRange(1, 2, 4), precisions=("fp32", "fp16"),
+            dims={"seq": DimRange(1, 12, 32)}, evaluation=DataSpec(str(data_dir / "seq_eval.npz"), 16),
+        ),
+    ]
+
+
+@pytest.fixture(scope="session")
+def tiny_repository(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[ModelSpec]]:
+    root = tmp_path_factory.mktemp("tiny")
+    specs = tiny_specs(root)
+    repository = root / "repository"
+    options = BuildOptions(repository=repository, runtime=OnnxRuntimeCPU(), cache_dir=root / "cache")
+    build_all(specs, options, repository / "build_report.json", ["pytest"])
+    return repository, specs
+
+
+@pytest.fixture(scope="session")
+def triton(tiny_repository: tuple[Path, list[ModelSpec]],
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
+    repository, _ = tiny_repository
+    http, grpc, metrics = free_ports(3)
+    server = TritonServer(repository, tmp_path_factory.mktemp("triton"), Ports(http, grpc, metrics))
+    server.start(timeout=120)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def repo_copy(tiny_repository: tuple[Path, list[ModelSpec]], tmp_path: Path) -> Path:
+    """A private copy of the built tiny repository, for tests that try to change it."""
+    repository, _ = tiny_repository
+    target = tmp_path / "repository"
+    shutil.copytree(repository, target)
+    return target

@@ -1,0 +1,92 @@
+"""Tiny models built by the tests themselves: ONNX graphs and a PyTorch module."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+TOKENS = 4
+
+
+def mlp_onnx(path: Path, features: int = 32, hidden: int = 64, classes: int = 16, seed: int = 0) -> Path:
+    """x[batch, 4, features] → MatMul → Relu → MatMul → mean over the 4 tokens → logits[batch, classes].
+
+    Three-dimensional so that ModelOpt's INT8 mode quantizes the MatMuls (it leaves GEMV-shaped
+    and K/N < 16 MatMuls in high precision)."""
+    rng = np.random.default_rng(seed)
+    w1 = (rng.standard_normal((features, hidden)) / np.sqrt(features)).astype(np.float32)
+    b1 = (rng.standard_normal(hidden) * 0.1).astype(np.float32)
+    w2 = (rng.standard_normal((hidden, classes)) / np.sqrt(hidden)).astype(np.float32)
+    nodes = [
+        helper.make_node("MatMul", ["x", "w1"], ["h0"], name="fc1"),
+        helper.make_node("Add", ["h0", "b1"], ["h1"], name="bias1"),
+        helper.make_node("Relu", ["h1"], ["h2"], name="relu1"),
+        helper.make_node("MatMul", ["h2", "w2"], ["h3"], name="fc2"),
+        helper.make_node("ReduceMean", ["h3"], ["logits"], axes=[1], keepdims=0, name="pool"),
+    ]
+    graph = helper.make_graph(
+        nodes, "mlp",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", TOKENS, features])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", classes])],
+        initializer=[numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(b1, "b1"),
+                     numpy_helper.from_array(w2, "w2")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    onnx.checker.check_model(model)
+    onnx.save(model, str(path))
+    return path
+
+
+def sequence_onnx(path: Path, vocab: int = 50, width: int = 8, seed: int = 0) -> Path:
+    """ids[batch, seq] int64 → Gather(embedding) → MatMul → ReduceMean over seq → out[batch, width]."""
+    rng = np.random.default_rng(seed)
+    table = rng.standard_normal((vocab, width)).astype(np.float32)
+    proj = (rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32)
+    nodes = [
+        helper.make_node("Gather", ["table", "ids"], ["emb"], name="embed"),
+        helper.make_node("MatMul", ["emb", "proj"], ["h"], name="proj"),
+        helper.make_node("ReduceMean", ["h"], ["out"], axes=[1], keepdims=0, name="pool"),
+    ]
+    graph = helper.make_graph(
+        nodes, "seq",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch", "seq"])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["batch", width])],
+        initializer=[numpy_helper.from_array(table, "table"), numpy_helper.from_array(proj, "proj")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    onnx.checker.check_model(model)
+    onnx.save(model, str(path))
+    return path
+
+
+def mlp_samples(count: int, features: int = 32, seed: int = 0) -> dict[str, np.ndarray]:
+    return {"x": np.random.default_rng(seed).standard_normal((count, TOKENS, features)).astype(np.float32)}
+
+
+def mlp_samples_fn(count: int, seed: int) -> dict[str, np.ndarray]:
+    """Data source for manifests: `tests.tiny_models:mlp_samples_fn`."""
+    return mlp_samples(count, seed=seed)
+
+
+class TinyNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(32, 64)
+        self.fc2 = torch.nn.Linear(64, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x))).mean(dim=1)
+
+
+def tiny_torch() -> torch.nn.Module:
+    """Source for manifests: `tests.tiny_models:tiny_torch`."""
+    torch.manual_seed(0)
+    return TinyNet().eval()
+
+
+def not_a_module() -> int:
+    return 3
