@@ -22,6 +22,8 @@ else:  # pragma: no cover
 PRECISIONS = ("fp32", "fp16", "int8")
 TASKS = ("classification", "embedding", "generic")
 CALIBRATION_METHODS = ("entropy", "max")
+# modelopt: symmetric INT8 Q/DQ for TensorRT; onnxruntime: per-channel U8S8 Q/DQ that ORT fuses on CPU.
+INT8_RECIPES = ("modelopt", "onnxruntime")
 _METRICS = ("max_abs", "max_rel", "cosine_min", "cosine_mean_min", "top1_agreement_min")
 
 
@@ -71,6 +73,7 @@ class DataSpec:
 class CalibrationSpec:
     data: DataSpec
     method: str = "entropy"
+    recipe: str = "modelopt"
     op_types_to_quantize: tuple[str, ...] = ()
     nodes_to_exclude: tuple[str, ...] = ()
 
@@ -219,9 +222,15 @@ def _parse_model(entry: Any, base: Path, where: str) -> ModelSpec:
             raise ManifestError(
                 f"{what}: calibration.method {method!r}; expected one of {', '.join(CALIBRATION_METHODS)}"
             )
+        recipe = cal.get("recipe", "modelopt")
+        if recipe not in INT8_RECIPES:
+            raise ManifestError(
+                f"{what}: calibration.recipe {recipe!r}; expected one of {', '.join(INT8_RECIPES)}"
+            )
         calibration = CalibrationSpec(
             data=_parse_data(cal, base, f"{what}: calibration"),
             method=method,
+            recipe=recipe,
             op_types_to_quantize=tuple(cal.get("op_types_to_quantize", ())),
             nodes_to_exclude=tuple(cal.get("nodes_to_exclude", ())),
         )

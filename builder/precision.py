@@ -87,10 +87,12 @@ def calibration_key(fp32_sha: str, data_digest: str, spec: CalibrationSpec) -> s
         "onnx": fp32_sha,
         "data": data_digest,
         "method": spec.method,
+        "recipe": spec.recipe,
         "op_types_to_quantize": list(spec.op_types_to_quantize),
         "nodes_to_exclude": list(spec.nodes_to_exclude),
         "modelopt": version("nvidia-modelopt"),
-        "recipe": RECIPE_VERSION,
+        "onnxruntime": version("onnxruntime"),
+        "recipe_version": RECIPE_VERSION,
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
@@ -104,51 +106,42 @@ def to_int8(
     out_path: Path,
     cache_dir: Path,
 ) -> CalibrationResult:
-    """INT8 Q/DQ by ModelOpt post-training quantization; reuses a cached result for identical inputs."""
+    """INT8 Q/DQ by post-training quantization (ModelOpt or ONNX Runtime); reuses a cached result."""
     key = calibration_key(fp32_sha, data_digest, spec)
     samples = len(next(iter(calibration.values())))
     settings: dict[str, object] = {
-        "tool": "modelopt.onnx.quantization",
+        "recipe": spec.recipe,
         "method": spec.method,
         "samples": samples,
-        "high_precision_dtype": "fp32",
-        "op_types_to_quantize": list(spec.op_types_to_quantize) or "modelopt default",
+        "op_types_to_quantize": list(spec.op_types_to_quantize) or "default",
         "nodes_to_exclude": list(spec.nodes_to_exclude),
-        "calibration_eps": ["cpu"],
     }
+    if spec.recipe == "modelopt":
+        settings.update(tool="modelopt.onnx.quantization", high_precision_dtype="fp32", calibration_eps=["cpu"])
+    else:
+        settings.update(tool="onnxruntime.quantization.quantize_static", format="QDQ", per_channel=True,
+                        activations="uint8 (asymmetric)", weights="int8 (symmetric)")
     cached = cache_dir / "calibration" / f"{key}.onnx"
     if cached.is_file():
         log.info("INT8: reusing calibration %s (inputs unchanged)", key[:12])
         shutil.copyfile(cached, out_path)
         settings["quantize_linear_nodes"] = _count_q(out_path)
         return CalibrationResult(out_path, key, True, samples, settings)
-    log.info("INT8: calibrating on %d samples (%s)", samples, spec.method)
+    log.info("INT8: calibrating on %d samples (%s, %s recipe)", samples, spec.method, spec.recipe)
     with tempfile.TemporaryDirectory(prefix="trtbuild-int8-") as tmp, _quiet():
-        from modelopt.onnx.quantization import quantize
-
         tmp_out = Path(tmp) / "int8.onnx"
         try:
-            quantize(
-                str(fp32_path),
-                quantize_mode="int8",
-                calibration_data=dict(calibration),
-                calibration_method=spec.method,
-                calibration_eps=["cpu"],
-                # FP32 between Q/DQ pairs: the FP16 default loses accuracy badly under ONNX Runtime
-                # on CPU (measured: 6 % top-1 agreement vs 88 %), and TensorRT fuses either.
-                high_precision_dtype="fp32",
-                op_types_to_quantize=list(spec.op_types_to_quantize) or None,
-                nodes_to_exclude=list(spec.nodes_to_exclude) or None,
-                output_path=str(tmp_out),
-                log_level="WARNING",
-            )
+            if spec.recipe == "onnxruntime":
+                _quantize_ort(fp32_path, calibration, spec, Path(tmp), tmp_out)
+            else:
+                _quantize_modelopt(fp32_path, calibration, spec, tmp_out)
         except Exception as exc:
-            raise BuilderError(f"{fp32_path}: INT8 calibration failed: {exc}") from exc
+            raise BuilderError(f"{fp32_path}: INT8 calibration ({spec.recipe}) failed: {exc}") from exc
         quantized = onnx_model.load(tmp_out)
         qdq = sum(1 for n in quantized.graph.node if n.op_type == "QuantizeLinear")
         if qdq == 0:
-            log.warning("INT8: ModelOpt quantized no node of %s (it skips GEMV-shaped and small MatMuls); "
-                        "the int8 variant computes in FP32", fp32_path.name)
+            log.warning("INT8: %s quantized no node of %s (ModelOpt skips GEMV-shaped and small MatMuls); "
+                        "the int8 variant computes in FP32", spec.recipe, fp32_path.name)
         cached.parent.mkdir(parents=True, exist_ok=True)
         partial = cached.with_suffix(f".{os.getpid()}.tmp")
         shutil.copyfile(tmp_out, partial)
@@ -160,3 +153,65 @@ def to_int8(
 
 def _count_q(path: Path) -> int:
     return sum(1 for n in onnx.load(str(path)).graph.node if n.op_type == "QuantizeLinear")
+
+
+def _quantize_modelopt(fp32_path: Path, calibration: Mapping[str, NDArray[Any]], spec: CalibrationSpec,
+                       out: Path) -> None:
+    from modelopt.onnx.quantization import quantize
+
+    quantize(
+        str(fp32_path),
+        quantize_mode="int8",
+        calibration_data=dict(calibration),
+        calibration_method=spec.method,
+        calibration_eps=["cpu"],
+        # FP32 between Q/DQ pairs: the FP16 default loses accuracy badly under ONNX Runtime
+        # on CPU (measured: 6 % top-1 agreement vs 88 %), and TensorRT fuses either.
+        high_precision_dtype="fp32",
+        op_types_to_quantize=list(spec.op_types_to_quantize) or None,
+        nodes_to_exclude=list(spec.nodes_to_exclude) or None,
+        output_path=str(out),
+        log_level="WARNING",
+    )
+
+
+def _quantize_ort(fp32_path: Path, calibration: Mapping[str, NDArray[Any]], spec: CalibrationSpec,
+                  tmp: Path, out: Path) -> None:
+    """Per-channel U8S8 Q/DQ: the form ONNX Runtime's CPU kernels fuse (QLinearConv, MatMulInteger)."""
+    from onnxruntime.quantization import (
+        CalibrationDataReader,
+        CalibrationMethod,
+        QuantFormat,
+        QuantType,
+        quantize_static,
+    )
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    prepared = tmp / "prepared.onnx"
+    quant_pre_process(str(fp32_path), str(prepared), skip_symbolic_shape=True)
+    count = len(next(iter(calibration.values())))
+
+    class Reader(CalibrationDataReader):  # type: ignore[misc]
+        """One sample per call, like a serving request at batch 1."""
+
+        def __init__(self) -> None:
+            self.index = 0
+
+        def get_next(self) -> dict[str, NDArray[Any]] | None:
+            if self.index >= count:
+                return None
+            self.index += 1
+            return {k: v[self.index - 1 : self.index] for k, v in calibration.items()}
+
+    quantize_static(
+        str(prepared),
+        str(out),
+        Reader(),
+        quant_format=QuantFormat.QDQ,
+        per_channel=True,
+        activation_type=QuantType.QUInt8,
+        weight_type=QuantType.QInt8,
+        calibrate_method=CalibrationMethod.Entropy if spec.method == "entropy" else CalibrationMethod.MinMax,
+        op_types_to_quantize=list(spec.op_types_to_quantize) or None,
+        nodes_to_exclude=list(spec.nodes_to_exclude) or None,
+    )
