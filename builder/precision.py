@@ -11,16 +11,19 @@ import hashlib
 import io
 import json
 import logging
+import multiprocessing
 import os
 import shutil
 import tempfile
 import warnings
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import onnx
 from numpy.typing import NDArray
 
@@ -177,6 +180,17 @@ def _quantize_modelopt(fp32_path: Path, calibration: Mapping[str, NDArray[Any]],
 
 def _quantize_ort(fp32_path: Path, calibration: Mapping[str, NDArray[Any]], spec: CalibrationSpec,
                   tmp: Path, out: Path) -> None:
+    """Run ONNX Runtime's quantizer in a fresh interpreter: importing ModelOpt patches ORT's
+    quantization classes in place (modelopt/onnx/quantization/ort_patching.py), after which
+    quantize_static fails or changes behaviour in the same process."""
+    samples = tmp / "calibration.npz"
+    np.savez(samples, **calibration)
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+        pool.submit(_ort_quantize_worker, str(fp32_path), str(samples), spec, str(tmp), str(out)).result()
+
+
+def _ort_quantize_worker(fp32_path: str, samples_path: str, spec: CalibrationSpec, tmp: str, out: str) -> None:
     """Per-channel U8S8 Q/DQ: the form ONNX Runtime's CPU kernels fuse (QLinearConv, MatMulInteger)."""
     from onnxruntime.quantization import (
         CalibrationDataReader,
@@ -187,8 +201,10 @@ def _quantize_ort(fp32_path: Path, calibration: Mapping[str, NDArray[Any]], spec
     )
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
-    prepared = tmp / "prepared.onnx"
-    quant_pre_process(str(fp32_path), str(prepared), skip_symbolic_shape=True)
+    with np.load(samples_path) as archive:
+        calibration = {k: archive[k] for k in archive.files}
+    prepared = str(Path(tmp) / "prepared.onnx")
+    quant_pre_process(fp32_path, prepared, skip_symbolic_shape=True)
     count = len(next(iter(calibration.values())))
 
     class Reader(CalibrationDataReader):  # type: ignore[misc]
@@ -204,8 +220,8 @@ def _quantize_ort(fp32_path: Path, calibration: Mapping[str, NDArray[Any]], spec
             return {k: v[self.index - 1 : self.index] for k, v in calibration.items()}
 
     quantize_static(
-        str(prepared),
-        str(out),
+        prepared,
+        out,
         Reader(),
         quant_format=QuantFormat.QDQ,
         per_channel=True,

@@ -15,6 +15,7 @@ def test_project_manifest_describes_both_real_models() -> None:
     assert eff.precisions == ("fp32", "fp16", "int8")
     assert eff.task == "classification" and eff.inputs[0].shape == (-1, 3, 224, 224)
     assert eff.calibration is not None and eff.calibration.data.samples >= 64
+    assert eff.calibration.recipe == "onnxruntime"
     assert eff.evaluation is not None and eff.evaluation.source != eff.calibration.data.source
     assert mini.dims["sequence"].max == 128
     assert mini.calibration is not None and mini.calibration.op_types_to_quantize == ("MatMul", "Gemm")
@@ -46,6 +47,7 @@ batch = {{ min = 1, opt = 2, max = 4 }}
         ('inputs = [{ name = "x", dtype = "complex7", shape = [-1, 3] }]', "unknown dtype 'complex7'"),
         ("[model.tolerances.int8]\ncosine = 0.9", "unknown metrics cosine"),
         ('[model.calibration]\nsource = "x:y"\nmethod = "minmax"', "calibration.method 'minmax'"),
+        ('[model.calibration]\nsource = "x:y"\nrecipe = "tflite"', "calibration.recipe 'tflite'; expected one of modelopt"),
     ],
 )
 def test_bad_entries_name_the_key_and_the_allowed_values(tmp_path: Path, extra: str, message: str) -> None:

@@ -130,3 +130,18 @@ def test_pytorch_source_is_exported_with_a_dynamic_batch_axis(tmp_path: Path) ->
     assert batch_dim.dim_param and not batch_dim.dim_value
     assert model.opset_import[0].version >= 17
     assert result.variants[1].accuracy["top1_agreement"] == 1.0
+
+
+def test_onnxruntime_int8_recipe_quantizes_per_channel_and_passes(tmp_path: Path) -> None:
+    mlp = tiny_specs(tmp_path)[0]
+    assert mlp.calibration is not None
+    spec = replace(mlp, precisions=("fp32", "int8"),
+                   calibration=replace(mlp.calibration, recipe="onnxruntime", method="max"))
+    (result,) = build_all([spec], options(tmp_path / "r", tmp_path / "cache"), None, ["pytest"])
+    int8 = result.variants[1]
+    assert int8.calibration is not None
+    assert int8.calibration["recipe"] == "onnxruntime" and int8.calibration["quantize_linear_nodes"] > 0
+    model = onnx.load(str(tmp_path / "r" / "mlp_int8" / "1" / "model.onnx"))
+    weight_scales = [i for i in model.graph.initializer if i.name.endswith("_scale") and len(i.dims) == 1]
+    assert weight_scales, "per-channel quantization stores one scale per output channel"
+    assert int8.accuracy["top1_agreement"] >= 0.8
