@@ -219,15 +219,16 @@ def _ort_quantize_worker(fp32_path: str, samples_path: str, spec: CalibrationSpe
             self.index += 1
             return {k: v[self.index - 1 : self.index] for k, v in calibration.items()}
 
-    quantize_static(
-        prepared,
-        out,
-        Reader(),
-        quant_format=QuantFormat.QDQ,
-        per_channel=True,
-        activation_type=QuantType.QUInt8,
-        weight_type=QuantType.QInt8,
-        calibrate_method=CalibrationMethod.Entropy if spec.method == "entropy" else CalibrationMethod.MinMax,
-        op_types_to_quantize=list(spec.op_types_to_quantize) or None,
-        nodes_to_exclude=list(spec.nodes_to_exclude) or None,
-    )
+    with contextlib.redirect_stdout(io.StringIO()):  # ORT's calibrator prints its progress
+        quantize_static(
+            prepared,
+            out,
+            Reader(),
+            quant_format=QuantFormat.QDQ,
+            per_channel=True,
+            activation_type=QuantType.QUInt8,
+            weight_type=QuantType.QInt8,
+            calibrate_method=CalibrationMethod.Entropy if spec.method == "entropy" else CalibrationMethod.MinMax,
+            op_types_to_quantize=list(spec.op_types_to_quantize) or None,
+            nodes_to_exclude=list(spec.nodes_to_exclude) or None,
+        )
