@@ -47,7 +47,7 @@ batch = {{ min = 1, opt = 2, max = 4 }}
         ('inputs = [{ name = "x", dtype = "complex7", shape = [-1, 3] }]', "unknown dtype 'complex7'"),
         ("[model.tolerances.int8]\ncosine = 0.9", "unknown metrics cosine"),
         ('[model.calibration]\nsource = "x:y"\nmethod = "minmax"', "calibration.method 'minmax'"),
-        ('[model.calibration]\nsource = "x:y"\nrecipe = "tflite"', "calibration.recipe 'tflite'; expected one of modelopt"),
+        ('[model.calibration]\nsource = "x:y"\nrecipe = "tflite"', "calibration.recipe 'tflite'; expected one of"),
     ],
 )
 def test_bad_entries_name_the_key_and_the_allowed_values(tmp_path: Path, extra: str, message: str) -> None:
