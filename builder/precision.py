@@ -65,9 +65,27 @@ def _quiet() -> Iterator[io.StringIO]:
         for handler in mo_log.handlers[:]:
             mo_log.removeHandler(handler)
         mo_log.addHandler(logging.StreamHandler(sink))
-        yield sink
+        # Parts of ModelOpt log through the root logger (e.g. ops it cannot convert to FP16).
+        root_filter = _ModeloptRootFilter(sink)
+        logging.getLogger().addFilter(root_filter)
+        try:
+            yield sink
+        finally:
+            logging.getLogger().removeFilter(root_filter)
     if sink.getvalue():
         log.debug("modelopt output:\n%s", sink.getvalue()[-4000:])
+
+
+class _ModeloptRootFilter(logging.Filter):
+    def __init__(self, sink: io.StringIO) -> None:
+        super().__init__()
+        self.sink = sink
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "modelopt" in record.pathname:
+            self.sink.write(f"{record.levelname} {record.getMessage()}\n")
+            return False
+        return True
 
 
 def to_fp16(fp32_path: Path, out_path: Path) -> dict[str, object]:
