@@ -14,7 +14,7 @@ CONCURRENCY ?= 32
 VARIANTS := efficientnet_lite0_fp32 efficientnet_lite0_fp16 efficientnet_lite0_int8 \
             minilm_l6_v2_fp32 minilm_l6_v2_fp16 minilm_l6_v2_int8
 
-.PHONY: install demo test test-gpu engines serve serve-bg stop verify perf lint bench clean
+.PHONY: install demo test test-gpu engines serve serve-bg stop verify perf lint bench bench-gpu perf-compare clean
 
 install: $(STAMP)
 
@@ -65,6 +65,17 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/variants.py --manifest $(MANIFEST) --repository $(REPOSITORY)
+
+# perfclient vs perf_analyzer (the binary in the tritonclient 2.50 wheel) on the same server and load.
+perf-compare: $(STAMP)
+	$(BIN)/python bench/perf_compare.py --repository $(REPOSITORY) --json reports/perf_compare.json
+
+# On a machine with an NVIDIA GPU: Triton + FP16 ResNet-50 on CUDA, watts and joules. Runs under
+# GPU_PYTHON, an interpreter with CUDA PyTorch, torchvision, nvidia-ml-py, tritonclient[grpc]==2.50
+# and nvidia-pytriton==0.7.0 (the .venv's PyTorch is the CPU build).
+GPU_PYTHON ?= python3
+bench-gpu:
+	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) bench/gpu/bench_gpu.py --out reports/gpu
 
 clean:
 	rm -rf .run .cache reports $(REPOSITORY)/*_fp32 $(REPOSITORY)/*_fp16 $(REPOSITORY)/*_int8 $(REPOSITORY)/build_report.json

@@ -51,7 +51,7 @@ def run_perf_analyzer(binary: Path, env: dict[str, str], model: str, grpc_port: 
                       interval_ms: int, out: Path, extra: list[str]) -> dict[str, float]:
     cmd = [str(binary), "-m", model, "-u", f"127.0.0.1:{grpc_port}", "-i", "grpc",
            "--concurrency-range", f"{concurrency}:{concurrency}", "--measurement-interval", str(interval_ms),
-           "--stability-percentage", "10", "--max-trials", "10", "-f", str(out), *extra]
+           "--stability-percentage", "10", "--max-trials", "10", "-f", str(out), "--verbose-csv", *extra]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         raise SystemExit(f"perf_compare: perf_analyzer failed: {proc.stdout[-400:]} {proc.stderr[-400:]}")

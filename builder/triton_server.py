@@ -14,7 +14,6 @@ import signal
 import socket
 import subprocess
 import sys
-import sysconfig
 import time
 import urllib.error
 import urllib.request
@@ -48,7 +47,8 @@ def binary() -> Path:
 
 
 def library_dir() -> Path:
-    return Path(sysconfig.get_paths()["purelib"]) / "nvidia_pytriton.libs"
+    """The wheel's bundled shared libraries sit beside the pytriton package (also with pip --target)."""
+    return _pytriton_root().parent.parent / "nvidia_pytriton.libs"
 
 
 def prepare_backends(state_dir: Path) -> Path:

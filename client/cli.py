@@ -13,7 +13,7 @@ from pathlib import Path
 from client.engine import LevelResult, LoadLevel, LoadRun, Measurement, ProgressFn, validate_levels
 from client.errors import PerfClientError, RunAborted
 from client.inputs import build_payloads, parse_shapes
-from client.power import SOURCES, open_meter
+from client.power import SOURCES, open_cross_checks, open_meter
 from client.protocol import DEFAULT_PORTS, PROTOCOLS, Connection
 from client.report import document, plot, table, write_csv, write_json
 from client.stats import Window
@@ -156,11 +156,12 @@ async def measure(config: PerfConfig) -> list[tuple[str, LevelResult]]:
                 raise PerfClientError(f"-m {meta.name}: the server rejected the request: {first}") from exc
             prepared.append((meta.name, payloads))
         meter = open_meter(config.power_source, config.metrics_url)
+        cross_checks = open_cross_checks(meter, config.metrics_url)
         try:
             for model, payloads in prepared:
                 for level in config.levels:
                     run = LoadRun(conn, model, payloads, config.batch, meter, config.measurement,
-                                  _progress(model) if config.progress else None)
+                                  _progress(model) if config.progress else None, cross_checks)
                     try:
                         result = await run.run(level)
                     except RunAborted as exc:
@@ -174,6 +175,8 @@ async def measure(config: PerfConfig) -> list[tuple[str, LevelResult]]:
                         print("\r\033[K", end="", file=sys.stderr)
         finally:
             meter.close()
+            for extra in cross_checks:
+                extra.close()
     finally:
         await conn.close()
     return rows

@@ -66,12 +66,14 @@ class LoadRun:
     """Drives one load level on an open connection."""
 
     def __init__(self, conn: Connection, model: str, payloads: list[list[Any]], batch: int,
-                 meter: Meter, measurement: Measurement, progress: ProgressFn | None = None) -> None:
+                 meter: Meter, measurement: Measurement, progress: ProgressFn | None = None,
+                 cross_checks: list[Meter] | None = None) -> None:
         self.conn = conn
         self.model = model
         self.payloads = payloads
         self.batch = batch
         self.meter = meter
+        self.cross_checks = cross_checks or []
         self.m = measurement
         self.progress = progress
         self.records = Records()
@@ -123,7 +125,9 @@ class LoadRun:
         trace_start = len(trace.samples) if trace is not None else 0
         try:
             await self._warm_up()
-            snapshots: list[tuple[ServerStats, Reading]] = [(await self.conn.statistics(self.model), self.meter.read())]
+            snapshots: list[tuple[ServerStats, list[Reading]]] = [
+                (await self.conn.statistics(self.model), self._read_meters())
+            ]
             while len(result.windows) < self.m.max_trials:
                 window = await self._window(snapshots)
                 result.windows.append(window)
@@ -150,7 +154,14 @@ class LoadRun:
         while len(self.records) < self.m.warmup_requests and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
 
-    async def _window(self, snapshots: list[tuple[ServerStats, Reading]]) -> Window:
+    def _read_meters(self) -> list[Reading]:
+        return [self.meter.read(), *(m.read() for m in self.cross_checks)]
+
+    def _power(self, before: list[Reading], after: list[Reading], inferences: int) -> dict[str, object]:
+        cross = [(m.source, b, a) for m, b, a in zip(self.cross_checks, before[1:], after[1:], strict=True)]
+        return window_power(self.meter, before[0], after[0], inferences, cross)
+
+    async def _window(self, snapshots: list[tuple[ServerStats, list[Reading]]]) -> Window:
         start = time.monotonic_ns()
         first = len(self.records)
         if self.m.request_count > 0:
@@ -160,21 +171,21 @@ class LoadRun:
         else:
             await asyncio.sleep(self.m.measurement_ms / 1000)
         end = time.monotonic_ns()
-        snapshots.append((await self.conn.statistics(self.model), self.meter.read()))
+        snapshots.append((await self.conn.statistics(self.model), self._read_meters()))
         window = summarize(self.records, start, end, self.batch)
         (stats0, power0), (stats1, power1) = snapshots[-2], snapshots[-1]
         return Window(**{**window.__dict__,
                          "server": server_breakdown(stats0, stats1),
-                         "power": window_power(self.meter, power0, power1, window.inferences)})
+                         "power": self._power(power0, power1, window.inferences)})
 
-    def _finish(self, result: LevelResult, snapshots: list[tuple[ServerStats, Reading]]) -> None:
+    def _finish(self, result: LevelResult, snapshots: list[tuple[ServerStats, list[Reading]]]) -> None:
         # Like perf_analyzer, report the last three windows (the stable ones when stable).
         chosen = result.windows[-3:]
         first_index = len(result.windows) - len(chosen)
         summary = summarize(self.records, chosen[0].start_ns, chosen[-1].end_ns, self.batch)
         (stats0, power0), (stats1, power1) = snapshots[first_index], snapshots[-1]
         result.server = server_breakdown(stats0, stats1)
-        result.power = window_power(self.meter, power0, power1, summary.inferences)
+        result.power = self._power(power0, power1, summary.inferences)
         result.summary = summary
 
 

@@ -210,7 +210,19 @@ def open_meter(source: str, metrics_url: str) -> Meter:
     return NoMeter("; ".join(reasons) or "disabled by --power-source none")
 
 
-def window_power(meter: Meter, before: Reading, after: Reading, inferences: int) -> dict[str, object]:
+def open_cross_checks(primary: Meter, metrics_url: str) -> list[Meter]:
+    """Second sources read at the same instants as the primary, to cross-check its energy."""
+    if primary.source != "nvml":
+        return []
+    try:
+        return [TritonMetricsMeter(metrics_url)]
+    except Exception as exc:  # noqa: BLE001 - a missing cross-check is only logged
+        log.info("no Triton energy metric to cross-check NVML: %s", exc)
+        return []
+
+
+def window_power(meter: Meter, before: Reading, after: Reading, inferences: int,
+                 cross: list[tuple[str, Reading, Reading]] | None = None) -> dict[str, object]:
     result: dict[str, object] = {"source": meter.source}
     if before.energy_j is None or after.energy_j is None:
         result["reason"] = getattr(meter, "reason", "no energy reading")
@@ -228,4 +240,7 @@ def window_power(meter: Meter, before: Reading, after: Reading, inferences: int)
         integrated = trace.integrate(before.t, after.t)
         if integrated is not None:
             result["energy_j_from_samples"] = integrated
+    for source, b, a in cross or []:
+        if b.energy_j is not None and a.energy_j is not None:
+            result[f"energy_j_from_{source}"] = a.energy_j - b.energy_j
     return result

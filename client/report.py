@@ -12,7 +12,7 @@ from typing import Any
 
 from client.engine import LevelResult
 
-# perf_analyzer's `-f` columns, so existing tooling reads the CSV.
+# perf_analyzer's `-f FILE --verbose-csv` columns (its default CSV is the first 13), so existing tooling reads it.
 CSV_COLUMNS = [
     "Concurrency", "Inferences/Second", "Client Send", "Network+Server Send/Recv", "Server Queue",
     "Server Compute Input", "Server Compute Infer", "Server Compute Output", "Client Recv",
