@@ -14,7 +14,7 @@ CONCURRENCY ?= 32
 VARIANTS := efficientnet_lite0_fp32 efficientnet_lite0_fp16 efficientnet_lite0_int8 \
             minilm_l6_v2_fp32 minilm_l6_v2_fp16 minilm_l6_v2_int8
 
-.PHONY: install demo test test-gpu engines serve serve-bg stop verify perf lint bench bench-gpu perf-compare clean
+.PHONY: install demo test test-gpu engines serve serve-bg stop verify perf lint bench bench-gpu perf-compare k8s-render clean
 
 install: $(STAMP)
 
@@ -76,6 +76,14 @@ perf-compare: $(STAMP)
 GPU_PYTHON ?= python3
 bench-gpu:
 	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) bench/gpu/bench_gpu.py --out reports/gpu
+
+# Render both Kubernetes overlays (offline) for review or `kubectl apply -f`.
+k8s-render:
+	mkdir -p reports/k8s
+	for o in gpu-production cpu-trial; do \
+	  kubectl kustomize --load-restrictor=LoadRestrictionsNone deploy/kubernetes/overlays/$$o > reports/k8s/$$o.yaml || exit 1; \
+	done
+	@echo "rendered: reports/k8s/gpu-production.yaml reports/k8s/cpu-trial.yaml"
 
 clean:
 	rm -rf .run .cache reports $(REPOSITORY)/*_fp32 $(REPOSITORY)/*_fp16 $(REPOSITORY)/*_int8 $(REPOSITORY)/build_report.json
