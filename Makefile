@@ -26,6 +26,18 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps nvidia-pytriton==0.7.0
 	touch $@
 
+# TensorRT's type stubs live apart from the venv: installed there, their `tensorrt` package of
+# .pyi files would make `import tensorrt` succeed and fool ModelOpt into using TensorRT.
+.typestubs/.installed: $(STAMP)
+	rm -rf .typestubs
+	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps --target .typestubs tensorrt-stubs==10.13.0.35.1
+	@# tensorrt-stubs 10.13 holds two syntax errors (a parameter named `in`, a required parameter
+	@# after defaults); fix them in this local copy so mypy can read the rest.
+	sed -i -e 's/(self, in: /(self, in_: /' -e 's/(self: IPluginV3, in: /(self: IPluginV3, in_: /' \
+	  -e 's/power: Weights = None, channel_axis: int)/power: Weights = None, channel_axis: int = 0)/' \
+	  .typestubs/tensorrt_bindings/tensorrt.pyi
+	touch $@
+
 engines: $(STAMP)
 	$(BIN)/trtbuild engines --manifest $(MANIFEST) --repository $(REPOSITORY)
 
@@ -59,7 +71,7 @@ test: $(STAMP)
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -q -m "gpu or tensorrt" tests
 
-lint: $(STAMP)
+lint: $(STAMP) .typestubs/.installed
 	$(BIN)/ruff check builder client tests bench
 	$(BIN)/mypy
 

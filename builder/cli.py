@@ -52,6 +52,14 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--serving-backend", default="python",
                        help="python (bundled Triton + ONNX Runtime) | onnxruntime (NGC image's native backend)")
         p.add_argument("--force", action="store_true", help="rebuild even when inputs are unchanged")
+        trt = p.add_argument_group("TensorRT (with --runtime tensorrt, or auto where TensorRT and a GPU exist)")
+        trt.add_argument("--trt-workspace-mib", type=int, default=4096, help="workspace memory-pool limit")
+        trt.add_argument("--trt-optimization-level", type=int, default=3, help="builder optimization level 0-5")
+        trt.add_argument("--trt-version-compatible", action="store_true", help="plans for later TensorRT versions")
+        trt.add_argument("--trt-hardware-compatibility", default="none",
+                         help="none | ampere_plus | same_compute_capability")
+        trt.add_argument("--trt-cuda-graphs", action="store_true", help="enable CUDA graphs in config.pbtxt")
+        trt.add_argument("--no-trt-warmup", action="store_true", help="no model_warmup in config.pbtxt")
 
     engines = sub.add_parser("engines", help="build every model in the manifest")
     engines.add_argument("--manifest", type=Path, default=Path("models.toml"))
@@ -147,13 +155,19 @@ def _spec_from_build_args(args: argparse.Namespace) -> ModelSpec:
 def _build(args: argparse.Namespace, specs: list[ModelSpec]) -> int:
     from builder.pipeline import BuildOptions, build_all
     from builder.runtimes import select
+    from builder.tensorrt_plan import TrtBuildOptions
     from builder.triton_config import SERVING_BACKENDS
 
     if args.serving_backend not in SERVING_BACKENDS:
         raise ManifestError(
             f"--serving-backend {args.serving_backend!r}: expected one of {', '.join(SERVING_BACKENDS)}"
         )
-    options = BuildOptions(repository=args.repository, runtime=select(args.runtime),
+    trt_options = TrtBuildOptions(
+        workspace_mib=args.trt_workspace_mib, optimization_level=args.trt_optimization_level,
+        version_compatible=args.trt_version_compatible, hardware_compatibility=args.trt_hardware_compatibility,
+        cuda_graphs=args.trt_cuda_graphs, warmup=not args.no_trt_warmup,
+    ).check()
+    options = BuildOptions(repository=args.repository, runtime=select(args.runtime, trt_options),
                            serving_backend=args.serving_backend, force=args.force)
     report = args.report or args.repository / "build_report.json"
     results = build_all(specs, options, report, ["trtbuild", *sys.argv[1:]])

@@ -8,7 +8,7 @@ import logging
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from importlib import resources
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -21,7 +21,7 @@ from builder import data as data_mod
 from builder.errors import DataError
 from builder.manifest import ModelSpec, Tolerance
 from builder.repository import RECORD, Staging, read_record, write_json
-from builder.runtimes import Runtime
+from builder.runtimes import CompileTarget, Runtime
 
 log = logging.getLogger(__name__)
 
@@ -154,13 +154,19 @@ def build_model(spec: ModelSpec, options: BuildOptions, staging: Staging) -> Mod
             "calibration": calib_digest,
             "spec": _spec_fingerprint(spec),
             "runtime": options.runtime.name,
+            "runtime_identity": options.runtime.identity(),
             "serving_backend": options.serving_backend,
             "recipe": precision.RECIPE_VERSION,
             "tools": tool_versions(),
         })
+        inputs_record = {"onnx": exported_sha, "evaluation": eval_digest, "calibration": calib_digest,
+                         "spec": _digest(_spec_fingerprint(spec)), "runtime": options.runtime.identity(),
+                         "serving_backend": options.serving_backend, "tools": tool_versions()}
         if not options.force and _up_to_date(spec, options.repository, key):
             log.info("%s: inputs unchanged, nothing rebuilt", spec.name)
             return ModelResult(spec.name, "unchanged", key, [], seconds=time.perf_counter() - started)
+        for reason in rebuild_reasons(spec, options.repository, inputs_record):
+            log.info("%s: rebuilding: %s", spec.name, reason)
 
         slim_report = cleanup.slim(fp32_path, data_mod.take(evaluation, 0, 4))
         fp32_sha = onnx_model.sha256_file(fp32_path)
@@ -171,9 +177,73 @@ def build_model(spec: ModelSpec, options: BuildOptions, staging: Staging) -> Mod
         for prec in spec.precisions:
             variants.append(
                 _build_variant(spec, prec, fp32_path, fp32_sha, sig, evaluation, calibration, calib_digest,
-                               reference, key, options, staging, work)
+                               reference, key, options, staging, work, inputs_record)
             )
     return ModelResult(spec.name, "built", key, variants, slim_report, time.perf_counter() - started)
+
+
+def rebuild_reasons(spec: ModelSpec, repository: Path, wanted: dict[str, Any]) -> list[str]:
+    """Why a model's variants are rebuilt, from what their build records say they were built from."""
+    labels = {"onnx": "exported ONNX", "evaluation": "evaluation data", "calibration": "calibration data",
+              "spec": "models.toml entry", "runtime": "runtime", "serving_backend": "serving backend",
+              "tools": "tool versions"}
+    reasons: list[str] = []
+    for prec in spec.precisions:
+        record = read_record(repository / variant_name(spec.name, prec))
+        if record is None:
+            reasons.append(f"{variant_name(spec.name, prec)} not built yet")
+            continue
+        present = record.get("inputs", {})
+        for key, label in labels.items():
+            if present.get(key) != wanted.get(key):
+                old, new = present.get(key), wanted.get(key)
+                if isinstance(old, dict) and isinstance(new, dict):
+                    changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+                    detail = ", ".join(f"{k} {old.get(k)} -> {new.get(k)}" for k in changed)
+                    reasons.append(f"{label} changed ({detail})")
+                else:
+                    reasons.append(f"{label} changed")
+    return sorted(set(reasons)) or ["--force"]
+
+
+def _carry_plans(previous: Path, version_dir: Path, variant_sha: str) -> None:
+    """Keep plans built on other GPU types for the same variant ONNX (cc_model_filenames)."""
+    from builder.tensorrt_plan import PlanMetadata
+
+    if not previous.is_dir():
+        return
+    for plan in previous.glob("model.sm*.plan"):
+        meta_file = plan.with_name(plan.name + ".json")
+        try:
+            meta = PlanMetadata.from_json(json.loads(meta_file.read_text()))
+        except (OSError, ValueError):
+            continue
+        if meta is not None and meta.onnx_sha256 == variant_sha:
+            shutil.copy2(plan, version_dir / plan.name)
+            shutil.copy2(meta_file, version_dir / meta_file.name)
+
+
+def _config_inputs(spec: ModelSpec, name: str, sig: onnx_model.Signature, options: BuildOptions,
+                   version_dir: Path) -> triton_config.ConfigInputs:
+    from builder.tensorrt_plan import cc_model_filenames, profile_shapes, warmup_inputs
+
+    backend = options.runtime.triton_backend or options.serving_backend
+    if backend != "tensorrt":
+        return triton_config.ConfigInputs(
+            name=name, inputs=sig.inputs, outputs=sig.outputs, batch=spec.batch, serving=spec.serving,
+            backend=backend, artifact=options.runtime.artifact, instance_kind=options.runtime.instance_kind,
+        )
+    profile = profile_shapes(sig.inputs, spec.batch, spec.dims)
+    # Never accept a batch the engine's profile cannot run.
+    batch = replace(spec.batch, max=min(spec.batch.max, profile.max_batch))
+    trt_options = getattr(options.runtime, "options", None)
+    return triton_config.ConfigInputs(
+        name=name, inputs=sig.inputs, outputs=sig.outputs, batch=batch, serving=spec.serving,
+        backend="tensorrt", artifact=options.runtime.artifact, instance_kind="KIND_GPU",
+        cuda_graphs=bool(getattr(trt_options, "cuda_graphs", False)),
+        warmup=tuple(warmup_inputs(sig.inputs, profile)) if getattr(trt_options, "warmup", True) else (),
+        cc_model_filenames=tuple(cc_model_filenames([p.name for p in version_dir.iterdir()]).items()),
+    )
 
 
 def _ort_reference(fp32_path: Path, evaluation: data_mod.Samples) -> dict[str, NDArray[Any]]:
@@ -196,6 +266,7 @@ def _build_variant(
     options: BuildOptions,
     staging: Staging,
     work: Path,
+    inputs_record: dict[str, Any],
 ) -> VariantResult:
     started = time.perf_counter()
     name = variant_name(spec.name, prec)
@@ -217,19 +288,19 @@ def _build_variant(
     version_dir = out_dir / "1"
     version_dir.mkdir()
     artifact = version_dir / options.runtime.artifact
-    options.runtime.compile(variant_onnx, artifact)
+    variant_sha = onnx_model.sha256_file(variant_onnx)
+    _carry_plans(options.repository / name / "1", version_dir, variant_sha)
+    options.runtime.compile(variant_onnx, artifact,
+                            CompileTarget(sig.inputs, spec.batch, dict(spec.dims), variant_sha))
     outputs = options.runtime.run(artifact, evaluation, _EVAL_BATCH)
     metrics = accuracy.compare(reference, outputs, spec.task)
     tolerance = spec.tolerances.get(prec, DEFAULT_TOLERANCES[prec])
     log.info("%s: %s", name, ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
     accuracy.check(metrics, tolerance, name)
 
-    config = triton_config.build(triton_config.ConfigInputs(
-        name=name, inputs=sig.inputs, outputs=sig.outputs, batch=spec.batch, serving=spec.serving,
-        backend=options.serving_backend, artifact=options.runtime.artifact,
-    ))
+    config = triton_config.build(_config_inputs(spec, name, sig, options, version_dir))
     (out_dir / "config.pbtxt").write_text(triton_config.to_text(config), encoding="utf-8")
-    if options.serving_backend == "python":
+    if config.backend == "python":
         source = resources.files("builder").joinpath("triton_python_model.py").read_text(encoding="utf-8")
         (version_dir / "model.py").write_text(source, encoding="utf-8")
     variant = VariantResult(
@@ -250,6 +321,8 @@ def _build_variant(
         "source": spec.source or str(spec.onnx),
         "fp32_onnx_sha256": fp32_sha,
         "precision_settings": settings,
+        "variant_onnx_sha256": variant_sha,
+        "inputs": inputs_record,
         "tools": tool_versions(),
         **asdict(variant),
     })

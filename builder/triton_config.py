@@ -13,6 +13,8 @@ from builder.errors import BuilderError
 from builder.manifest import DimRange, ServingSpec, TensorSpec
 
 SERVING_BACKENDS = ("python", "onnxruntime")
+# Chosen by the runtime, not by --serving-backend: TensorRT plans go to the native tensorrt backend.
+ALL_BACKENDS = (*SERVING_BACKENDS, "tensorrt")
 
 
 @dataclass(frozen=True)
@@ -22,8 +24,12 @@ class ConfigInputs:
     outputs: tuple[TensorSpec, ...]
     batch: DimRange
     serving: ServingSpec
-    backend: str = "python"  # python: bundled Triton + ONNX Runtime; onnxruntime: NGC image's native backend
+    backend: str = "python"  # python: bundled Triton + ONNX Runtime; onnxruntime/tensorrt: NGC image's backends
     artifact: str = "model.onnx"
+    instance_kind: str = "KIND_CPU"
+    cuda_graphs: bool = False
+    warmup: tuple[dict[str, Any], ...] = ()
+    cc_model_filenames: tuple[tuple[str, str], ...] = ()  # (compute capability, plan file)
 
 
 def _dims(shape: tuple[int | str, ...]) -> list[int]:
@@ -35,7 +41,7 @@ def preferred_batch_sizes(batch: DimRange) -> list[int]:
 
 
 def build(cfg: ConfigInputs) -> model_config_pb2.ModelConfig:
-    if cfg.backend not in SERVING_BACKENDS:
+    if cfg.backend not in ALL_BACKENDS:
         raise BuilderError(f"--serving-backend {cfg.backend!r}: expected one of {', '.join(SERVING_BACKENDS)}")
     doc: dict[str, Any] = {
         "name": cfg.name,
@@ -46,7 +52,7 @@ def build(cfg: ConfigInputs) -> model_config_pb2.ModelConfig:
         "output": [
             {"name": t.name, "data_type": to_triton(t.dtype), "dims": _dims(t.shape)} for t in cfg.outputs
         ],
-        "instance_group": [{"count": cfg.serving.instances, "kind": "KIND_CPU"}],
+        "instance_group": [{"count": cfg.serving.instances, "kind": cfg.instance_kind}],
     }
     if cfg.backend == "python":
         doc["backend"] = "python"
@@ -54,9 +60,18 @@ def build(cfg: ConfigInputs) -> model_config_pb2.ModelConfig:
             "onnx_file": {"string_value": cfg.artifact},
             "intra_op_threads": {"string_value": str(cfg.serving.ort_intra_op_threads)},
         }
-    else:
+    elif cfg.backend == "onnxruntime":
         doc["platform"] = "onnxruntime_onnx"
         doc["default_model_filename"] = cfg.artifact
+    else:
+        doc["platform"] = "tensorrt_plan"
+        doc["default_model_filename"] = cfg.artifact
+        if cfg.cc_model_filenames:
+            doc["cc_model_filenames"] = dict(cfg.cc_model_filenames)
+        if cfg.cuda_graphs:
+            doc["optimization"] = {"cuda": {"graphs": True}}
+    if cfg.warmup:
+        doc["model_warmup"] = list(cfg.warmup)
     if cfg.serving.dynamic_batching:
         doc["dynamic_batching"] = {
             "preferred_batch_size": preferred_batch_sizes(cfg.batch),
