@@ -14,7 +14,7 @@ from client.engine import LevelResult, LoadLevel, LoadRun, Measurement, Progress
 from client.errors import PerfClientError, RunAborted
 from client.inputs import build_payloads, parse_shapes
 from client.power import SOURCES, open_cross_checks, open_meter
-from client.protocol import DEFAULT_PORTS, PROTOCOLS, Connection
+from client.protocol import DEFAULT_PORTS, PROTOCOLS, Connection, Prepared
 from client.report import document, plot, table, write_csv, write_json
 from client.stats import Window
 
@@ -142,25 +142,25 @@ async def measure(config: PerfConfig) -> list[tuple[str, LevelResult]]:
         unknown = sorted(set(config.shapes) - known)
         if unknown:
             raise PerfClientError(f"--shape {', '.join(unknown)}: not an input of {', '.join(config.models)}")
-        prepared = []
+        prepared: list[tuple[str, list[Prepared]]] = []
         for meta in metas:
             shapes = {k: v for k, v in config.shapes.items() if k in {t.name for t in meta.inputs}}
             arrays = build_payloads(meta, config.batch, config.input_data, shapes)
             datatypes = {t.name: t.datatype for t in meta.inputs}
-            payloads = [conn.prepare(a, datatypes) for a in arrays]
+            inputs = [conn.prepare(a, datatypes) for a in arrays]
             # One request first: wrong names, shapes or dtypes fail here with the server's reason.
             try:
-                await conn.infer(meta.name, payloads[0])
+                await conn.infer(meta.name, inputs[0])
             except Exception as exc:
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
                 raise PerfClientError(f"-m {meta.name}: the server rejected the request: {first}") from exc
-            prepared.append((meta.name, payloads))
+            prepared.append((meta.name, [conn.serialize(meta.name, i) for i in inputs]))
         meter = open_meter(config.power_source, config.metrics_url)
         cross_checks = open_cross_checks(meter, config.metrics_url)
         try:
-            for model, payloads in prepared:
+            for model, requests in prepared:
                 for level in config.levels:
-                    run = LoadRun(conn, model, payloads, config.batch, meter, config.measurement,
+                    run = LoadRun(conn, model, requests, config.batch, meter, config.measurement,
                                   _progress(model) if config.progress else None, cross_checks)
                     try:
                         result = await run.run(level)

@@ -12,13 +12,12 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
 from client.errors import PerfClientError, RunAborted
 from client.power import Meter, Reading, window_power
-from client.protocol import Connection, ServerStats, error_kind
+from client.protocol import Connection, Prepared, ServerStats, error_kind
 from client.stats import Records, Window, is_stable, server_breakdown, summarize
 
 log = logging.getLogger(__name__)
@@ -65,7 +64,7 @@ ProgressFn = Callable[[LoadLevel, int, Window], None]
 class LoadRun:
     """Drives one load level on an open connection."""
 
-    def __init__(self, conn: Connection, model: str, payloads: list[list[Any]], batch: int,
+    def __init__(self, conn: Connection, model: str, payloads: list[Prepared], batch: int,
                  meter: Meter, measurement: Measurement, progress: ProgressFn | None = None,
                  cross_checks: list[Meter] | None = None) -> None:
         self.conn = conn
@@ -82,12 +81,12 @@ class LoadRun:
         self._count = 0
 
     async def _send(self, scheduled: int) -> None:
-        inputs = self.payloads[self._count % len(self.payloads)]
+        request = self.payloads[self._count % len(self.payloads)]
         self._count += 1
         sent = time.monotonic_ns()
         error = None
         try:
-            await self.conn.infer(self.model, inputs)
+            await self.conn.send(request)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - every outcome is recorded, none raised

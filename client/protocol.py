@@ -70,8 +70,21 @@ def parse_statistics(payload: dict[str, Any], model: str) -> ServerStats:
     return ServerStats()
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """A request serialized once and sent many times: the load loop does no per-request encoding."""
+
+    model: str
+    body: bytes
+    headers: dict[str, str]
+
+
 class Connection:
-    """One client connection; `prepare` builds reusable request inputs once, `infer` sends one request."""
+    """One client connection; `prepare` serializes a request once, `send` sends it as it is.
+
+    The request bytes are what tritonclient itself would send (its own request builders make
+    them); responses are checked for errors but not decoded, as perf_analyzer does.
+    """
 
     def __init__(self, protocol: str, url: str) -> None:
         if protocol not in PROTOCOLS:
@@ -79,10 +92,16 @@ class Connection:
         self.protocol = protocol
         self.url = url
         self._client: Any
+        self._raw: Any = None
         if protocol == "grpc":
+            import grpc
             import tritonclient.grpc.aio as grpc_aio
 
             self._client = grpc_aio.InferenceServerClient(url=url)
+            self._channel = grpc.aio.insecure_channel(url, options=[
+                ("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)])
+            # No serializers: requests go out as the bytes given, responses come back as bytes.
+            self._raw = self._channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
         else:
             import tritonclient.http.aio as http_aio
 
@@ -90,6 +109,8 @@ class Connection:
 
     async def close(self) -> None:
         await self._client.close()
+        if self.protocol == "grpc":
+            await self._channel.close()
 
     async def live(self) -> bool:
         try:
@@ -145,7 +166,33 @@ class Connection:
         return inputs
 
     async def infer(self, model: str, inputs: list[Any]) -> Any:
+        """One request through tritonclient (decoded response): for probes and checks."""
         return await self._client.infer(model, inputs)
+
+    def serialize(self, model: str, inputs: list[Any]) -> Prepared:
+        if self.protocol == "grpc":
+            from tritonclient.grpc._utils import _get_inference_request as grpc_request
+
+            request = grpc_request(model, inputs, "", "", None, 0, False, False, 0, None, None)
+            return Prepared(model, request.SerializeToString(), {})
+        from tritonclient.http._utils import _get_inference_request as http_request
+
+        body, json_size = http_request(inputs, "", None, 0, False, False, 0, None, None)
+        headers = {"Inference-Header-Content-Length": str(json_size)} if json_size is not None else {}
+        return Prepared(model, bytes(body), headers)
+
+    async def send(self, prepared: Prepared) -> None:
+        """Send a prepared request; raise on any error the server or the transport reports."""
+        if self.protocol == "grpc":
+            await self._raw(prepared.body)
+            return
+        session = self._client._stub  # tritonclient's aiohttp session, with its connection pool
+        base = self._client._url
+        async with session.post(f"{base}/v2/models/{prepared.model}/infer", data=prepared.body,
+                                headers=prepared.headers) as response:
+            payload = await response.read()
+            if response.status != 200:
+                raise PerfClientError(f"HTTP {response.status}: {payload[:200].decode('utf-8', 'replace')}")
 
     async def statistics(self, model: str) -> ServerStats:
         try:
