@@ -76,6 +76,7 @@ class CalibrationSpec:
     recipe: str = "modelopt"
     op_types_to_quantize: tuple[str, ...] = ()
     nodes_to_exclude: tuple[str, ...] = ()
+    nodes_to_quantize: tuple[str, ...] = ()  # set by the accuracy guard's per-node sensitivity runs
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from numpy.typing import NDArray
 
 from builder import __version__, accuracy, cleanup, onnx_model, precision, triton_config
 from builder import data as data_mod
-from builder.errors import DataError
+from builder.errors import AccuracyError, DataError
 from builder.manifest import ModelSpec, Tolerance
 from builder.repository import RECORD, Staging, read_record, write_json
 from builder.runtimes import CompileTarget, Runtime
@@ -56,6 +56,7 @@ class VariantResult:
     tolerance: dict[str, float | None]
     build_seconds: float
     calibration: dict[str, object] | None = None
+    guard: dict[str, Any] | None = None
 
 
 @dataclass
@@ -246,6 +247,47 @@ def _config_inputs(spec: ModelSpec, name: str, sig: onnx_model.Signature, option
     )
 
 
+def _guard_int8(
+    spec: ModelSpec, fp32_path: Path, fp32_sha: str, calibration: data_mod.Samples, calib_digest: str,
+    variant_onnx: Path, evaluation: data_mod.Samples, reference: dict[str, NDArray[Any]], tolerance: Tolerance,
+    options: BuildOptions, work: Path,
+) -> dict[str, Any]:
+    """Replace variant_onnx by the guarded INT8 mix, or by FP16 when none meets the tolerance."""
+    from builder import guard
+
+    assert spec.calibration is not None
+    plain = work / "int8_plain.onnx"
+    shutil.copyfile(variant_onnx, plain)
+    search_dir = work / "guard"
+    search_dir.mkdir(exist_ok=True)
+    quantize = guard.make_quantizer(fp32_path, fp32_sha, calibration, calib_digest, options.cache_dir)
+    result, guarded = guard.guard(quantize, spec.calibration, plain, evaluation, reference, spec.task, tolerance,
+                                  search_dir)
+    if guarded is not None:
+        shutil.copyfile(guarded, variant_onnx)
+        fallback = None
+    else:
+        precision.to_fp16(fp32_path, variant_onnx)
+        fallback = "fp16"
+        log.warning("%s_int8: no INT8 mix meets the tolerance; serving the FP16 model under this name", spec.name)
+    top = sorted(result.sensitivity.items(), key=lambda kv: kv[1], reverse=True)[:10]
+    return {
+        "excluded": result.excluded,
+        "fallback": fallback,
+        "before": result.before,
+        "after": result.after,
+        "quantizations": result.quantizations,
+        "search": result.searched,
+        "most_sensitive": [{"node": n, "damage": d} for n, d in top],
+        "seconds": round(result.seconds, 2),
+        "size_bytes": {"fp32": fp32_path.stat().st_size, "int8_plain": plain.stat().st_size,
+                       "int8_guarded": variant_onnx.stat().st_size},
+        "throughput_b1_cpu": {"fp32": guard.throughput(fp32_path, evaluation),
+                              "int8_plain": guard.throughput(plain, evaluation),
+                              "int8_guarded": guard.throughput(variant_onnx, evaluation)},
+    }
+
+
 def _ort_reference(fp32_path: Path, evaluation: data_mod.Samples) -> dict[str, NDArray[Any]]:
     from builder.runtimes import ort_session, run_session
 
@@ -296,7 +338,24 @@ def _build_variant(
     metrics = accuracy.compare(reference, outputs, spec.task)
     tolerance = spec.tolerances.get(prec, DEFAULT_TOLERANCES[prec])
     log.info("%s: %s", name, ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
-    accuracy.check(metrics, tolerance, name)
+    guard_report = None
+    try:
+        accuracy.check(metrics, tolerance, name)
+    except AccuracyError as exc:
+        # An explicit INT8 tolerance in models.toml means "guarded": search for a mix that meets it.
+        if prec != "int8" or "int8" not in spec.tolerances:
+            raise
+        assert spec.calibration is not None and calibration is not None and calib_digest is not None
+        log.warning("%s; searching for nodes to keep in higher precision", exc)
+        guard_report = _guard_int8(spec, fp32_path, fp32_sha, calibration, calib_digest, variant_onnx, evaluation,
+                                   reference, tolerance, options, work)
+        options.runtime.compile(variant_onnx, artifact,
+                                CompileTarget(sig.inputs, spec.batch, dict(spec.dims),
+                                              onnx_model.sha256_file(variant_onnx)))
+        metrics = accuracy.compare(reference, options.runtime.run(artifact, evaluation, _EVAL_BATCH), spec.task)
+        accuracy.check(metrics, tolerance, name)
+        if calibration_info is not None:
+            calibration_info["nodes_kept_in_higher_precision"] = guard_report["excluded"]
 
     config = triton_config.build(_config_inputs(spec, name, sig, options, version_dir))
     (out_dir / "config.pbtxt").write_text(triton_config.to_text(config), encoding="utf-8")
@@ -314,6 +373,7 @@ def _build_variant(
         tolerance=asdict(tolerance),
         build_seconds=round(time.perf_counter() - started, 3),
         calibration=calibration_info,
+        guard=guard_report,
     )
     write_json(out_dir / RECORD, {
         "build_key": key,

@@ -11,13 +11,13 @@ import hashlib
 import io
 import json
 import logging
-import multiprocessing
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import warnings
 from collections.abc import Iterator, Mapping
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
@@ -111,6 +111,7 @@ def calibration_key(fp32_sha: str, data_digest: str, spec: CalibrationSpec) -> s
         "recipe": spec.recipe,
         "op_types_to_quantize": list(spec.op_types_to_quantize),
         "nodes_to_exclude": list(spec.nodes_to_exclude),
+        "nodes_to_quantize": list(spec.nodes_to_quantize),
         "modelopt": version("nvidia-modelopt"),
         "onnxruntime": version("onnxruntime"),
         "recipe_version": RECIPE_VERSION,
@@ -160,7 +161,7 @@ def to_int8(
             raise BuilderError(f"{fp32_path}: INT8 calibration ({spec.recipe}) failed: {exc}") from exc
         quantized = onnx_model.load(tmp_out)
         qdq = sum(1 for n in quantized.graph.node if n.op_type == "QuantizeLinear")
-        if qdq == 0:
+        if qdq == 0 and not spec.nodes_to_quantize:
             log.warning("INT8: %s quantized no node of %s (ModelOpt skips GEMV-shaped and small MatMuls); "
                         "the int8 variant computes in FP32", spec.recipe, fp32_path.name)
         cached.parent.mkdir(parents=True, exist_ok=True)
@@ -191,6 +192,7 @@ def _quantize_modelopt(fp32_path: Path, calibration: Mapping[str, NDArray[Any]],
         high_precision_dtype="fp32",
         op_types_to_quantize=list(spec.op_types_to_quantize) or None,
         nodes_to_exclude=list(spec.nodes_to_exclude) or None,
+        nodes_to_quantize=list(spec.nodes_to_quantize) or None,
         output_path=str(out),
         log_level="WARNING",
     )
@@ -200,15 +202,22 @@ def _quantize_ort(fp32_path: Path, calibration: Mapping[str, NDArray[Any]], spec
                   tmp: Path, out: Path) -> None:
     """Run ONNX Runtime's quantizer in a fresh interpreter: importing ModelOpt patches ORT's
     quantization classes in place (modelopt/onnx/quantization/ort_patching.py), after which
-    quantize_static fails or changes behaviour in the same process."""
+    quantize_static fails or changes behaviour in the same process. A subprocess (rather than a
+    multiprocessing spawn) also works from scripts that lack an `if __name__ == "__main__"` guard."""
     samples = tmp / "calibration.npz"
     np.savez(samples, **calibration)
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
-        pool.submit(_ort_quantize_worker, str(fp32_path), str(samples), spec, str(tmp), str(out)).result()
+    job = tmp / "job.json"
+    job.write_text(json.dumps({"fp32": str(fp32_path), "samples": str(samples), "tmp": str(tmp), "out": str(out),
+                               "method": spec.method, "op_types_to_quantize": list(spec.op_types_to_quantize),
+                               "nodes_to_exclude": list(spec.nodes_to_exclude),
+                               "nodes_to_quantize": list(spec.nodes_to_quantize)}))
+    proc = subprocess.run([sys.executable, "-m", "builder.precision", str(job)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+        raise BuilderError(lines[-1] if lines else f"quantizer exited with status {proc.returncode}")
 
 
-def _ort_quantize_worker(fp32_path: str, samples_path: str, spec: CalibrationSpec, tmp: str, out: str) -> None:
+def _ort_quantize_worker(job_path: str) -> None:
     """Per-channel U8S8 Q/DQ: the form ONNX Runtime's CPU kernels fuse (QLinearConv, MatMulInteger)."""
     from onnxruntime.quantization import (
         CalibrationDataReader,
@@ -219,10 +228,11 @@ def _ort_quantize_worker(fp32_path: str, samples_path: str, spec: CalibrationSpe
     )
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
-    with np.load(samples_path) as archive:
+    job = json.loads(Path(job_path).read_text())
+    with np.load(job["samples"]) as archive:
         calibration = {k: archive[k] for k in archive.files}
-    prepared = str(Path(tmp) / "prepared.onnx")
-    quant_pre_process(fp32_path, prepared, skip_symbolic_shape=True)
+    prepared = str(Path(job["tmp"]) / "prepared.onnx")
+    quant_pre_process(job["fp32"], prepared, skip_symbolic_shape=True)
     count = len(next(iter(calibration.values())))
 
     class Reader(CalibrationDataReader):  # type: ignore[misc]
@@ -240,13 +250,18 @@ def _ort_quantize_worker(fp32_path: str, samples_path: str, spec: CalibrationSpe
     with contextlib.redirect_stdout(io.StringIO()):  # ORT's calibrator prints its progress
         quantize_static(
             prepared,
-            out,
+            job["out"],
             Reader(),
             quant_format=QuantFormat.QDQ,
             per_channel=True,
             activation_type=QuantType.QUInt8,
             weight_type=QuantType.QInt8,
-            calibrate_method=CalibrationMethod.Entropy if spec.method == "entropy" else CalibrationMethod.MinMax,
-            op_types_to_quantize=list(spec.op_types_to_quantize) or None,
-            nodes_to_exclude=list(spec.nodes_to_exclude) or None,
+            calibrate_method=CalibrationMethod.Entropy if job["method"] == "entropy" else CalibrationMethod.MinMax,
+            op_types_to_quantize=job["op_types_to_quantize"] or None,
+            nodes_to_exclude=job["nodes_to_exclude"] or None,
+            nodes_to_quantize=job["nodes_to_quantize"] or None,
         )
+
+
+if __name__ == "__main__":
+    _ort_quantize_worker(sys.argv[1])

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import torch
+from numpy.typing import NDArray
 from onnx import TensorProto, helper, numpy_helper
 
 TOKENS = 4
@@ -90,3 +91,45 @@ def tiny_torch() -> torch.nn.Module:
 
 def not_a_module() -> int:
     return 3
+
+
+def outlier_mlp_onnx(path: Path, features: int = 32, hidden: int = 64, classes: int = 16, scale: float = 400.0,
+                     seed: int = 0) -> Path:
+    """fc_in → relu → fc1 (+ bias) → relu → fc2 → relu → fc3 → mean over tokens → logits.
+
+    Hidden channel 0 after fc1 carries activations `scale` times larger than the others, and fc2
+    scales it back down: FP32 outputs stay ordinary, while one per-tensor INT8 scale for that tensor
+    cannot resolve the ordinary channels. Keeping the layers around the outlier in higher precision
+    repairs it; the rest can stay INT8."""
+    rng = np.random.default_rng(seed)
+
+    def weight(rows: int, cols: int) -> NDArray[np.float32]:
+        return (rng.standard_normal((rows, cols)) / np.sqrt(rows)).astype(np.float32)
+
+    w_in, w1, w2, w3 = weight(features, hidden), weight(hidden, hidden), weight(hidden, hidden), weight(hidden, classes)
+    w1[:, 0] = np.abs(w1[:, 0]) * scale / np.sqrt(hidden)
+    b1 = (rng.standard_normal(hidden) * 0.1).astype(np.float32)
+    b1[0] = scale
+    w2[0, :] /= scale
+    nodes = [
+        helper.make_node("MatMul", ["x", "w_in"], ["a0"], name="fc_in"),
+        helper.make_node("Relu", ["a0"], ["a1"], name="relu_in"),
+        helper.make_node("MatMul", ["a1", "w1"], ["h0"], name="fc1"),
+        helper.make_node("Add", ["h0", "b1"], ["h1"], name="bias1"),
+        helper.make_node("Relu", ["h1"], ["h2"], name="relu1"),
+        helper.make_node("MatMul", ["h2", "w2"], ["h3"], name="fc2"),
+        helper.make_node("Relu", ["h3"], ["h4"], name="relu2"),
+        helper.make_node("MatMul", ["h4", "w3"], ["h5"], name="fc3"),
+        helper.make_node("ReduceMean", ["h5"], ["logits"], axes=[1], keepdims=0, name="pool"),
+    ]
+    graph = helper.make_graph(
+        nodes, "outlier_mlp",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", TOKENS, features])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", classes])],
+        initializer=[numpy_helper.from_array(a, n) for a, n in
+                     ((w_in, "w_in"), (w1, "w1"), (b1, "b1"), (w2, "w2"), (w3, "w3"))],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    onnx.checker.check_model(model)
+    onnx.save(model, str(path))
+    return path

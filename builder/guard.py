@@ -1,0 +1,161 @@
+"""Accuracy-guarded INT8: when a quantized variant misses its tolerance, find the few nodes to keep
+in higher precision.
+
+1. Sensitivity: quantize each quantizable node *alone* (same recipe, same calibration data) and
+   measure how far that variant moves from FP32 on the held-out inputs (damage = 1 - mean cosine,
+   plus the top-1 disagreement for classifiers).
+2. Search: exclude the most sensitive nodes from quantization, k = 1, 2, 4, ... until the variant
+   meets its tolerance, then bisect down to the smallest such k. Every candidate is a real
+   re-quantization checked with the real tolerance.
+3. No INT8 mix within the budget meets it: fall back to the FP16 variant.
+
+Each quantization is cached like any other calibration, so a re-run costs little.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import onnx
+from numpy.typing import NDArray
+
+from builder import accuracy, precision
+from builder.errors import AccuracyError
+from builder.manifest import CalibrationSpec, Tolerance
+from builder.runtimes import ort_session, run_session
+
+log = logging.getLogger(__name__)
+
+_QDQ = ("QuantizeLinear", "DequantizeLinear")
+
+
+@dataclass
+class GuardResult:
+    met: bool
+    excluded: list[str]
+    sensitivity: dict[str, float]
+    before: dict[str, float]
+    after: dict[str, float] | None
+    quantizations: int  # how many quantized variants the analysis and search built
+    searched: list[dict[str, Any]] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def quantized_nodes(model: onnx.ModelProto) -> list[str]:
+    """Compute nodes fed by a DequantizeLinear: the nodes this quantization touched, in graph order."""
+    dq_outputs = {n.output[0] for n in model.graph.node if n.op_type == "DequantizeLinear"}
+    return [n.name for n in model.graph.node
+            if n.op_type not in _QDQ and n.name and any(i in dq_outputs for i in n.input)]
+
+
+def damage(metrics: Mapping[str, float]) -> float:
+    """One number for how far a variant is from FP32 (0 = identical)."""
+    value = 1.0 - metrics["cosine_mean"]
+    if "top1_agreement" in metrics:
+        value += 1.0 - metrics["top1_agreement"]
+    return value
+
+
+def _passes(metrics: Mapping[str, float], tolerance: Tolerance) -> bool:
+    try:
+        accuracy.check(dict(metrics), tolerance, "candidate")
+    except AccuracyError:
+        return False
+    return True
+
+
+def guard(
+    quantize: Callable[[CalibrationSpec, Path], None],
+    spec: CalibrationSpec,
+    plain: Path,
+    evaluation: Mapping[str, NDArray[Any]],
+    reference: Mapping[str, NDArray[Any]],
+    task: str,
+    tolerance: Tolerance,
+    work: Path,
+    max_excluded_fraction: float = 0.5,
+) -> tuple[GuardResult, Path | None]:
+    """Return the search's result and the path of the guarded INT8 ONNX (None: fall back to FP16)."""
+    started = time.perf_counter()
+
+    def evaluate(path: Path) -> dict[str, float]:
+        return accuracy.compare(reference, run_session(ort_session(path), evaluation, 16), task)
+
+    before = evaluate(plain)
+    nodes = quantized_nodes(onnx.load(str(plain)))
+    log.info("INT8 guard: %d quantized nodes; measuring each one's sensitivity", len(nodes))
+    sensitivity: dict[str, float] = {}
+    builds = 0
+    for index, node in enumerate(nodes):
+        out = work / f"alone_{index}.onnx"
+        quantize(replace(spec, nodes_to_quantize=(node,), nodes_to_exclude=()), out)
+        builds += 1
+        sensitivity[node] = damage(evaluate(out))
+    order = sorted(nodes, key=lambda n: sensitivity[n], reverse=True)
+    searched: list[dict[str, Any]] = []
+    cache: dict[int, tuple[bool, dict[str, float], Path]] = {}
+
+    def attempt(k: int) -> tuple[bool, dict[str, float], Path]:
+        nonlocal builds
+        if k not in cache:
+            out = work / f"exclude_{k}.onnx"
+            excluded = tuple(dict.fromkeys((*spec.nodes_to_exclude, *order[:k])))
+            quantize(replace(spec, nodes_to_exclude=excluded), out)
+            builds += 1
+            metrics = evaluate(out)
+            cache[k] = (_passes(metrics, tolerance), metrics, out)
+            searched.append({"excluded": k, "passes": cache[k][0], "cosine_mean": metrics["cosine_mean"],
+                             **({"top1_agreement": metrics["top1_agreement"]} if "top1_agreement" in metrics else {})})
+        return cache[k]
+
+    limit = max(1, int(len(order) * max_excluded_fraction))
+    k, found = 1, None
+    while k <= limit:
+        if attempt(k)[0]:
+            found = k
+            break
+        k *= 2
+    if found is None and limit not in cache and attempt(limit)[0]:
+        found = limit
+    if found is not None:
+        low = found // 2 + 1 if found > 1 else 1  # the largest failing k is found // 2
+        high = found
+        while low < high:
+            mid = (low + high) // 2
+            if attempt(mid)[0]:
+                high = mid
+            else:
+                low = mid + 1
+        found = high
+    seconds = time.perf_counter() - started
+    if found is None:
+        log.warning("INT8 guard: no mix with up to %d of %d nodes excluded meets the tolerance", limit, len(order))
+        return GuardResult(False, [], sensitivity, before, None, builds, searched, seconds), None
+    _, after, path = cache[found]
+    log.info("INT8 guard: %d node(s) kept in higher precision: %s", found, ", ".join(order[:found]))
+    return GuardResult(True, order[:found], sensitivity, before, after, builds, searched, seconds), path
+
+
+def throughput(path: Path, evaluation: Mapping[str, NDArray[Any]], seconds: float = 1.0) -> float:
+    """Batch-1 inferences per second under ONNX Runtime on this CPU (a quick cost estimate)."""
+    session = ort_session(path)
+    feed = {k: v[:1] for k, v in evaluation.items()}
+    session.run(None, feed)
+    runs, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        session.run(None, feed)
+        runs += 1
+    return runs / (time.perf_counter() - start)
+
+
+def make_quantizer(fp32_path: Path, fp32_sha: str, calibration: Mapping[str, NDArray[Any]], calib_digest: str,
+                   cache_dir: Path) -> Callable[[CalibrationSpec, Path], None]:
+    def quantize(spec: CalibrationSpec, out: Path) -> None:
+        precision.to_int8(fp32_path, fp32_sha, calibration, calib_digest, spec, out, cache_dir)
+
+    return quantize
