@@ -14,7 +14,7 @@ CONCURRENCY ?= 32
 VARIANTS := efficientnet_lite0_fp32 efficientnet_lite0_fp16 efficientnet_lite0_int8 \
             minilm_l6_v2_fp32 minilm_l6_v2_fp16 minilm_l6_v2_int8
 
-.PHONY: install demo test test-gpu engines serve serve-bg stop verify perf lint bench bench-gpu perf-compare k8s-render clean
+.PHONY: install demo test test-gpu engines serve serve-bg stop verify perf lint bench bench-gpu perf-compare k8s-render tune clean
 
 install: $(STAMP)
 
@@ -88,6 +88,13 @@ perf-compare: $(STAMP)
 GPU_PYTHON ?= python3
 bench-gpu:
 	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) bench/gpu/bench_gpu.py --out reports/gpu
+
+# Measure serving configurations of one model and write the best into the repository.
+TUNE_MODEL ?= efficientnet_lite0
+P99_BUDGET_MS ?= 150
+tune: $(STAMP)
+	$(BIN)/trtbuild tune $(TUNE_MODEL) --repository $(REPOSITORY) --concurrency $(CONCURRENCY) \
+	  --p99-budget-ms $(P99_BUDGET_MS) --search hill
 
 # Render both Kubernetes overlays (offline) for review or `kubectl apply -f`.
 k8s-render:

@@ -90,6 +90,26 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--background", action="store_true", help="return once /v2/health/ready answers 200")
     serve.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for readiness")
 
+    tune = sub.add_parser("tune", help="measure serving configurations and write the best into the repository")
+    tune.add_argument("name", help="model name from models.toml (variants NAME_<precision>)")
+    tune.add_argument("--repository", type=Path, default=Path("model_repository"))
+    tune.add_argument("--precisions", default="fp32,fp16,int8", help="variants to consider")
+    tune.add_argument("--max-batch", default="1,4,8,16", help="max_batch_size values")
+    tune.add_argument("--queue-delay-us", default="off,0,1000,4000",
+                      help="dynamic batching max_queue_delay_microseconds values; off = no dynamic batching")
+    tune.add_argument("--instances", default="1,2", help="instance counts")
+    tune.add_argument("--concurrency", default="32", help="client concurrencies, comma-separated")
+    tune.add_argument("--objective", default="throughput", help="throughput | p99 | infer_per_joule")
+    tune.add_argument("--p99-budget-ms", type=float, default=None)
+    tune.add_argument("--min-throughput", type=float, default=None)
+    tune.add_argument("--search", default="hill", help="hill | exhaustive")
+    tune.add_argument("--measurement-interval", type=int, default=3000, help="ms per window")
+    tune.add_argument("--max-trials", type=int, default=6, help="windows per measurement at most")
+    tune.add_argument("--report", type=Path, default=None, help="JSON (default: reports/tune_NAME.json)")
+    tune.add_argument("--plot", type=Path, default=None, help="PNG (default: reports/tune_NAME.png)")
+    tune.add_argument("--dry-run", action="store_true", help="measure and report, do not write the winner")
+    tune.add_argument("--no-compare", action="store_true", help="skip the side-by-side re-measurement")
+
     verify = sub.add_parser("verify", help="compare the server's gRPC and HTTP answers with ONNX Runtime")
     verify.add_argument("--manifest", type=Path, default=Path("models.toml"))
     verify.add_argument("--repository", type=Path, default=Path("model_repository"))
@@ -185,6 +205,56 @@ def _build(args: argparse.Namespace, specs: list[ModelSpec]) -> int:
     return 0
 
 
+def _int_list(value: str, flag: str, allow_off: bool = False) -> tuple[int, ...]:
+    items = []
+    for part in value.split(","):
+        part = part.strip()
+        if allow_off and part == "off":
+            items.append(-1)
+        elif part.isdigit() and (int(part) > 0 or allow_off):
+            items.append(int(part))
+        else:
+            kind = "integers or off" if allow_off else "positive integers"
+            raise ManifestError(f"{flag} {value!r}: expected comma-separated {kind}")
+    return tuple(dict.fromkeys(items))
+
+
+def _tune(args: argparse.Namespace) -> int:
+    from builder.tune import Objective, Space, tune
+
+    precisions = parse_precisions(args.precisions, "--precisions")
+    variants = tuple(f"{args.name}_{p}" for p in precisions if (args.repository / f"{args.name}_{p}").is_dir())
+    if not variants:
+        raise ManifestError(f"tune {args.name}: no variant of it in {args.repository}; run `make engines` first")
+    space = Space(variants, _int_list(args.max_batch, "--max-batch"),
+                  _int_list(args.queue_delay_us, "--queue-delay-us", allow_off=True),
+                  _int_list(args.instances, "--instances"))
+    objective = Objective(args.objective,
+                          args.p99_budget_ms * 1000 if args.p99_budget_ms is not None else None,
+                          args.min_throughput).check()
+    report_path = args.report or Path("reports") / f"tune_{args.name}.json"
+    plot_path = args.plot or Path("reports") / f"tune_{args.name}.png"
+    report = tune(args.repository, space, objective, args.search, _int_list(args.concurrency, "--concurrency"),
+                  args.measurement_interval, variants[0], report_path, plot_path, write=not args.dry_run,
+                  compare=not args.no_compare, max_trials=args.max_trials)
+    print(f"{'point':<58} {'infer/s':>8} {'p99 ms':>8} {'feasible':>8}")
+    for entry in report.points:
+        rs = entry["results"]
+        print(f"{entry['label']:<58} {sum(r['throughput'] for r in rs) / len(rs):>8.1f} "
+              f"{max(r['p99_us'] for r in rs) / 1e3:>8.1f} {'yes' if entry['feasible'] else 'no':>8}")
+    print(f"{report.search} search: {report.measurements} measurements; Pareto front: {len(report.pareto)} points")
+    print(f"why: {report.why}")
+    for row in report.comparison:
+        print(f"side by side: {row['config']:<20} {row['throughput']:>8.1f} infer/s  p99 {row['p99_ms']:>7.1f} ms  "
+              f"{'meets' if row['feasible'] else 'misses'} the constraints  ({row['label']})")
+    written = ""
+    if report.winner is not None:
+        written = "not written (--dry-run)" if args.dry_run else f"written to {args.repository / report.winner.variant}"
+    label = report.winner.label() if report.winner else "-"
+    print(f"winner: {label} {written}; report {report_path}, plot {plot_path}")
+    return 0
+
+
 def _serve(args: argparse.Namespace) -> int:
     from builder.triton_server import Ports, TritonServer
 
@@ -239,6 +309,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _build(args, [_spec_from_build_args(args)])
         if args.command == "serve":
             return _serve(args)
+        if args.command == "tune":
+            return _tune(args)
         if args.command == "verify":
             from builder.verify import verify_models
 

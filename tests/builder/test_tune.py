@@ -1,0 +1,118 @@
+"""Auto-tuning: search logic on a deterministic cost model, then the real thing on a real server."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from builder.errors import BuilderError
+from builder.triton_config import parse
+from builder.tune import (
+    Objective,
+    Point,
+    Result,
+    Space,
+    apply,
+    best,
+    exhaustive,
+    hill_climb,
+    pareto,
+    point_of,
+    tune,
+)
+from tests.builder.test_pipeline import snapshot
+
+SPACE = Space(("m_fp32", "m_int8"), (1, 4, 8, 16), (-1, 0, 500, 2000), (1, 2))
+
+
+def cost_model(point: Point) -> list[Result]:
+    """A smooth, single-peaked stand-in for a server: batching helps up to 8, delay costs latency."""
+    batch = min(point.max_batch_size, 8) if point.queue_delay_us >= 0 else 1
+    speed = 100.0 * batch ** 0.8 * (1.6 if point.variant == "m_int8" else 1.0) * (1.1 if point.instances == 2 else 1.0)
+    p99 = 1e6 * 32 / speed + max(point.queue_delay_us, 0) * 2
+    return [Result(point, 32, speed, p99 / 2, p99, None, float(batch), True, 0)]
+
+
+def test_space_points_and_neighbours() -> None:
+    assert len(SPACE.points()) == 2 * 4 * 4 * 2
+    start = Point("m_fp32", 8, 0, 1)
+    assert set(SPACE.neighbours(start)) == {
+        Point("m_int8", 8, 0, 1), Point("m_fp32", 4, 0, 1), Point("m_fp32", 16, 0, 1),
+        Point("m_fp32", 8, -1, 1), Point("m_fp32", 8, 500, 1), Point("m_fp32", 8, 0, 2),
+        Point("m_fp32", 4, -1, 1), Point("m_fp32", 16, 500, 1)}
+
+
+def test_hill_climbing_reaches_the_exhaustive_optimum_with_fewer_measurements() -> None:
+    objective = Objective("throughput")
+    full = exhaustive(SPACE, cost_model)
+    climbed = hill_climb(SPACE, Point("m_fp32", 1, -1, 1), cost_model, objective)
+    best_full, best_hill = best(full, objective), best(climbed, objective)
+    assert best_full is not None and best_hill is not None
+    assert objective.value(climbed[best_hill]) >= 0.95 * objective.value(full[best_full])
+    assert len(climbed) < len(full) / 2
+
+
+def measured_points() -> dict[Point, list[Result]]:
+    rows = {  # (throughput, p99 ms)
+        Point("m_fp32", 16, 2000, 1): (900.0, 80.0),
+        Point("m_fp32", 8, 500, 1): (700.0, 40.0),
+        Point("m_fp32", 1, -1, 1): (300.0, 120.0),
+        Point("m_int8", 8, 0, 1): (650.0, 30.0),
+    }
+    return {p: [Result(p, 32, t, p99 * 500, p99 * 1000, None, 4.0, True, 0)] for p, (t, p99) in rows.items()}
+
+
+def test_constraints_exclude_points_and_can_leave_none() -> None:
+    points = measured_points()
+    assert best(points, Objective("throughput")) == Point("m_fp32", 16, 2000, 1)
+    assert best(points, Objective("throughput", p99_budget_us=50_000)) == Point("m_fp32", 8, 500, 1)
+    assert best(points, Objective("p99")) == Point("m_int8", 8, 0, 1)
+    assert best(points, Objective("p99", min_throughput=680)) == Point("m_fp32", 8, 500, 1)
+    assert best(points, Objective("throughput", p99_budget_us=10_000)) is None
+    # Infeasible points rank below feasible ones, and among themselves by how far p99 is over.
+    budget = Objective("throughput", p99_budget_us=50_000)
+    assert budget.rank(points[Point("m_fp32", 16, 2000, 1)]) < budget.rank(points[Point("m_int8", 8, 0, 1)])
+    assert pareto(points) == sorted([Point("m_fp32", 16, 2000, 1), Point("m_fp32", 8, 500, 1),
+                                     Point("m_int8", 8, 0, 1)])
+    with pytest.raises(BuilderError, match="--objective infer_per_joule: no power source"):
+        Objective("infer_per_joule").value(points[Point("m_int8", 8, 0, 1)])
+
+
+def test_apply_rewrites_serving_settings_through_the_schema(repo_copy: Path) -> None:
+    text = (repo_copy / "mlp_fp32" / "config.pbtxt").read_text()
+    original = point_of("mlp_fp32", text)
+    assert original == Point("mlp_fp32", 8, 0, 1)
+    config = parse(apply(text, Point("mlp_fp32", 4, 1500, 2)))
+    assert config.max_batch_size == 4 and config.instance_group[0].count == 2
+    assert config.dynamic_batching.max_queue_delay_microseconds == 1500
+    assert list(config.dynamic_batching.preferred_batch_size) == [4]
+    assert not parse(apply(text, Point("mlp_fp32", 8, -1, 1))).HasField("dynamic_batching")
+
+
+def test_tune_on_a_real_server_writes_the_winner_atomically(repo_copy: Path, tmp_path: Path) -> None:
+    space = Space(("mlp_fp32", "mlp_int8"), (1, 8), (-1, 0), (1,))
+    report = tune(repo_copy, space, Objective("throughput"), "hill", [4], 400, "mlp_fp32",
+                  tmp_path / "tune.json", tmp_path / "tune.png", max_trials=3)
+    assert report.winner is not None and report.measurements >= 1
+    written = (repo_copy / report.winner.variant / "config.pbtxt").read_text()
+    assert point_of(report.winner.variant, written) == report.winner
+    backups = list((repo_copy / report.winner.variant).glob("config.pbtxt.bak-*"))
+    assert len(backups) == 1
+    assert point_of(report.winner.variant, backups[0].read_text()).variant == report.winner.variant
+    doc = json.loads((tmp_path / "tune.json").read_text())
+    assert doc["winner"]["variant"] == report.winner.variant and doc["why"]
+    assert [row["config"] for row in doc["comparison"]] == ["tuned", "default", "no dynamic batching"]
+    assert all(entry["results"][0]["throughput"] > 0 for entry in doc["points"])
+    assert (tmp_path / "tune.png").stat().st_size > 1000
+
+
+def test_tune_with_unmeetable_constraints_leaves_the_repository_untouched(repo_copy: Path, tmp_path: Path) -> None:
+    before = snapshot(repo_copy)
+    space = Space(("mlp_fp32",), (8,), (0,), (1,))
+    with pytest.raises(BuilderError, match="none of the 1 measured points met the constraints"):
+        tune(repo_copy, space, Objective("throughput", p99_budget_us=1.0), "exhaustive", [2], 300, "mlp_fp32",
+             tmp_path / "t.json", None, max_trials=2)
+    assert snapshot(repo_copy) == before
+    assert json.loads((tmp_path / "t.json").read_text())["winner"] is None
