@@ -29,6 +29,7 @@ from typing import Any
 from builder import triton_config
 from builder.errors import BuilderError
 from builder.triton_server import Ports, TritonServer, free_ports
+from client.errors import PerfClientError
 
 log = logging.getLogger(__name__)
 
@@ -237,7 +238,11 @@ class TuneServer:
                     "--metrics-url", f"http://127.0.0.1:{self.server.ports.metrics}/metrics", "--no-progress",
                     *self.extra_client_args,
                 ])
-                (_, level), = asyncio.run(measure(config))
+                try:
+                    (_, level), = asyncio.run(measure(config))
+                except PerfClientError as exc:
+                    raise BuilderError(f"tune: measuring {point.label()} failed: {exc}; server log: "
+                                       f"{self.server.log_tail(3)}") from exc
                 assert level.summary is not None
                 results.append(Result(point, concurrency, level.summary.throughput, level.summary.latency_us["p50"],
                                       level.summary.latency_us["p99"],

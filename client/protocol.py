@@ -119,9 +119,11 @@ class Connection:
             return False
 
     async def model(self, name: str) -> ModelMeta:
+        # Liveness, not server readiness: with explicit model control another model may be loading
+        # or unloading, which makes the whole server "not ready" while this model serves.
         try:
-            if not await self._client.is_server_ready():
-                raise PerfClientError(f"-u {self.url}: server is up but not ready")
+            if not await self._client.is_server_live():
+                raise PerfClientError(f"-u {self.url}: server is up but not live")
         except PerfClientError:
             raise
         except Exception as exc:
@@ -135,6 +137,8 @@ class Connection:
                 config = await self._client.get_model_config(name)
         except Exception as exc:
             raise PerfClientError(f"-m {name}: model is not served at {self.url} ({_short(exc)})") from exc
+        if not await self._client.is_model_ready(name):
+            raise PerfClientError(f"-m {name}: model is not ready at {self.url}")
         max_batch = _int(config.get("max_batch_size"))
 
         def tensors(items: list[dict[str, Any]]) -> tuple[TensorMeta, ...]:
