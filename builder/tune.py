@@ -169,12 +169,13 @@ def apply(config_text: str, point: Point) -> str:
     config = triton_config.parse(config_text)
     config.max_batch_size = point.max_batch_size
     config.instance_group[0].count = point.instances
-    if point.queue_delay_us < 0 or point.max_batch_size <= 1:
+    if point.queue_delay_us < 0:
         config.ClearField("dynamic_batching")
     else:
         config.dynamic_batching.max_queue_delay_microseconds = point.queue_delay_us
         del config.dynamic_batching.preferred_batch_size[:]
-        config.dynamic_batching.preferred_batch_size.append(point.max_batch_size)
+        if point.max_batch_size > 1:
+            config.dynamic_batching.preferred_batch_size.append(point.max_batch_size)
     return triton_config.to_text(config)
 
 

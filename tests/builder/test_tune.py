@@ -89,6 +89,8 @@ def test_apply_rewrites_serving_settings_through_the_schema(repo_copy: Path) -> 
     assert config.dynamic_batching.max_queue_delay_microseconds == 1500
     assert list(config.dynamic_batching.preferred_batch_size) == [4]
     assert not parse(apply(text, Point("mlp_fp32", 8, -1, 1))).HasField("dynamic_batching")
+    for point in (Point("mlp_fp32", 1, 0, 1), Point("mlp_fp32", 1, -1, 2), Point("mlp_fp32", 16, 4000, 1)):
+        assert point_of("mlp_fp32", apply(text, point)) == point  # every point survives the round trip
 
 
 def test_tune_on_a_real_server_writes_the_winner_atomically(repo_copy: Path, tmp_path: Path) -> None:
