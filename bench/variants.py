@@ -15,7 +15,6 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -28,19 +27,7 @@ from builder.errors import BuilderError
 from builder.manifest import ModelSpec, load_manifest
 from builder.pipeline import variant_name
 from builder.repository import read_record
-from builder.runtimes import ort_session, run_session
-
-
-def throughput(path: Path, feed: dict[str, NDArray[Any]], threads: int, seconds: float) -> float:
-    session = ort_session(path, threads)
-    for _ in range(3):
-        session.run(None, feed)
-    batch = len(next(iter(feed.values())))
-    runs, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        session.run(None, feed)
-        runs += 1
-    return runs * batch / (time.perf_counter() - start)
+from builder.runtimes import ort_session, ort_throughput, run_session
 
 
 def feeds(samples: dict[str, NDArray[Any]], batch: int) -> dict[str, NDArray[Any]]:
@@ -56,7 +43,7 @@ def measure(paths: dict[str, Path], samples: dict[str, NDArray[Any]], threads: i
         for batch in (1, 16):
             feed = feeds(samples, batch)
             for name, path in paths.items():
-                results[name][batch].append(throughput(path, feed, threads, seconds))
+                results[name][batch].append(ort_throughput(path, feed, threads, seconds))
     return {n: {b: statistics.median(v) for b, v in per.items()} for n, per in results.items()}
 
 

@@ -27,7 +27,7 @@ from numpy.typing import NDArray
 from builder import accuracy, precision
 from builder.errors import AccuracyError
 from builder.manifest import CalibrationSpec, Tolerance
-from builder.runtimes import ort_session, run_session
+from builder.runtimes import ort_session, ort_throughput, run_session
 
 log = logging.getLogger(__name__)
 
@@ -143,14 +143,7 @@ def guard(
 
 def throughput(path: Path, evaluation: Mapping[str, NDArray[Any]], seconds: float = 1.0) -> float:
     """Batch-1 inferences per second under ONNX Runtime on this CPU (a quick cost estimate)."""
-    session = ort_session(path)
-    feed = {k: v[:1] for k, v in evaluation.items()}
-    session.run(None, feed)
-    runs, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        session.run(None, feed)
-        runs += 1
-    return runs / (time.perf_counter() - start)
+    return ort_throughput(path, {k: v[:1] for k, v in evaluation.items()}, seconds=seconds)
 
 
 def make_quantizer(fp32_path: Path, fp32_sha: str, calibration: Mapping[str, NDArray[Any]], calib_digest: str,

@@ -33,14 +33,17 @@ def read_record(variant_dir: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def write_json(path: Path, payload: object) -> None:
-    """Write JSON atomically (temp file + rename) so readers never see half a file."""
+def write_atomic(path: Path, payload: bytes) -> None:
+    """Write a file atomically (temp file in the same folder + rename): readers never see half of it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w", encoding="utf-8") as handle:
-        json.dump(payload, handle, indent=2, sort_keys=False, default=str)
-        handle.write("\n")
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(payload)
     os.replace(tmp, path)
+
+
+def write_json(path: Path, payload: object) -> None:
+    write_atomic(path, (json.dumps(payload, indent=2, default=str) + "\n").encode())
 
 
 class Staging:

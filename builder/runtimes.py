@@ -76,6 +76,21 @@ def run_session(session: ort.InferenceSession, samples: Mapping[str, NDArray[Any
     return {n: np.concatenate(parts) for n, parts in chunks.items()}
 
 
+def ort_throughput(path: Path, feed: Mapping[str, NDArray[Any]], threads: int = 0, seconds: float = 1.0) -> float:
+    """Inferences per second of one feed, repeated for `seconds` after three warm-up runs."""
+    import time
+
+    session = ort_session(path, threads)
+    for _ in range(3):
+        session.run(None, dict(feed))
+    batch = len(next(iter(feed.values())))
+    runs, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        session.run(None, dict(feed))
+        runs += 1
+    return runs * batch / (time.perf_counter() - start)
+
+
 class OnnxRuntimeCPU:
     """The variant ONNX is the artifact; Triton's python backend runs it with ONNX Runtime."""
 

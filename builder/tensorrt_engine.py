@@ -9,8 +9,6 @@ TensorRT 11 requires and 10.x supports.
 from __future__ import annotations
 
 import logging
-import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +19,7 @@ import tensorrt as trt
 from numpy.typing import NDArray
 
 from builder.errors import BuilderError
+from builder.repository import write_atomic
 from builder.tensorrt_plan import ProfileShapes, TrtBuildOptions
 
 log = logging.getLogger(__name__)
@@ -63,13 +62,6 @@ def _network_flags() -> int:
     return 1 << int(flag) if flag is not None else 0
 
 
-def _write_atomic(path: Path, payload: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "wb") as handle:
-        handle.write(payload)
-    os.replace(tmp, path)
-
-
 def build_plan(onnx_path: Path, plan_path: Path, profile: ProfileShapes, options: TrtBuildOptions,
                timing_cache: Path) -> None:
     """Parse the ONNX, build one optimization profile, reuse and update the timing cache, write the plan."""
@@ -101,9 +93,9 @@ def build_plan(onnx_path: Path, plan_path: Path, profile: ProfileShapes, options
     if serialized is None:
         raise BuilderError(f"{onnx_path}: TensorRT could not build an engine (see the warnings above)")
     plan_path.parent.mkdir(parents=True, exist_ok=True)
-    _write_atomic(plan_path, bytes(memoryview(serialized)))
+    write_atomic(plan_path, bytes(memoryview(serialized)))
     timing_cache.parent.mkdir(parents=True, exist_ok=True)
-    _write_atomic(timing_cache, bytes(memoryview(config.get_timing_cache().serialize())))
+    write_atomic(timing_cache, bytes(memoryview(config.get_timing_cache().serialize())))
     log.info("TensorRT plan %s (%d bytes); timing cache %s", plan_path, plan_path.stat().st_size, timing_cache)
 
 

@@ -15,7 +15,6 @@ import itertools
 import json
 import logging
 import math
-import os
 import shutil
 import tempfile
 import time
@@ -28,6 +27,7 @@ from typing import Any
 
 from builder import triton_config
 from builder.errors import BuilderError
+from builder.repository import write_atomic
 from builder.triton_server import Ports, TritonServer, free_ports
 from client.errors import PerfClientError
 
@@ -279,10 +279,7 @@ def write_winner(repository: Path, point: Point) -> Path:
     original = target.read_text()
     backup = target.with_name(f"config.pbtxt.bak-{time.strftime('%Y%m%d-%H%M%S')}")
     shutil.copy2(target, backup)
-    fd, tmp = tempfile.mkstemp(prefix=".config.pbtxt.", dir=target.parent)
-    with os.fdopen(fd, "w", encoding="utf-8") as handle:
-        handle.write(apply(original, point))
-    os.replace(tmp, target)
+    write_atomic(target, apply(original, point).encode())
     return backup
 
 
