@@ -41,13 +41,15 @@ def main() -> int:
         print("plain INT8 already meets it; nothing to guard")
         return 0
     speed, size = guard["throughput_b1_cpu"], guard["size_bytes"]
-    rows = [("fp32", {"cosine_mean": 1.0, "top1_agreement": 1.0}, "fp32"),
+    reference = {"cosine_mean": 1.0, **({"top1_agreement": 1.0} if "top1_agreement" in guard["before"] else {})}
+    rows = [("fp32", reference, "fp32"),
             ("int8 plain", guard["before"], "int8_plain"),
             ("int8 guarded" if not guard["fallback"] else "fp16 fallback", int8.accuracy, "int8_guarded")]
     print(f"{'variant':<16} {'cos mean':>8} {'top1 agr':>8} {'b1 inf/s':>9} {'MB':>6}")
     for label, acc, key in rows:
         top1 = acc.get("top1_agreement")
-        print(f"{label:<16} {acc['cosine_mean']:>8.4f} {top1 if top1 is None else format(top1, '.3f'):>8} "
+        top1_text = "-" if top1 is None else f"{top1:.3f}"
+        print(f"{label:<16} {acc['cosine_mean']:>8.4f} {top1_text:>8} "
               f"{speed[key]:>9.1f} {size[key] / 1e6:>6.1f}")
     print(f"kept in higher precision ({len(guard['excluded'])}): {', '.join(guard['excluded']) or '-'}")
     print(f"quantizations built: {guard['quantizations']} ({len(guard['most_sensitive'])} shown most sensitive), "
