@@ -12,6 +12,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from builder import data as data_mod
+from builder.dtypes import to_triton
 from builder.errors import BuilderError, ServerError
 from builder.manifest import ModelSpec
 from builder.pipeline import variant_name
@@ -20,8 +21,6 @@ from builder.runtimes import ort_session, run_session
 
 log = logging.getLogger(__name__)
 
-_TRITON_TYPES = {"float32": "FP32", "float16": "FP16", "int64": "INT64", "int32": "INT32", "int8": "INT8",
-                 "uint8": "UINT8", "bool": "BOOL", "float64": "FP64", "int16": "INT16"}
 # The server batches requests differently from the local run, which may pick other kernels.
 ATOL = 1e-4
 RTOL = 1e-3
@@ -48,7 +47,7 @@ def _infer(
     try:
         inputs = []
         for name, array in feed.items():
-            item = tc.InferInput(name, list(array.shape), _TRITON_TYPES[array.dtype.name])
+            item = tc.InferInput(name, list(array.shape), to_triton(array.dtype.name).removeprefix("TYPE_"))
             item.set_data_from_numpy(array)
             inputs.append(item)
         requested = [tc.InferRequestedOutput(n) for n in outputs]
