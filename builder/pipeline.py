@@ -149,20 +149,13 @@ def build_model(spec: ModelSpec, options: BuildOptions, staging: Staging) -> Mod
         eval_digest = data_mod.digest(evaluation)
         calib_digest = data_mod.digest(calibration) if calibration is not None else None
         exported_sha = onnx_model.sha256_file(fp32_path)
-        key = _digest({
-            "onnx": exported_sha,
-            "evaluation": eval_digest,
-            "calibration": calib_digest,
-            "spec": _spec_fingerprint(spec),
-            "runtime": options.runtime.name,
-            "runtime_identity": options.runtime.identity(),
-            "serving_backend": options.serving_backend,
-            "recipe": precision.RECIPE_VERSION,
-            "tools": tool_versions(),
-        })
+        # Everything a variant depends on; its digest is the build key, and a changed field names the reason.
         inputs_record = {"onnx": exported_sha, "evaluation": eval_digest, "calibration": calib_digest,
-                         "spec": _digest(_spec_fingerprint(spec)), "runtime": options.runtime.identity(),
-                         "serving_backend": options.serving_backend, "tools": tool_versions()}
+                         "spec": _digest(_spec_fingerprint(spec)),
+                         "runtime": {"name": options.runtime.name, **options.runtime.identity()},
+                         "serving_backend": options.serving_backend, "recipe": precision.RECIPE_VERSION,
+                         "tools": tool_versions()}
+        key = _digest(inputs_record)
         if not options.force and _up_to_date(spec, options.repository, key):
             log.info("%s: inputs unchanged, nothing rebuilt", spec.name)
             return ModelResult(spec.name, "unchanged", key, [], seconds=time.perf_counter() - started)
@@ -187,7 +180,7 @@ def rebuild_reasons(spec: ModelSpec, repository: Path, wanted: dict[str, Any]) -
     """Why a model's variants are rebuilt, from what their build records say they were built from."""
     labels = {"onnx": "exported ONNX", "evaluation": "evaluation data", "calibration": "calibration data",
               "spec": "models.toml entry", "runtime": "runtime", "serving_backend": "serving backend",
-              "tools": "tool versions"}
+              "recipe": "build recipe", "tools": "tool versions"}
     reasons: list[str] = []
     for prec in spec.precisions:
         record = read_record(repository / variant_name(spec.name, prec))
