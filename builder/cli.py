@@ -287,7 +287,7 @@ def _configure_logging(verbose: int, quiet: bool) -> None:
     level = logging.WARNING if quiet else logging.DEBUG if verbose > 1 else logging.INFO
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     if verbose < 2:
-        for noisy in ("modelopt", "onnxslim", "root", "urllib3", "numexpr"):
+        for noisy in ("modelopt", "onnxslim", "urllib3", "numexpr"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
