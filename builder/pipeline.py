@@ -323,12 +323,15 @@ def _build_variant(
     version_dir = out_dir / "1"
     version_dir.mkdir()
     artifact = version_dir / options.runtime.artifact
-    variant_sha = onnx_model.sha256_file(variant_onnx)
-    _carry_plans(options.repository / name / "1", version_dir, variant_sha)
-    options.runtime.compile(variant_onnx, artifact,
-                            CompileTarget(sig.inputs, spec.batch, dict(spec.dims), variant_sha))
-    outputs = options.runtime.run(artifact, evaluation, _EVAL_BATCH)
-    metrics = accuracy.compare(reference, outputs, spec.task)
+
+    def compile_and_compare() -> tuple[str, accuracy.Metrics]:
+        """Compile the current variant ONNX and measure the artifact against the FP32 reference."""
+        sha = onnx_model.sha256_file(variant_onnx)
+        options.runtime.compile(variant_onnx, artifact, CompileTarget(sig.inputs, spec.batch, dict(spec.dims), sha))
+        return sha, accuracy.compare(reference, options.runtime.run(artifact, evaluation, _EVAL_BATCH), spec.task)
+
+    _carry_plans(options.repository / name / "1", version_dir, onnx_model.sha256_file(variant_onnx))
+    variant_sha, metrics = compile_and_compare()
     tolerance = spec.tolerances.get(prec, DEFAULT_TOLERANCES[prec])
     log.info("%s: %s", name, ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
     guard_report = None
@@ -342,10 +345,7 @@ def _build_variant(
         log.warning("%s; searching for nodes to keep in higher precision", exc)
         guard_report = _guard_int8(spec, fp32_path, fp32_sha, calibration, calib_digest, variant_onnx, evaluation,
                                    reference, tolerance, options, work)
-        options.runtime.compile(variant_onnx, artifact,
-                                CompileTarget(sig.inputs, spec.batch, dict(spec.dims),
-                                              onnx_model.sha256_file(variant_onnx)))
-        metrics = accuracy.compare(reference, options.runtime.run(artifact, evaluation, _EVAL_BATCH), spec.task)
+        variant_sha, metrics = compile_and_compare()  # the guarded mix (or FP16) replaced the plain INT8
         accuracy.check(metrics, tolerance, name)
         if calibration_info is not None:
             calibration_info["nodes_kept_in_higher_precision"] = guard_report["excluded"]
@@ -376,7 +376,7 @@ def _build_variant(
         "precision_settings": settings,
         "variant_onnx_sha256": variant_sha,
         "inputs": inputs_record,
-        "tools": tool_versions(),
+        "tools": inputs_record["tools"],
         **asdict(variant),
     })
     return variant

@@ -70,6 +70,7 @@ def test_plain_int8_misses_and_the_guarded_build_meets_it_with_a_small_exclusion
     assert record["calibration"]["nodes_kept_in_higher_precision"] == guard["excluded"]
     served = onnx.load(str(tmp_path / "repo" / "outlier_int8" / "1" / "model.onnx"))
     assert quantized_nodes(served) and "fc2" not in quantized_nodes(served)
+    assert record["variant_onnx_sha256"] == sha256_file(tmp_path / "repo" / "outlier_int8" / "1" / "model.onnx")
 
 
 def test_without_an_explicit_int8_tolerance_the_build_just_fails(tmp_path: Path) -> None:
