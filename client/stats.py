@@ -88,12 +88,6 @@ def summarize(records: Records, start_ns: int, end_ns: int, batch: int, first: i
     )
 
 
-def merge(windows: Sequence[Window], records: Records, batch: int) -> Window:
-    """One summary over consecutive windows (the stable ones), recomputed from the raw records."""
-    merged = summarize(records, windows[0].start_ns, windows[-1].end_ns, batch)
-    return merged
-
-
 def is_stable(windows: Sequence[Window], percentage: float, count: int = 3) -> bool:
     """perf_analyzer's rule: the last `count` windows' throughput and average latency all lie
     within ±percentage % of their mean, and none is empty."""
