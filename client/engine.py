@@ -77,10 +77,10 @@ class LoadRun:
         self.progress = progress
         self.records = Records()
         self._stop = asyncio.Event()
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[str | None]] = set()
         self._count = 0
 
-    async def _send(self, scheduled: int) -> None:
+    async def _send(self, scheduled: int) -> str | None:
         request = self.payloads[self._count % len(self.payloads)]
         self._count += 1
         sent = time.monotonic_ns()
@@ -92,12 +92,12 @@ class LoadRun:
         except Exception as exc:  # noqa: BLE001 - every outcome is recorded, none raised
             error = error_kind(exc)
         self.records.add(scheduled, sent, time.monotonic_ns(), error)
+        return error
 
     async def _closed_loop_worker(self) -> None:
         while not self._stop.is_set():
             now = time.monotonic_ns()
-            await self._send(now)
-            if self.records.errors and self.records.errors[-1] == "unavailable":
+            if await self._send(now) == "unavailable":
                 await asyncio.sleep(0.01)  # do not spin on a dead server
 
     async def _open_loop(self, rate: float, distribution: str) -> None:
