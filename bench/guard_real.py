@@ -13,10 +13,9 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from builder.manifest import Tolerance, load_manifest
 from builder.pipeline import BuildOptions, build_all
-from builder.precision import default_cache_dir
 from builder.runtimes import OnnxRuntimeCPU
+from builder.spec import Tolerance, default_cache_dir, load_manifest
 
 
 def main() -> int:

@@ -6,7 +6,7 @@
 import statistics
 from pathlib import Path
 
-from builder.tune import Point, TuneServer
+from builder.serving.tune import Point, TuneServer
 
 a = Point("efficientnet_lite0_int8", 8, 0, 1)   # exhaustive's winner
 b = Point("efficientnet_lite0_int8", 16, 0, 1)  # hill climbing's winner

@@ -22,12 +22,12 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from builder import accuracy, cleanup, data, onnx_model, precision
 from builder.errors import BuilderError
-from builder.manifest import ModelSpec, load_manifest
-from builder.pipeline import variant_name
-from builder.repository import read_record
-from builder.runtimes import ort_session, ort_throughput, run_session
+from builder.repository.model_folder import read_record
+from builder.runtimes.onnxruntime import ort_session, ort_throughput, run_session
+from builder.spec import ModelSpec, load_manifest, variant_name
+from builder.steps import accuracy, cleanup, onnx_model, precision
+from builder.steps import samples as data
 
 
 def feeds(samples: dict[str, NDArray[Any]], batch: int) -> dict[str, NDArray[Any]]:
@@ -50,7 +50,7 @@ def measure(paths: dict[str, Path], samples: dict[str, NDArray[Any]], threads: i
 def recipe_comparison(spec: ModelSpec, samples: dict[str, NDArray[Any]], threads: int, seconds: float,
                       rounds: int) -> list[dict[str, Any]]:
     """Build the model's INT8 variant with each recipe and measure both beside FP32."""
-    from builder.export import export
+    from builder.steps.export import export
 
     assert spec.calibration is not None
     with tempfile.TemporaryDirectory() as tmp:

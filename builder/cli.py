@@ -3,39 +3,30 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from builder.errors import BuilderError, ManifestError
-from builder.manifest import (
-    CALIBRATION_METHODS,
-    TASKS,
+from builder.spec import (
+    CalibrationMethod,
     CalibrationSpec,
     DataSpec,
     DimRange,
     ModelSpec,
+    Precision,
+    RuntimeChoice,
+    ServingBackend,
     ServingSpec,
+    Task,
+    check_model_name,
     load_manifest,
     parse_dim_range,
     parse_precisions,
+    variant_name,
 )
-
-log = logging.getLogger("builder")
-
-
-@dataclass(frozen=True)
-class ServeConfig:
-    repository: Path
-    state_dir: Path
-    http_port: int
-    grpc_port: int
-    metrics_port: int
-    background: bool
-    timeout: float
+from client.logs import configure_logging
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -138,33 +129,27 @@ def _spec_from_build_args(args: argparse.Namespace) -> ModelSpec:
     precisions = parse_precisions(args.precision or default, "--precision")
     if args.max_batch < 1:
         raise ManifestError(f"--max-batch {args.max_batch}: expected a positive integer")
-    if args.task not in TASKS:
-        raise ManifestError(f"--task {args.task!r}: expected one of {', '.join(TASKS)}")
-    if args.calibration_method not in CALIBRATION_METHODS:
-        raise ManifestError(
-            f"--calibration-method {args.calibration_method!r}: expected one of {', '.join(CALIBRATION_METHODS)}"
-        )
-    if "int8" in precisions and args.calibration is None:
+    if args.calibration_samples < 1:
+        raise ManifestError(f"--calibration-samples {args.calibration_samples}: expected a positive integer")
+    task = Task.parse(args.task, "--task", error=ManifestError)
+    method = CalibrationMethod.parse(args.calibration_method, "--calibration-method", error=ManifestError)
+    if Precision.INT8 in precisions and args.calibration is None:
         raise ManifestError("--precision int8: expected --calibration FILE.npz (real inputs, keyed by input name)")
     for flag, path in (("--calibration", args.calibration), ("--eval-data", args.eval_data)):
         if path is not None and path.suffix != ".npz":
             raise ManifestError(f"{flag} {path}: expected a .npz file")
     calibration = None
     if args.calibration is not None:
-        calibration = CalibrationSpec(
-            data=DataSpec(str(args.calibration), args.calibration_samples), method=args.calibration_method
-        )
+        calibration = CalibrationSpec(data=DataSpec(str(args.calibration), args.calibration_samples), method=method)
     evaluation = DataSpec(str(args.eval_data), 1 << 20) if args.eval_data else None
-    name = args.name
-    if not name.replace("_", "").replace("-", "").isalnum():
-        raise ManifestError(f"--name {name!r}: expected letters, digits, '_' and '-' only")
+    name = check_model_name(args.name, "--name")
     opt = max(1, args.max_batch // 2)
     return ModelSpec(
         name=name,
         onnx=args.onnx,
         batch=DimRange(1, opt, args.max_batch),
         precisions=precisions,
-        task=args.task,
+        task=task,
         dims=_parse_dims(args.dim),
         calibration=calibration,
         evaluation=evaluation,
@@ -173,80 +158,99 @@ def _spec_from_build_args(args: argparse.Namespace) -> ModelSpec:
 
 
 def _build(args: argparse.Namespace, specs: list[ModelSpec]) -> int:
-    from builder.pipeline import BuildOptions, build_all
+    from builder.pipeline import BuildOptions, ModelStatus, build_all
     from builder.runtimes import select
-    from builder.tensorrt_plan import TrtBuildOptions
-    from builder.triton_config import SERVING_BACKENDS
+    from builder.runtimes.tensorrt_plan import HardwareCompatibility, TrtBuildOptions
 
-    if args.serving_backend not in SERVING_BACKENDS:
-        raise ManifestError(
-            f"--serving-backend {args.serving_backend!r}: expected one of {', '.join(SERVING_BACKENDS)}"
-        )
+    runtime_choice = RuntimeChoice.parse(args.runtime, "--runtime", error=ManifestError)
+    serving_backend = ServingBackend.parse(args.serving_backend, "--serving-backend", error=ManifestError)
     trt_options = TrtBuildOptions(
         workspace_mib=args.trt_workspace_mib, optimization_level=args.trt_optimization_level,
-        version_compatible=args.trt_version_compatible, hardware_compatibility=args.trt_hardware_compatibility,
+        version_compatible=args.trt_version_compatible,
+        hardware_compatibility=HardwareCompatibility.parse(args.trt_hardware_compatibility,
+                                                           "--trt-hardware-compatibility", error=ManifestError),
         cuda_graphs=args.trt_cuda_graphs, warmup=not args.no_trt_warmup,
     ).check()
-    options = BuildOptions(repository=args.repository, runtime=select(args.runtime, trt_options),
-                           serving_backend=args.serving_backend, force=args.force)
+    options = BuildOptions(repository=args.repository, force=args.force,
+                           runtime=select(runtime_choice, serving_backend=serving_backend, trt_options=trt_options))
     report = args.report or args.repository / "build_report.json"
     results = build_all(specs, options, report, ["trtbuild", *sys.argv[1:]])
     for result in results:
-        if result.status == "unchanged":
+        if result.status is ModelStatus.UNCHANGED:
             print(f"{result.name}: unchanged, nothing rebuilt")
             continue
         for v in result.variants:
             acc = v.accuracy
-            extra = f" top1={acc['top1_agreement']:.3f}" if "top1_agreement" in acc else ""
-            cached = " (calibration reused)" if v.calibration and v.calibration.get("cached") else ""
-            print(f"{v.name}: {v.runtime} {v.size_bytes / 1e6:.1f} MB cos_min={acc['cosine_min']:.5f} "
-                  f"max_abs={acc['max_abs']:.3g}{extra} {v.build_seconds:.1f}s{cached}")
+            extra = f" top1={acc.top1_agreement:.3f}" if acc.top1_agreement is not None else ""
+            cached = " (calibration reused)" if v.calibration and v.calibration.cached else ""
+            print(f"{v.name}: {v.runtime} {v.size_bytes / 1e6:.1f} MB cos_min={acc.cosine_min:.5f} "
+                  f"max_abs={acc.max_abs:.3g}{extra} {v.build_seconds:.1f}s{cached}")
     print(f"report: {report}")
     return 0
 
 
-def _int_list(value: str, flag: str, allow_off: bool = False) -> tuple[int, ...]:
+def _int_list(value: str, flag: str) -> tuple[int, ...]:
     items = []
     for part in value.split(","):
         part = part.strip()
-        if allow_off and part == "off":
-            items.append(-1)
-        elif part.isdigit() and (int(part) > 0 or allow_off):
-            items.append(int(part))
-        else:
-            kind = "integers or off" if allow_off else "positive integers"
-            raise ManifestError(f"{flag} {value!r}: expected comma-separated {kind}")
+        if not part.isdigit() or int(part) < 1:
+            raise ManifestError(f"{flag} {value!r}: expected comma-separated positive integers")
+        items.append(int(part))
     return tuple(dict.fromkeys(items))
 
 
-def _tune(args: argparse.Namespace) -> int:
-    from builder.tune import Objective, Space, tune
+def _delays(value: str, flag: str) -> tuple[int | None, ...]:
+    """Queue delays in µs; `off` (None) means no dynamic batching."""
+    items: list[int | None] = []
+    for part in value.split(","):
+        part = part.strip()
+        if part == "off":
+            items.append(None)
+        elif part.isdigit():
+            items.append(int(part))
+        else:
+            raise ManifestError(f"{flag} {value!r}: expected comma-separated integers (µs) or off")
+    return tuple(dict.fromkeys(items))
 
+
+def _ms(value: float, flag: str) -> float:
+    if value <= 0:
+        raise ManifestError(f"{flag} {value:g}: expected a positive number")
+    return value
+
+
+def _tune(args: argparse.Namespace) -> int:
+    from builder.serving.tune import Goal, Objective, Search, Space, tune
+
+    name = check_model_name(args.name, "tune NAME")
     precisions = parse_precisions(args.precisions, "--precisions")
-    variants = tuple(f"{args.name}_{p}" for p in precisions if (args.repository / f"{args.name}_{p}").is_dir())
+    variants = tuple(variant_name(name, p) for p in precisions if (args.repository / variant_name(name, p)).is_dir())
     if not variants:
-        raise ManifestError(f"tune {args.name}: no variant of it in {args.repository}; run `make engines` first")
-    space = Space(variants, _int_list(args.max_batch, "--max-batch"),
-                  _int_list(args.queue_delay_us, "--queue-delay-us", allow_off=True),
+        raise ManifestError(f"tune {name}: no variant of it in {args.repository}; run `trtbuild engines` first")
+    space = Space(variants, _int_list(args.max_batch, "--max-batch"), _delays(args.queue_delay_us, "--queue-delay-us"),
                   _int_list(args.instances, "--instances"))
-    objective = Objective(args.objective,
-                          args.p99_budget_ms * 1000 if args.p99_budget_ms is not None else None,
-                          args.min_throughput).check()
-    report_path = args.report or Path("reports") / f"tune_{args.name}.json"
-    plot_path = args.plot or Path("reports") / f"tune_{args.name}.png"
-    report = tune(args.repository, space, objective, args.search, _int_list(args.concurrency, "--concurrency"),
-                  args.measurement_interval, variants[0], report_path, plot_path, write=not args.dry_run,
+    objective = Objective(Goal.parse(args.objective, "--objective", error=ManifestError),
+                          _ms(args.p99_budget_ms, "--p99-budget-ms") * 1000 if args.p99_budget_ms is not None else None,
+                          args.min_throughput)
+    if args.measurement_interval < 1 or args.max_trials < 1:
+        raise ManifestError(f"--measurement-interval {args.measurement_interval} / --max-trials {args.max_trials}: "
+                            "expected positive integers")
+    report_path = args.report or Path("reports") / f"tune_{name}.json"
+    plot_path = args.plot or Path("reports") / f"tune_{name}.png"
+    report = tune(args.repository, space, objective, search=Search.parse(args.search, "--search", error=ManifestError),
+                  concurrencies=_int_list(args.concurrency, "--concurrency"), measurement_ms=args.measurement_interval,
+                  default_variant=variants[0], report_path=report_path, plot_path=plot_path, write=not args.dry_run,
                   compare=not args.no_compare, max_trials=args.max_trials)
     print(f"{'point':<58} {'infer/s':>8} {'p99 ms':>8} {'feasible':>8}")
     for entry in report.points:
-        rs = entry["results"]
-        print(f"{entry['label']:<58} {sum(r['throughput'] for r in rs) / len(rs):>8.1f} "
-              f"{max(r['p99_us'] for r in rs) / 1e3:>8.1f} {'yes' if entry['feasible'] else 'no':>8}")
+        p99 = "-" if entry.p99_ms is None else f"{entry.p99_ms:.1f}"
+        print(f"{entry.label:<58} {entry.throughput:>8.1f} {p99:>8} {'yes' if entry.feasible else 'no':>8}")
     print(f"{report.search} search: {report.measurements} measurements; Pareto front: {len(report.pareto)} points")
     print(f"why: {report.why}")
     for row in report.comparison:
-        print(f"side by side: {row['config']:<20} {row['throughput']:>8.1f} infer/s  p99 {row['p99_ms']:>7.1f} ms  "
-              f"{'meets' if row['feasible'] else 'misses'} the constraints  ({row['label']})")
+        p99 = "-" if row.p99_ms is None else f"{row.p99_ms:.1f}"
+        print(f"side by side: {row.config:<20} {row.throughput:>8.1f} infer/s  p99 {p99:>7} ms  "
+              f"{'meets' if row.feasible else 'misses'} the constraints  ({row.label})")
     written = ""
     if report.winner is not None:
         written = "not written (--dry-run)" if args.dry_run else f"written to {args.repository / report.winner.variant}"
@@ -256,23 +260,22 @@ def _tune(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from builder.triton_server import Ports, TritonServer
+    from builder.serving.triton_server import Ports, TritonServer
 
-    cfg = ServeConfig(args.repository, args.state_dir, args.http_port, args.grpc_port, args.metrics_port,
-                      args.background, args.timeout)
-    server = TritonServer(cfg.repository, cfg.state_dir, Ports(cfg.http_port, cfg.grpc_port, cfg.metrics_port))
-    pid_file = cfg.state_dir / "tritonserver.pid"
-    if cfg.background:
-        server.start(timeout=cfg.timeout, detach=True)
+    ports = Ports(args.http_port, args.grpc_port, args.metrics_port)
+    server = TritonServer(args.repository, args.state_dir, ports)
+    pid_file = args.state_dir / "tritonserver.pid"
+    if args.background:
+        server.start(timeout=args.timeout, detach=True)
         assert server.process is not None
         pid_file.write_text(f"{server.process.pid}\n")
-        print(f"tritonserver ready: http :{cfg.http_port}, grpc :{cfg.grpc_port}, metrics :{cfg.metrics_port} "
+        print(f"tritonserver ready: http :{ports.http}, grpc :{ports.grpc}, metrics :{ports.metrics} "
               f"(pid {server.process.pid}, log {server.log_file})")
         return 0
-    server.start(timeout=cfg.timeout)
+    server.start(timeout=args.timeout)
     assert server.process is not None
     pid_file.write_text(f"{server.process.pid}\n")
-    print(f"tritonserver ready: http :{cfg.http_port}, grpc :{cfg.grpc_port}, metrics :{cfg.metrics_port}; "
+    print(f"tritonserver ready: http :{ports.http}, grpc :{ports.grpc}, metrics :{ports.metrics}; "
           "Ctrl-C stops it")
     try:
         return server.process.wait()
@@ -283,17 +286,9 @@ def _serve(args: argparse.Namespace) -> int:
         pid_file.unlink(missing_ok=True)
 
 
-def _configure_logging(verbose: int, quiet: bool) -> None:
-    level = logging.WARNING if quiet else logging.DEBUG if verbose > 1 else logging.INFO
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    if verbose < 2:
-        for noisy in ("modelopt", "onnxslim", "urllib3", "numexpr"):
-            logging.getLogger(noisy).setLevel(logging.WARNING)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    _configure_logging(args.verbose, args.quiet)
+    configure_logging(("builder", "client"), verbose=args.verbose, quiet=args.quiet)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         if args.command == "engines":
@@ -312,7 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "tune":
             return _tune(args)
         if args.command == "verify":
-            from builder.verify import verify_models
+            from builder.serving.verify import verify_models
 
             results = verify_models(load_manifest(args.manifest), args.repository,
                                     {"grpc": args.grpc_url, "http": args.http_url}, args.samples)
@@ -324,7 +319,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise BuilderError(f"server answers differ from ONNX Runtime for {', '.join(bad)}")
             return 0
         if args.command == "stop":
-            from builder.triton_server import stop_pid
+            from builder.serving.triton_server import stop_pid
 
             stopped = stop_pid(args.state_dir / "tritonserver.pid")
             print("tritonserver stopped" if stopped else "no tritonserver was running")

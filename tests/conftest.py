@@ -7,14 +7,13 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from builder.manifest import CalibrationSpec, DataSpec, DimRange, ModelSpec, Tolerance
 from builder.pipeline import BuildOptions, build_all
 from builder.runtimes import OnnxRuntimeCPU, tensorrt_available
-from builder.triton_server import Ports, TritonServer, free_ports
-from tests.tiny_models import mlp_onnx, mlp_samples, sequence_onnx
+from builder.serving.triton_server import Ports, TritonServer, free_ports
+from builder.spec import ModelSpec
+from tests.helpers.tiny_models import tiny_specs
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -39,29 +38,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason="no NVIDIA GPU here"))
         if "tensorrt" in item.keywords and not trt:
             item.add_marker(pytest.mark.skip(reason="TensorRT with a GPU is not available here"))
-
-
-def tiny_specs(data_dir: Path) -> list[ModelSpec]:
-    """An MLP classifier (fp32/fp16/int8, calibration from .npz) and a sequence model with a named dim."""
-    mlp = mlp_onnx(data_dir / "mlp.onnx")
-    np.savez(data_dir / "mlp_calib.npz", **mlp_samples(64, seed=0))
-    np.savez(data_dir / "mlp_eval.npz", **mlp_samples(32, seed=1))
-    seq = sequence_onnx(data_dir / "seq.onnx")
-    rng = np.random.default_rng(2)
-    np.savez(data_dir / "seq_eval.npz", ids=rng.integers(0, 50, size=(16, 12)).astype(np.int64))
-    return [
-        ModelSpec(
-            name="mlp", onnx=mlp, task="classification", batch=DimRange(1, 4, 8),
-            precisions=("fp32", "fp16", "int8"),
-            calibration=CalibrationSpec(DataSpec(str(data_dir / "mlp_calib.npz"), 64)),
-            evaluation=DataSpec(str(data_dir / "mlp_eval.npz"), 32),
-            tolerances={"int8": Tolerance(cosine_min=0.95, top1_agreement_min=0.8)},
-        ),
-        ModelSpec(
-            name="seq", onnx=seq, batch=DimRange(1, 2, 4), precisions=("fp32", "fp16"),
-            dims={"seq": DimRange(1, 12, 32)}, evaluation=DataSpec(str(data_dir / "seq_eval.npz"), 16),
-        ),
-    ]
 
 
 @pytest.fixture(scope="session")

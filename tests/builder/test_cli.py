@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from builder.cli import main
-from tests.builder.test_pipeline import snapshot
-from tests.tiny_models import mlp_onnx, mlp_samples, sequence_onnx
+from tests.helpers.files import snapshot
+from tests.helpers.tiny_models import mlp_onnx, mlp_samples, sequence_onnx
 
 
 def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:

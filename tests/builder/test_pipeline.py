@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -12,17 +11,22 @@ import onnx
 import pytest
 
 from builder.errors import AccuracyError, DataError
-from builder.manifest import DataSpec, DimRange, ModelSpec, TensorSpec, Tolerance
 from builder.pipeline import BuildOptions, build_all
+from builder.repository.triton_config import parse
 from builder.runtimes import OnnxRuntimeCPU
-from builder.triton_config import parse
-from tests.conftest import tiny_specs
-from tests.tiny_models import mlp_samples
-
-
-def snapshot(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+from builder.spec import (
+    CalibrationMethod,
+    DataSpec,
+    DimRange,
+    Int8Recipe,
+    ModelSpec,
+    Precision,
+    Task,
+    TensorSpec,
+    Tolerance,
+)
+from tests.helpers.files import snapshot
+from tests.helpers.tiny_models import mlp_samples, tiny_specs
 
 
 def options(repository: Path, cache: Path) -> BuildOptions:
@@ -70,28 +74,29 @@ def test_calibration_is_reused_while_its_inputs_are_unchanged(tmp_path: Path) ->
     second = build_all([mlp], options(tmp_path / "r2", cache), None, ["pytest"])
     int8 = next(v for v in first[0].variants if v.precision == "int8")
     again = next(v for v in second[0].variants if v.precision == "int8")
-    assert int8.calibration and not int8.calibration["cached"]
-    assert again.calibration and again.calibration["cached"]
+    assert int8.calibration and not int8.calibration.cached
+    assert again.calibration and again.calibration.cached
     assert again.sha256 == int8.sha256
     np.savez(tmp_path / "mlp_calib.npz", **mlp_samples(64, seed=7))  # new data, new calibration
     third = build_all([mlp], options(tmp_path / "r3", cache), None, ["pytest"])
     fresh = next(v for v in third[0].variants if v.precision == "int8")
-    assert fresh.calibration and not fresh.calibration["cached"]
+    assert fresh.calibration and not fresh.calibration.cached
 
 
 def test_max_calibration_method_builds_too(tmp_path: Path) -> None:
     mlp = tiny_specs(tmp_path)[0]
     assert mlp.calibration is not None
-    spec = replace(mlp, precisions=("fp32", "int8"), calibration=replace(mlp.calibration, method="max"))
+    spec = replace(mlp, precisions=(Precision.FP32, Precision.INT8),
+                   calibration=replace(mlp.calibration, method=CalibrationMethod.MAX))
     (result,) = build_all([spec], options(tmp_path / "r", tmp_path / "cache"), None, ["pytest"])
-    assert result.variants[1].calibration and result.variants[1].calibration["method"] == "max"
+    assert result.variants[1].calibration and result.variants[1].calibration.method is CalibrationMethod.MAX
 
 
 def test_tolerance_failure_names_the_variant_and_leaves_the_repository_untouched(
     tiny_repository: tuple[Path, list[ModelSpec]], repo_copy: Path, tmp_path: Path
 ) -> None:
     _, specs = tiny_repository
-    strict = replace(specs[0], tolerances={"int8": Tolerance(max_abs=1e-6)})
+    strict = replace(specs[0], tolerances={Precision.INT8: Tolerance(max_abs=1e-6)})
     before = snapshot(repo_copy)
     opts = options(repo_copy, tmp_path / "cache")
     opts.force = True
@@ -118,30 +123,30 @@ def test_bad_calibration_data_fails_before_anything_is_written(
 
 def test_pytorch_source_is_exported_with_a_dynamic_batch_axis(tmp_path: Path) -> None:
     spec = ModelSpec(
-        name="tiny_torch", source="tests.tiny_models:tiny_torch", task="classification",
+        name="tiny_torch", source="tests.helpers.tiny_models:tiny_torch", task=Task.CLASSIFICATION,
         inputs=(TensorSpec("x", "float32", (-1, 4, 32)),), outputs=("logits",), batch=DimRange(1, 4, 8),
-        precisions=("fp32", "fp16"),
+        precisions=(Precision.FP32, Precision.FP16),
     )
-    spec = replace(spec, evaluation=DataSpec("tests.tiny_models:mlp_samples_fn", 24, 3))
+    spec = replace(spec, evaluation=DataSpec("tests.helpers.tiny_models:mlp_samples_fn", 24, 3))
     (result,) = build_all([spec], options(tmp_path / "repo", tmp_path / "cache"), None, ["pytest"])
     assert [v.precision for v in result.variants] == ["fp32", "fp16"]
     model = onnx.load(str(tmp_path / "repo" / "tiny_torch_fp32" / "1" / "model.onnx"))
     batch_dim = model.graph.input[0].type.tensor_type.shape.dim[0]
     assert batch_dim.dim_param and not batch_dim.dim_value
     assert model.opset_import[0].version >= 17
-    assert result.variants[1].accuracy["top1_agreement"] == 1.0
+    assert result.variants[1].accuracy.top1_agreement == 1.0
 
 
 def test_onnxruntime_int8_recipe_quantizes_per_channel_and_passes(tmp_path: Path) -> None:
     mlp = tiny_specs(tmp_path)[0]
     assert mlp.calibration is not None
-    spec = replace(mlp, precisions=("fp32", "int8"),
-                   calibration=replace(mlp.calibration, recipe="onnxruntime", method="max"))
+    spec = replace(mlp, precisions=(Precision.FP32, Precision.INT8),
+                   calibration=replace(mlp.calibration, recipe=Int8Recipe.ONNXRUNTIME, method=CalibrationMethod.MAX))
     (result,) = build_all([spec], options(tmp_path / "r", tmp_path / "cache"), None, ["pytest"])
     int8 = result.variants[1]
     assert int8.calibration is not None
-    assert int8.calibration["recipe"] == "onnxruntime" and int8.calibration["quantize_linear_nodes"] > 0
+    assert int8.calibration.recipe == "onnxruntime" and int8.calibration.quantize_linear_nodes > 0
     model = onnx.load(str(tmp_path / "r" / "mlp_int8" / "1" / "model.onnx"))
     weight_scales = [i for i in model.graph.initializer if i.name.endswith("_scale") and len(i.dims) == 1]
     assert weight_scales, "per-channel quantization stores one scale per output channel"
-    assert int8.accuracy["top1_agreement"] >= 0.8
+    assert int8.accuracy.top1_agreement >= 0.8

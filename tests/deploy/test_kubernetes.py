@@ -15,7 +15,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from builder.triton_server import Ports, TritonServer, free_ports
+from builder.serving.triton_server import Ports, TritonServer, free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 OVERLAYS = ROOT / "deploy" / "kubernetes" / "overlays"

@@ -1,0 +1,42 @@
+"""One Triton model folder: config.pbtxt, the python-backend runner where that backend serves it,
+and build.json, the record of what it was built from."""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from tritonclient.grpc import model_config_pb2
+
+from builder.repository import triton_config
+from builder.repository.triton_config import ConfigInputs, TritonBackend
+from client.files import write_atomic, write_json
+
+RECORD = "build.json"
+CONFIG = "config.pbtxt"
+RUNNER = "model.py"
+
+
+def read_record(model_dir: Path) -> dict[str, Any] | None:
+    """The folder's build record, or None when it has none (or an unreadable one)."""
+    try:
+        data = json.loads((model_dir / RECORD).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def write_record(model_dir: Path, record: dict[str, Any]) -> None:
+    write_json(model_dir / RECORD, record)
+
+
+def write_config(model_dir: Path, version_dir: Path, inputs: ConfigInputs) -> model_config_pb2.ModelConfig:
+    """config.pbtxt through Triton's schema, plus our runner when the python backend serves it."""
+    config = triton_config.build(inputs)
+    write_atomic(model_dir / CONFIG, triton_config.to_text(config))
+    if inputs.backend.backend is TritonBackend.PYTHON:
+        source = resources.files("builder.repository").joinpath("python_model.py").read_text(encoding="utf-8")
+        write_atomic(version_dir / RUNNER, source)
+    return config

@@ -1,0 +1,122 @@
+"""config.pbtxt through Triton's own protobuf schema (never string templates)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from google.protobuf import json_format, text_format
+from tritonclient.grpc import model_config_pb2
+
+from builder.spec.dtypes import to_triton_config
+from builder.spec.enums import ServingBackend
+from builder.spec.model import DimRange, ServingSpec, TensorSpec
+from client.choices import Choice
+
+
+class TritonBackend(Choice):
+    """The Triton backend a model folder is served by (the runtime decides; see BackendConfig)."""
+
+    PYTHON = "python"  # the bundled server: our runner (model.py) + ONNX Runtime
+    ONNXRUNTIME = "onnxruntime"  # the NGC image's native backend
+    TENSORRT = "tensorrt"
+
+    @staticmethod
+    def serving(choice: ServingBackend) -> TritonBackend:
+        return TritonBackend(choice.value)
+
+
+class InstanceKind(Choice):
+    CPU = "KIND_CPU"
+    GPU = "KIND_GPU"
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    """The runtime-specific part of a model's config: which backend serves which artifact, where,
+    and what the artifact itself imposes (a TensorRT profile's largest batch, warm-up, CUDA graphs,
+    one plan per compute capability)."""
+
+    backend: TritonBackend
+    artifact: str
+    instance_kind: InstanceKind = InstanceKind.CPU
+    max_batch: int | None = None  # the artifact's own limit; None when it has none
+    cuda_graphs: bool = False
+    warmup: tuple[dict[str, Any], ...] = ()
+    cc_model_filenames: tuple[tuple[str, str], ...] = ()  # (compute capability, plan file)
+
+
+@dataclass(frozen=True)
+class ConfigInputs:
+    name: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    batch: DimRange
+    serving: ServingSpec
+    backend: BackendConfig
+
+    @property
+    def max_batch_size(self) -> int:
+        # Never accept a batch the artifact cannot run.
+        limit = self.backend.max_batch
+        return self.batch.max if limit is None else min(self.batch.max, limit)
+
+
+def _dims(shape: tuple[int | str, ...]) -> list[int]:
+    return [d if isinstance(d, int) else -1 for d in shape[1:]]
+
+
+def preferred_batch_sizes(batch: DimRange, max_batch_size: int) -> list[int]:
+    return sorted({b for b in (min(batch.opt, max_batch_size), max_batch_size) if b > 1})
+
+
+def build(cfg: ConfigInputs) -> model_config_pb2.ModelConfig:
+    backend = cfg.backend
+    max_batch = cfg.max_batch_size
+    doc: dict[str, Any] = {
+        "name": cfg.name,
+        "max_batch_size": max_batch,
+        "input": [
+            {"name": t.name, "data_type": to_triton_config(t.dtype), "dims": _dims(t.shape)} for t in cfg.inputs
+        ],
+        "output": [
+            {"name": t.name, "data_type": to_triton_config(t.dtype), "dims": _dims(t.shape)} for t in cfg.outputs
+        ],
+        "instance_group": [{"count": cfg.serving.instances, "kind": backend.instance_kind.value}],
+    }
+    if backend.backend is TritonBackend.PYTHON:
+        doc["backend"] = "python"
+        doc["parameters"] = {
+            "onnx_file": {"string_value": backend.artifact},
+            "intra_op_threads": {"string_value": str(cfg.serving.ort_intra_op_threads)},
+        }
+    elif backend.backend is TritonBackend.ONNXRUNTIME:
+        doc["platform"] = "onnxruntime_onnx"
+        doc["default_model_filename"] = backend.artifact
+    else:
+        doc["platform"] = "tensorrt_plan"
+        doc["default_model_filename"] = backend.artifact
+        if backend.cc_model_filenames:
+            doc["cc_model_filenames"] = dict(backend.cc_model_filenames)
+        if backend.cuda_graphs:
+            doc["optimization"] = {"cuda": {"graphs": True}}
+    if backend.warmup:
+        doc["model_warmup"] = list(backend.warmup)
+    if cfg.serving.dynamic_batching:
+        doc["dynamic_batching"] = {
+            "preferred_batch_size": preferred_batch_sizes(cfg.batch, max_batch),
+            "max_queue_delay_microseconds": str(cfg.serving.max_queue_delay_us),
+        }
+    message = model_config_pb2.ModelConfig()
+    json_format.ParseDict(doc, message)
+    return message
+
+
+def to_text(config: model_config_pb2.ModelConfig) -> str:
+    return str(text_format.MessageToString(config))
+
+
+def parse(text: str) -> model_config_pb2.ModelConfig:
+    message = model_config_pb2.ModelConfig()
+    text_format.Parse(text, message)
+    return message

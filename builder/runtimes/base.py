@@ -1,0 +1,51 @@
+"""The seam between the build pipeline and whatever executes a variant.
+
+A runtime turns a precision variant's ONNX into the artifact Triton serves, runs that artifact for
+the accuracy check, and says how Triton must serve it. Everything runtime-specific (options,
+staleness, artifacts carried over from earlier builds, backend settings) stays behind it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from numpy.typing import NDArray
+
+from builder.repository.triton_config import BackendConfig
+from builder.spec.model import DimRange, TensorSpec
+
+Outputs = dict[str, NDArray[Any]]
+
+
+@dataclass(frozen=True)
+class CompileTarget:
+    """What a runtime needs to know about the model to compile one variant."""
+
+    inputs: tuple[TensorSpec, ...]
+    batch: DimRange
+    dims: Mapping[str, DimRange] = field(default_factory=dict)
+    onnx_sha256: str = ""
+
+
+class Runtime(Protocol):
+    name: str
+    artifact: str  # file name inside the Triton model version folder
+
+    def identity(self) -> dict[str, str]:
+        """Everything about this machine's runtime that a built artifact depends on."""
+        ...
+
+    def carry_over(self, previous: Path, version_dir: Path, target: CompileTarget) -> None:
+        """Copy artifacts from the previous build of this variant that stay valid (or do nothing)."""
+        ...
+
+    def compile(self, onnx_path: Path, out_path: Path, target: CompileTarget) -> None: ...
+
+    def run(self, artifact: Path, samples: Mapping[str, NDArray[Any]], batch_size: int) -> Outputs: ...
+
+    def backend_config(self, target: CompileTarget, version_dir: Path) -> BackendConfig:
+        """How Triton serves the artifact compiled into version_dir."""
+        ...

@@ -1,0 +1,82 @@
+"""ONNX Runtime on the CPU: the reference every variant is compared with, and the runtime where
+TensorRT is absent (the variant ONNX itself is the artifact)."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+from numpy.typing import NDArray
+
+from builder.repository.triton_config import BackendConfig, InstanceKind, TritonBackend
+from builder.runtimes.base import CompileTarget, Outputs
+from builder.spec.enums import ServingBackend
+
+
+def ort_session(path: Path, intra_op_threads: int = 0) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if intra_op_threads:
+        options.intra_op_num_threads = intra_op_threads
+    options.log_severity_level = 3
+    return ort.InferenceSession(str(path), sess_options=options, providers=["CPUExecutionProvider"])
+
+
+def run_session(session: ort.InferenceSession, samples: Mapping[str, NDArray[Any]], batch_size: int) -> Outputs:
+    """Run every sample through the session in batches; outputs concatenated along axis 0."""
+    count = len(next(iter(samples.values())))
+    names = [o.name for o in session.get_outputs()]
+    chunks: dict[str, list[NDArray[Any]]] = {n: [] for n in names}
+    for start in range(0, count, batch_size):
+        feed = {k: v[start : start + batch_size] for k, v in samples.items()}
+        for name, value in zip(names, session.run(names, feed), strict=True):
+            chunks[name].append(np.asarray(value))
+    return {n: np.concatenate(parts) for n, parts in chunks.items()}
+
+
+def run_file(path: Path, samples: Mapping[str, NDArray[Any]], batch_size: int) -> Outputs:
+    return run_session(ort_session(path), samples, batch_size)
+
+
+def ort_throughput(path: Path, feed: Mapping[str, NDArray[Any]], threads: int = 0, seconds: float = 1.0) -> float:
+    """Inferences per second of one feed, repeated for `seconds` after three warm-up runs."""
+    session = ort_session(path, threads)
+    for _ in range(3):
+        session.run(None, dict(feed))
+    batch = len(next(iter(feed.values())))
+    runs, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        session.run(None, dict(feed))
+        runs += 1
+    return runs * batch / (time.perf_counter() - start)
+
+
+class OnnxRuntimeCPU:
+    """The variant ONNX is the artifact; Triton serves it through the chosen backend."""
+
+    name = "onnxruntime"
+    artifact = "model.onnx"
+
+    def __init__(self, serving_backend: ServingBackend = ServingBackend.PYTHON) -> None:
+        self.serving_backend = serving_backend
+
+    def identity(self) -> dict[str, str]:
+        return {"onnxruntime": ort.__version__, "serving_backend": self.serving_backend.value}
+
+    def carry_over(self, previous: Path, version_dir: Path, target: CompileTarget) -> None:
+        """Nothing to carry: the artifact is rebuilt from the variant ONNX in a copy."""
+
+    def compile(self, onnx_path: Path, out_path: Path, target: CompileTarget) -> None:
+        shutil.copyfile(onnx_path, out_path)
+
+    def run(self, artifact: Path, samples: Mapping[str, NDArray[Any]], batch_size: int) -> Outputs:
+        return run_file(artifact, samples, batch_size)
+
+    def backend_config(self, target: CompileTarget, version_dir: Path) -> BackendConfig:
+        return BackendConfig(backend=TritonBackend.serving(self.serving_backend), artifact=self.artifact,
+                             instance_kind=InstanceKind.CPU)

@@ -1,0 +1,43 @@
+"""The closed sets of values a build is described with; each prints as its models.toml / flag value."""
+
+from __future__ import annotations
+
+from client.choices import Choice
+
+
+class Precision(Choice):
+    FP32 = "fp32"
+    FP16 = "fp16"
+    INT8 = "int8"
+
+
+class Task(Choice):
+    CLASSIFICATION = "classification"
+    EMBEDDING = "embedding"
+    GENERIC = "generic"
+
+
+class CalibrationMethod(Choice):
+    ENTROPY = "entropy"
+    MAX = "max"
+
+
+class Int8Recipe(Choice):
+    # Symmetric INT8 Q/DQ, the form TensorRT builds strongly typed.
+    MODELOPT = "modelopt"
+    # Per-channel U8S8 Q/DQ, the form ONNX Runtime's CPU kernels fuse.
+    ONNXRUNTIME = "onnxruntime"
+
+
+class ServingBackend(Choice):
+    """How Triton serves an ONNX artifact: the bundled server's python backend running ONNX Runtime,
+    or the NGC image's native onnxruntime backend. (TensorRT plans always go to `tensorrt`.)"""
+
+    PYTHON = "python"
+    ONNXRUNTIME = "onnxruntime"
+
+
+class RuntimeChoice(Choice):
+    AUTO = "auto"
+    ONNXRUNTIME = "onnxruntime"
+    TENSORRT = "tensorrt"

@@ -1,0 +1,138 @@
+"""Typed, self-validating specifications of one model build (from models.toml or `trtbuild build`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from builder.errors import ManifestError
+from builder.spec.enums import CalibrationMethod, Int8Recipe, Precision, Task
+
+
+@dataclass(frozen=True)
+class DimRange:
+    """min/opt/max of one dynamic dimension (the batch, or e.g. a sequence length)."""
+
+    min: int
+    opt: int
+    max: int
+
+    def check(self, what: str) -> DimRange:
+        if not (1 <= self.min <= self.opt <= self.max):
+            raise ManifestError(
+                f"{what}: expected 1 <= min <= opt <= max, got min={self.min} opt={self.opt} max={self.max}"
+            )
+        return self
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """An input or output: name, numpy dtype name and shape; shape[0] is the batch axis (-1),
+    other dims are sizes or the names of dynamic dims."""
+
+    name: str
+    dtype: str
+    shape: tuple[int | str, ...]
+
+    @property
+    def sample_shape(self) -> tuple[int | str, ...]:
+        return self.shape[1:]
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """Where samples come from: `module:function(count, seed)` or an `.npz` keyed by input name."""
+
+    source: str
+    samples: int
+    seed: int = 0
+
+    @property
+    def is_file(self) -> bool:
+        return self.source.endswith(".npz")
+
+
+@dataclass(frozen=True)
+class CalibrationSpec:
+    data: DataSpec
+    method: CalibrationMethod = CalibrationMethod.ENTROPY
+    recipe: Int8Recipe = Int8Recipe.MODELOPT
+    op_types_to_quantize: tuple[str, ...] = ()
+    nodes_to_exclude: tuple[str, ...] = ()
+    nodes_to_quantize: tuple[str, ...] = ()  # set by the accuracy guard's per-node sensitivity runs
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Limits a variant must meet against the FP32 reference; None means not checked."""
+
+    max_abs: float | None = None
+    max_rel: float | None = None
+    cosine_min: float | None = None
+    cosine_mean_min: float | None = None
+    top1_agreement_min: float | None = None
+
+
+# Applied when models.toml gives no tolerance for a precision.
+DEFAULT_TOLERANCES: Mapping[Precision, Tolerance] = {
+    Precision.FP32: Tolerance(max_rel=1e-4),
+    Precision.FP16: Tolerance(cosine_min=0.999),
+    Precision.INT8: Tolerance(cosine_min=0.97),
+}
+
+
+@dataclass(frozen=True)
+class ServingSpec:
+    instances: int = 1
+    dynamic_batching: bool = True
+    max_queue_delay_us: int = 0
+    ort_intra_op_threads: int = 0
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    batch: DimRange
+    precisions: tuple[Precision, ...]
+    source: str | None = None
+    onnx: Path | None = None
+    task: Task = Task.GENERIC
+    inputs: tuple[TensorSpec, ...] = ()
+    outputs: tuple[str, ...] = ()
+    dims: Mapping[str, DimRange] = field(default_factory=dict)
+    calibration: CalibrationSpec | None = None
+    evaluation: DataSpec | None = None
+    tolerances: Mapping[Precision, Tolerance] = field(default_factory=dict)
+    serving: ServingSpec = ServingSpec()
+    opset: int = 17
+
+    def tolerance(self, precision: Precision) -> Tolerance:
+        return self.tolerances.get(precision, DEFAULT_TOLERANCES[precision])
+
+    def check(self) -> ModelSpec:
+        what = f"model {self.name!r}"
+        if (self.source is None) == (self.onnx is None):
+            raise ManifestError(f"{what}: give exactly one of 'source' (module:function) or 'onnx' (a file)")
+        if self.source is not None and not self.inputs:
+            raise ManifestError(f"{what}: a 'source' model needs 'inputs' (name, dtype, shape)")
+        if self.source is not None and ":" not in self.source:
+            raise ManifestError(f"{what}: source {self.source!r} is not of the form module:function")
+        for tensor in self.inputs:
+            if tensor.shape and tensor.shape[0] != -1:
+                raise ManifestError(f"{what}: input {tensor.name!r}: shape[0] must be -1 (the batch axis)")
+            for dim in tensor.sample_shape:
+                if isinstance(dim, str) and dim not in self.dims:
+                    raise ManifestError(
+                        f"{what}: input {tensor.name!r}: dynamic dim {dim!r} has no range; "
+                        f"add dims.{dim} = [min, opt, max]"
+                    )
+                if isinstance(dim, int) and dim < 1:
+                    raise ManifestError(
+                        f"{what}: input {tensor.name!r}: non-batch dims must be >= 1 or a named range, got {dim}"
+                    )
+        if Precision.INT8 in self.precisions and self.calibration is None:
+            raise ManifestError(f"{what}: precision int8 needs a [calibration] table")
+        if self.opset < 17:
+            raise ManifestError(f"{what}: opset must be >= 17, got {self.opset}")
+        return self

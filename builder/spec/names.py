@@ -1,0 +1,22 @@
+"""Model and variant names: one validator and one naming rule for every entry point."""
+
+from __future__ import annotations
+
+import re
+
+from builder.errors import ManifestError
+from builder.spec.enums import Precision
+
+# Triton model names become folder names and URL path segments.
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
+
+
+def check_model_name(name: object, what: str) -> str:
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ManifestError(f"{what} {name!r}: expected letters, digits, '_' and '-' (not first)")
+    return name
+
+
+def variant_name(model: str, precision: Precision) -> str:
+    """The Triton model that serves one precision of a model: `<model>_<precision>`."""
+    return f"{model}_{precision.value}"

@@ -1,0 +1,64 @@
+"""ONNX clean-up (onnxslim): constant folding and dead-node removal, kept only if outputs are unchanged."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from numpy.typing import NDArray
+
+from builder.runtimes.onnxruntime import run_file
+from builder.steps import onnx_model
+
+log = logging.getLogger(__name__)
+
+# Slimming only rewrites the graph, so outputs should agree to float32 rounding.
+_ATOL = 1e-4
+_RTOL = 1e-3
+
+
+@dataclass(frozen=True)
+class SlimReport:
+    applied: bool
+    tool: str = "onnxslim"
+    reason: str | None = None  # why the slimmed graph was not kept
+    nodes_before: int | None = None
+    nodes_after: int | None = None
+    max_abs_diff: float | None = None
+
+
+def slim(path: Path, probe: Mapping[str, NDArray[Any]]) -> SlimReport:
+    """Slim the model at `path` in place when its outputs on `probe` stay equal; report what happened."""
+    import onnxslim
+
+    before = onnx.load(str(path))
+    nodes_before = len(before.graph.node)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            slimmed = onnxslim.slim(before)
+    except Exception as exc:  # noqa: BLE001 - a failed optimisation must not fail the build
+        log.warning("onnxslim failed (%s); keeping the exported graph", exc)
+        return SlimReport(applied=False, reason=str(exc))
+    candidate = path.with_suffix(".slim.onnx")
+    onnx.save(slimmed, str(candidate))
+    reference = run_file(path, probe, 8)
+    result = run_file(candidate, probe, 8)
+    worst = max(float(np.max(np.abs(reference[k] - result[k]))) for k in reference)
+    same = all(np.allclose(reference[k], result[k], atol=_ATOL, rtol=_RTOL) for k in reference)
+    if not same:
+        candidate.unlink()
+        log.warning("onnxslim changed outputs (max abs diff %.3g); keeping the exported graph", worst)
+        return SlimReport(applied=False, reason=f"outputs changed by {worst:.3g}", nodes_before=nodes_before,
+                          max_abs_diff=worst)
+    candidate.replace(path)
+    onnx_model.load(path)
+    nodes_after = len(slimmed.graph.node)
+    log.info("onnxslim: %d -> %d nodes (max abs diff %.2g)", nodes_before, nodes_after, worst)
+    return SlimReport(applied=True, nodes_before=nodes_before, nodes_after=nodes_after, max_abs_diff=worst)

@@ -1,0 +1,75 @@
+"""The state a build carries from step to step: what one model's variants share, and one variant's
+own progress. Steps read and fill these; nothing else passes between them."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from builder.runtimes.base import CompileTarget, Outputs, Runtime
+from builder.spec.enums import Precision
+from builder.spec.model import ModelSpec
+from builder.spec.names import variant_name
+from builder.steps.accuracy import Metrics
+from builder.steps.guard import GuardReport
+from builder.steps.onnx_model import Signature
+from builder.steps.precision import CalibrationResult
+from builder.steps.samples import Samples
+
+# Batch used to run held-out samples through each variant during the accuracy check.
+EVAL_BATCH = 16
+
+
+@dataclass(frozen=True)
+class ModelContext:
+    """Prepared once per model: the cleaned-up FP32 ONNX, its signature, the data and the reference."""
+
+    spec: ModelSpec
+    fp32_path: Path
+    fp32_sha: str
+    signature: Signature
+    evaluation: Samples
+    calibration: Samples | None
+    calibration_digest: str | None
+    reference: Outputs  # FP32 under ONNX Runtime on the held-out samples, whatever serves the variants
+    build_key: str
+    inputs_record: dict[str, Any]  # everything the variants depend on; its digest is build_key
+    work: Path  # a private temporary folder
+    cache_dir: Path
+    repository: Path  # the live repository, where earlier builds may hold reusable artifacts
+
+
+@dataclass
+class VariantContext:
+    model: ModelContext
+    precision: Precision
+    runtime: Runtime
+    model_dir: Path  # the staged Triton model folder
+    started: float = field(default_factory=time.perf_counter)
+    settings: dict[str, object] = field(default_factory=dict)  # how the precision step made the variant
+    calibration: CalibrationResult | None = None
+    variant_sha: str = ""  # of the variant ONNX the artifact was compiled from
+    metrics: Metrics | None = None
+    guard: GuardReport | None = None
+
+    @property
+    def name(self) -> str:
+        return variant_name(self.model.spec.name, self.precision)
+
+    @property
+    def variant_onnx(self) -> Path:
+        return self.model.work / f"{self.precision.value}.onnx"
+
+    @property
+    def version_dir(self) -> Path:
+        return self.model_dir / "1"
+
+    @property
+    def artifact(self) -> Path:
+        return self.version_dir / self.runtime.artifact
+
+    def target(self) -> CompileTarget:
+        spec = self.model.spec
+        return CompileTarget(self.model.signature.inputs, spec.batch, dict(spec.dims), self.variant_sha)

@@ -1,0 +1,206 @@
+"""Accuracy-guarded INT8: when a quantized variant misses its tolerance, find the few nodes to keep
+in higher precision.
+
+1. Sensitivity: quantize each quantizable node *alone* (same recipe, same calibration data) and
+   measure how far that variant moves from FP32 on the held-out inputs (damage = 1 - mean cosine,
+   plus the top-1 disagreement for classifiers).
+2. Search: exclude the most sensitive nodes from quantization, k = 1, 2, 4, ... until the variant
+   meets its tolerance, then bisect down to the smallest such k. Every candidate is a real
+   re-quantization checked with the real tolerance.
+3. No INT8 mix within the budget meets it: fall back to the FP16 variant.
+
+Each quantization is cached like any other calibration, so a re-run costs little.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import onnx
+from numpy.typing import NDArray
+
+from builder.runtimes.onnxruntime import ort_throughput, run_file
+from builder.spec.enums import Precision, Task
+from builder.spec.model import CalibrationSpec, Tolerance
+from builder.steps import accuracy, precision
+from builder.steps.accuracy import Metrics
+
+log = logging.getLogger(__name__)
+
+_QDQ = ("QuantizeLinear", "DequantizeLinear")
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One candidate of the search: the k most sensitive nodes excluded, and how it measured."""
+
+    excluded: int
+    passes: bool
+    metrics: Metrics
+
+
+@dataclass
+class GuardResult:
+    met: bool
+    excluded: list[str]
+    sensitivity: dict[str, float]  # node -> damage when quantized alone
+    before: Metrics
+    after: Metrics | None
+    quantizations: int  # how many quantized variants the analysis and search built
+    searched: list[Attempt] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def quantized_nodes(model: onnx.ModelProto) -> list[str]:
+    """Compute nodes fed by a DequantizeLinear: the nodes this quantization touched, in graph order."""
+    dq_outputs = {n.output[0] for n in model.graph.node if n.op_type == "DequantizeLinear"}
+    return [n.name for n in model.graph.node
+            if n.op_type not in _QDQ and n.name and any(i in dq_outputs for i in n.input)]
+
+
+def guard(
+    quantize: Callable[[CalibrationSpec, Path], None],
+    spec: CalibrationSpec,
+    plain: Path,
+    evaluation: Mapping[str, NDArray[Any]],
+    reference: Mapping[str, NDArray[Any]],
+    task: Task,
+    tolerance: Tolerance,
+    work: Path,
+    max_excluded_fraction: float = 0.5,
+) -> tuple[GuardResult, Path | None]:
+    """Return the search's result and the path of the guarded INT8 ONNX (None: fall back to FP16)."""
+    started = time.perf_counter()
+
+    def evaluate(path: Path) -> Metrics:
+        return accuracy.compare(reference, run_file(path, evaluation, 16), task)
+
+    before = evaluate(plain)
+    nodes = quantized_nodes(onnx.load(str(plain)))
+    log.info("INT8 guard: %d quantized nodes; measuring each one's sensitivity", len(nodes))
+    sensitivity: dict[str, float] = {}
+    builds = 0
+    for index, node in enumerate(nodes):
+        out = work / f"alone_{index}.onnx"
+        quantize(replace(spec, nodes_to_quantize=(node,), nodes_to_exclude=()), out)
+        builds += 1
+        sensitivity[node] = evaluate(out).damage()
+    order = sorted(nodes, key=lambda n: sensitivity[n], reverse=True)
+    searched: list[Attempt] = []
+    cache: dict[int, tuple[bool, Metrics, Path]] = {}
+
+    def attempt(k: int) -> tuple[bool, Metrics, Path]:
+        nonlocal builds
+        if k not in cache:
+            out = work / f"exclude_{k}.onnx"
+            excluded = tuple(dict.fromkeys((*spec.nodes_to_exclude, *order[:k])))
+            quantize(replace(spec, nodes_to_exclude=excluded), out)
+            builds += 1
+            metrics = evaluate(out)
+            cache[k] = (accuracy.violation(metrics, tolerance, "candidate") is None, metrics, out)
+            searched.append(Attempt(k, cache[k][0], metrics))
+        return cache[k]
+
+    limit = max(1, int(len(order) * max_excluded_fraction))
+    k, found = 1, None
+    while k <= limit:
+        if attempt(k)[0]:
+            found = k
+            break
+        k *= 2
+    if found is None and limit not in cache and attempt(limit)[0]:
+        found = limit
+    if found is not None:
+        low = found // 2 + 1 if found > 1 else 1  # the largest failing k is found // 2
+        high = found
+        while low < high:
+            mid = (low + high) // 2
+            if attempt(mid)[0]:
+                high = mid
+            else:
+                low = mid + 1
+        found = high
+    seconds = time.perf_counter() - started
+    if found is None:
+        log.warning("INT8 guard: no mix with up to %d of %d nodes excluded meets the tolerance", limit, len(order))
+        return GuardResult(False, [], sensitivity, before, None, builds, searched, seconds), None
+    _, after, path = cache[found]
+    log.info("INT8 guard: %d node(s) kept in higher precision: %s", found, ", ".join(order[:found]))
+    return GuardResult(True, order[:found], sensitivity, before, after, builds, searched, seconds), path
+
+
+def throughput(path: Path, evaluation: Mapping[str, NDArray[Any]], seconds: float = 1.0) -> float:
+    """Batch-1 inferences per second under ONNX Runtime on this CPU (a quick cost estimate)."""
+    return ort_throughput(path, {k: v[:1] for k, v in evaluation.items()}, seconds=seconds)
+
+
+def make_quantizer(fp32_path: Path, fp32_sha: str, calibration: Mapping[str, NDArray[Any]], calib_digest: str,
+                   cache_dir: Path) -> Callable[[CalibrationSpec, Path], None]:
+    def quantize(spec: CalibrationSpec, out: Path) -> None:
+        precision.to_int8(fp32_path, fp32_sha, calibration, calib_digest, spec, out, cache_dir)
+
+    return quantize
+
+
+@dataclass(frozen=True)
+class Sensitivity:
+    node: str
+    damage: float  # 1 - mean cosine (+ top-1 disagreement) with only this node quantized
+
+
+@dataclass(frozen=True)
+class VariantFigures:
+    fp32: float
+    int8_plain: float
+    int8_guarded: float
+
+
+@dataclass
+class GuardReport:
+    """What the guard did to one INT8 variant, as recorded in build.json."""
+
+    excluded: list[str]  # nodes kept in higher precision
+    fallback: Precision | None  # FP16 served under the INT8 name when no INT8 mix met the tolerance
+    before: Metrics
+    after: Metrics | None
+    quantizations: int
+    search: list[Attempt]
+    most_sensitive: list[Sensitivity]
+    seconds: float
+    size_bytes: VariantFigures
+    throughput_b1_cpu: VariantFigures
+
+
+def guard_int8(*, fp32_path: Path, fp32_sha: str, calibration: Mapping[str, NDArray[Any]], calibration_digest: str,
+               spec: CalibrationSpec, variant_onnx: Path, evaluation: Mapping[str, NDArray[Any]],
+               reference: Mapping[str, NDArray[Any]], task: Task, tolerance: Tolerance, cache_dir: Path,
+               work: Path) -> GuardReport:
+    """Replace variant_onnx by the guarded INT8 mix, or by FP16 when none meets the tolerance."""
+    plain = work / "int8_plain.onnx"
+    shutil.copyfile(variant_onnx, plain)
+    search_dir = work / "guard"
+    search_dir.mkdir(exist_ok=True)
+    quantize = make_quantizer(fp32_path, fp32_sha, calibration, calibration_digest, cache_dir)
+    result, guarded = guard(quantize, spec, plain, evaluation, reference, task, tolerance, search_dir)
+    fallback = None
+    if guarded is not None:
+        shutil.copyfile(guarded, variant_onnx)
+    else:
+        precision.to_fp16(fp32_path, variant_onnx)
+        fallback = Precision.FP16
+        log.warning("%s: no INT8 mix meets the tolerance; serving the FP16 model under the INT8 name", fp32_path.name)
+    top = sorted(result.sensitivity.items(), key=lambda kv: kv[1], reverse=True)[:10]
+    return GuardReport(
+        excluded=result.excluded, fallback=fallback, before=result.before, after=result.after,
+        quantizations=result.quantizations, search=result.searched,
+        most_sensitive=[Sensitivity(n, d) for n, d in top], seconds=round(result.seconds, 2),
+        size_bytes=VariantFigures(fp32_path.stat().st_size, plain.stat().st_size, variant_onnx.stat().st_size),
+        throughput_b1_cpu=VariantFigures(throughput(fp32_path, evaluation), throughput(plain, evaluation),
+                                         throughput(variant_onnx, evaluation)),
+    )

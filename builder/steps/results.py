@@ -1,0 +1,51 @@
+"""Typed records of what a build produced, as build.json and the build report hold them."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from builder.spec.enums import Precision
+from builder.spec.model import Tolerance
+from builder.steps.accuracy import Metrics
+from builder.steps.context import VariantContext
+from builder.steps.guard import GuardReport
+from builder.steps.onnx_model import sha256_file
+from builder.steps.precision import CalibrationResult
+
+
+@dataclass(frozen=True)
+class VariantResult:
+    name: str
+    precision: Precision
+    runtime: str
+    artifact: str  # relative to the repository
+    sha256: str
+    size_bytes: int
+    accuracy: Metrics
+    tolerance: Tolerance
+    build_seconds: float
+    calibration: CalibrationResult | None = None
+    guard: GuardReport | None = None
+
+    @staticmethod
+    def of(ctx: VariantContext) -> VariantResult:
+        assert ctx.metrics is not None, "a variant result needs its accuracy measured"
+        return VariantResult(
+            name=ctx.name,
+            precision=ctx.precision,
+            runtime=ctx.runtime.name,
+            artifact=str(Path(ctx.name) / "1" / ctx.runtime.artifact),
+            sha256=sha256_file(ctx.artifact),
+            size_bytes=ctx.artifact.stat().st_size,
+            accuracy=ctx.metrics,
+            tolerance=ctx.model.spec.tolerance(ctx.precision),
+            build_seconds=round(time.perf_counter() - ctx.started, 3),
+            calibration=ctx.calibration,
+            guard=ctx.guard,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)

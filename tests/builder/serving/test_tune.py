@@ -1,0 +1,135 @@
+"""Auto-tuning: search logic on a deterministic cost model, then the real thing on a real server."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from builder.errors import BuilderError
+from builder.repository.triton_config import parse
+from builder.serving.tune import (
+    Goal,
+    Objective,
+    Search,
+    Point,
+    Result,
+    Space,
+    apply,
+    best,
+    exhaustive,
+    hill_climb,
+    pareto,
+    point_of,
+    tune,
+)
+from tests.helpers.files import snapshot
+
+OFF = None  # dynamic batching off
+SPACE = Space(("m_fp32", "m_int8"), (1, 4, 8, 16), (OFF, 0, 500, 2000), (1, 2))
+
+
+def cost_model(point: Point) -> list[Result]:
+    """A smooth, single-peaked stand-in for a server: batching helps up to 8, delay costs latency."""
+    batch = min(point.max_batch_size, 8) if point.queue_delay_us is not None else 1
+    speed = 100.0 * batch ** 0.8 * (1.6 if point.variant == "m_int8" else 1.0) * (1.1 if point.instances == 2 else 1.0)
+    p99 = 1e6 * 32 / speed + (point.queue_delay_us or 0) * 2
+    return [Result(point, 32, speed, p99 / 2, p99, None, float(batch), True, 0)]
+
+
+def test_space_points_and_neighbours() -> None:
+    assert len(SPACE.points()) == 2 * 4 * 4 * 2
+    start = Point("m_fp32", 8, 0, 1)
+    assert set(SPACE.neighbours(start)) == {
+        Point("m_int8", 8, 0, 1), Point("m_fp32", 4, 0, 1), Point("m_fp32", 16, 0, 1),
+        Point("m_fp32", 8, OFF, 1), Point("m_fp32", 8, 500, 1), Point("m_fp32", 8, 0, 2),
+        Point("m_fp32", 4, OFF, 1), Point("m_fp32", 16, 500, 1)}
+
+
+def test_hill_climbing_reaches_the_exhaustive_optimum_with_fewer_measurements() -> None:
+    objective = Objective(Goal.THROUGHPUT)
+    full = exhaustive(SPACE, cost_model)
+    climbed = hill_climb(SPACE, Point("m_fp32", 1, OFF, 1), cost_model, objective)
+    best_full, best_hill = best(full, objective), best(climbed, objective)
+    assert best_full is not None and best_hill is not None
+    assert objective.value(climbed[best_hill]) >= 0.95 * objective.value(full[best_full])
+    assert len(climbed) < len(full) / 2
+
+
+def measured_points() -> dict[Point, list[Result]]:
+    rows = {  # (throughput, p99 ms)
+        Point("m_fp32", 16, 2000, 1): (900.0, 80.0),
+        Point("m_fp32", 8, 500, 1): (700.0, 40.0),
+        Point("m_fp32", 1, OFF, 1): (300.0, 120.0),
+        Point("m_int8", 8, 0, 1): (650.0, 30.0),
+    }
+    return {p: [Result(p, 32, t, p99 * 500, p99 * 1000, None, 4.0, True, 0)] for p, (t, p99) in rows.items()}
+
+
+def test_constraints_exclude_points_and_can_leave_none() -> None:
+    points = measured_points()
+    assert best(points, Objective(Goal.THROUGHPUT)) == Point("m_fp32", 16, 2000, 1)
+    assert best(points, Objective(Goal.THROUGHPUT, p99_budget_us=50_000)) == Point("m_fp32", 8, 500, 1)
+    assert best(points, Objective(Goal.P99)) == Point("m_int8", 8, 0, 1)
+    assert best(points, Objective(Goal.P99, min_throughput=680)) == Point("m_fp32", 8, 500, 1)
+    assert best(points, Objective(Goal.THROUGHPUT, p99_budget_us=10_000)) is None
+    # Infeasible points rank below feasible ones, and among themselves by how far p99 is over.
+    budget = Objective(Goal.THROUGHPUT, p99_budget_us=50_000)
+    assert budget.rank(points[Point("m_fp32", 16, 2000, 1)]) < budget.rank(points[Point("m_int8", 8, 0, 1)])
+    assert pareto(points) == sorted([Point("m_fp32", 16, 2000, 1), Point("m_fp32", 8, 500, 1),
+                                     Point("m_int8", 8, 0, 1)], key=Point.sort_key)
+    with pytest.raises(BuilderError, match="--objective infer_per_joule: no power source"):
+        Objective(Goal.INFER_PER_JOULE).value(points[Point("m_int8", 8, 0, 1)])
+
+
+def test_apply_rewrites_serving_settings_through_the_schema(repo_copy: Path) -> None:
+    text = (repo_copy / "mlp_fp32" / "config.pbtxt").read_text()
+    original = point_of("mlp_fp32", text)
+    assert original == Point("mlp_fp32", 8, 0, 1)
+    config = parse(apply(text, Point("mlp_fp32", 4, 1500, 2)))
+    assert config.max_batch_size == 4 and config.instance_group[0].count == 2
+    assert config.dynamic_batching.max_queue_delay_microseconds == 1500
+    assert list(config.dynamic_batching.preferred_batch_size) == [4]
+    assert not parse(apply(text, Point("mlp_fp32", 8, OFF, 1))).HasField("dynamic_batching")
+    for point in (Point("mlp_fp32", 1, 0, 1), Point("mlp_fp32", 1, OFF, 2), Point("mlp_fp32", 16, 4000, 1)):
+        assert point_of("mlp_fp32", apply(text, point)) == point  # every point survives the round trip
+
+
+def test_tune_on_a_real_server_writes_the_winner_atomically(repo_copy: Path, tmp_path: Path) -> None:
+    space = Space(("mlp_fp32", "mlp_int8"), (1, 8), (OFF, 0), (1,))
+    report = tune(repo_copy, space, Objective(Goal.THROUGHPUT), search=Search.HILL, concurrencies=[4],
+                  measurement_ms=400, default_variant="mlp_fp32", report_path=tmp_path / "tune.json",
+                  plot_path=tmp_path / "tune.png", max_trials=3)
+    assert report.winner is not None and report.measurements >= 1
+    written = (repo_copy / report.winner.variant / "config.pbtxt").read_text()
+    assert point_of(report.winner.variant, written) == report.winner
+    backups = list((repo_copy / report.winner.variant).glob("config.pbtxt.bak-*"))
+    assert len(backups) == 1
+    assert point_of(report.winner.variant, backups[0].read_text()).variant == report.winner.variant
+    doc = json.loads((tmp_path / "tune.json").read_text())
+    assert doc["winner"]["variant"] == report.winner.variant and doc["why"]
+    assert [row["config"] for row in doc["comparison"]] == ["tuned", "default", "no dynamic batching"]
+    assert all(entry["results"][0]["throughput"] > 0 for entry in doc["points"])
+    assert (tmp_path / "tune.png").stat().st_size > 1000
+
+
+def test_a_point_that_completed_nothing_is_never_feasible_nor_best_for_p99() -> None:
+    points = measured_points()
+    hung = Point("m_int8", 16, 4000, 2)
+    points[hung] = [Result(hung, 32, 0.0, None, None, None, None, False, 0)]
+    objective = Objective(Goal.P99)
+    assert not objective.feasible(points[hung])
+    assert best(points, objective) == Point("m_int8", 8, 0, 1)
+    assert hung not in pareto(points)
+
+
+def test_tune_with_unmeetable_constraints_leaves_the_repository_untouched(repo_copy: Path, tmp_path: Path) -> None:
+    before = snapshot(repo_copy)
+    space = Space(("mlp_fp32",), (8,), (0,), (1,))
+    with pytest.raises(BuilderError, match="none of the 1 measured points met the constraints"):
+        tune(repo_copy, space, Objective(Goal.THROUGHPUT, p99_budget_us=1.0), search=Search.EXHAUSTIVE,
+             concurrencies=[2], measurement_ms=300, default_variant="mlp_fp32", report_path=tmp_path / "t.json",
+             plot_path=None, max_trials=2)
+    assert snapshot(repo_copy) == before
+    assert json.loads((tmp_path / "t.json").read_text())["winner"] is None

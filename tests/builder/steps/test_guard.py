@@ -1,0 +1,109 @@
+"""Accuracy-guarded INT8 on a model built so that plain INT8 provably misses its tolerance."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+
+from builder.errors import AccuracyError
+from builder.pipeline import BuildOptions, build_all
+from builder.runtimes.onnxruntime import OnnxRuntimeCPU, ort_session, run_session
+from builder.spec import (
+    CalibrationMethod,
+    CalibrationSpec,
+    DataSpec,
+    DimRange,
+    Int8Recipe,
+    ModelSpec,
+    Precision,
+    Task,
+    Tolerance,
+)
+from builder.steps import accuracy, precision
+from builder.steps.guard import quantized_nodes
+from builder.steps.onnx_model import sha256_file
+from tests.helpers.tiny_models import mlp_samples, outlier_mlp_onnx
+
+TOLERANCE = Tolerance(cosine_min=0.995)
+
+
+def outlier_spec(tmp_path: Path, recipe: Int8Recipe, tolerance: Tolerance) -> ModelSpec:
+    onnx_path = outlier_mlp_onnx(tmp_path / "outlier.onnx")
+    np.savez(tmp_path / "cal.npz", **mlp_samples(64, seed=0))
+    np.savez(tmp_path / "eval.npz", **mlp_samples(32, seed=1))
+    return ModelSpec(
+        name="outlier", onnx=onnx_path, task=Task.CLASSIFICATION, batch=DimRange(1, 4, 8),
+        precisions=(Precision.FP32, Precision.INT8),
+        calibration=CalibrationSpec(DataSpec(str(tmp_path / "cal.npz"), 64), method=CalibrationMethod.MAX,
+                                    recipe=recipe),
+        evaluation=DataSpec(str(tmp_path / "eval.npz"), 32), tolerances={Precision.INT8: tolerance},
+    )
+
+
+def build(tmp_path: Path, spec: ModelSpec) -> dict[str, Any]:
+    options = BuildOptions(repository=tmp_path / "repo", runtime=OnnxRuntimeCPU(), cache_dir=tmp_path / "cache")
+    build_all([spec], options, None, ["pytest"])
+    return dict(json.loads((tmp_path / "repo" / "outlier_int8" / "build.json").read_text()))
+
+
+# ONNX Runtime 1.31's quantizer costs the input projection alone 0.007 of cosine on this model
+# (measured: 0.9930), so its recipe gets a tolerance that the outlier chain, not fc_in, decides.
+@pytest.mark.parametrize(("recipe", "tolerance"), [(Int8Recipe.MODELOPT, TOLERANCE),
+                                                   (Int8Recipe.ONNXRUNTIME, Tolerance(cosine_min=0.99))])
+def test_plain_int8_misses_and_the_guarded_build_meets_it_with_a_small_exclusion(
+    tmp_path: Path, recipe: Int8Recipe, tolerance: Tolerance
+) -> None:
+    spec = outlier_spec(tmp_path, recipe, tolerance)
+    assert spec.calibration is not None and spec.onnx is not None
+    # Plain INT8, the same recipe and data: outside the tolerance.
+    plain = tmp_path / "plain.onnx"
+    cal, ev = dict(np.load(tmp_path / "cal.npz")), dict(np.load(tmp_path / "eval.npz"))
+    precision.to_int8(spec.onnx, sha256_file(spec.onnx), cal, "plain", spec.calibration, plain, tmp_path / "cache")
+    assert quantized_nodes(onnx.load(str(plain)))
+    metrics = accuracy.compare(run_session(ort_session(spec.onnx), ev, 8), run_session(ort_session(plain), ev, 8),
+                               Task.CLASSIFICATION)
+    with pytest.raises(AccuracyError, match="cosine_min"):
+        accuracy.check(metrics, tolerance, "outlier_int8")
+
+    record = build(tmp_path, spec)
+    guard = record["guard"]
+    assert guard["before"]["cosine_min"] < tolerance.cosine_min
+    assert guard["fallback"] is None
+    # A small set around the outlier (ModelOpt: fc2 alone; ORT, which quantizes every tensor its
+    # quantized producers write: the chain fc1 → bias1 → fc2), never half of the quantized nodes.
+    assert "fc2" in guard["excluded"] and len(guard["excluded"]) <= 3
+    assert len(guard["excluded"]) <= len(guard["most_sensitive"]) / 2
+    assert guard["after"]["cosine_min"] >= tolerance.cosine_min
+    assert record["accuracy"]["cosine_min"] >= tolerance.cosine_min
+    assert guard["most_sensitive"][0]["node"] in guard["excluded"]
+    assert guard["quantizations"] == len(guard["most_sensitive"]) + len(guard["search"])
+    assert set(guard["throughput_b1_cpu"]) == {"fp32", "int8_plain", "int8_guarded"}
+    assert record["calibration"]["recipe"] == recipe.value
+    served = onnx.load(str(tmp_path / "repo" / "outlier_int8" / "1" / "model.onnx"))
+    assert quantized_nodes(served) and "fc2" not in quantized_nodes(served)
+    assert record["variant_onnx_sha256"] == sha256_file(tmp_path / "repo" / "outlier_int8" / "1" / "model.onnx")
+
+
+def test_without_an_explicit_int8_tolerance_the_build_just_fails(tmp_path: Path) -> None:
+    spec = outlier_spec(tmp_path, Int8Recipe.MODELOPT, TOLERANCE)
+    unguarded = ModelSpec(**{**spec.__dict__, "tolerances": {}})
+    with pytest.raises(AccuracyError, match="outlier_int8: cosine_min"):
+        build(tmp_path, unguarded)
+    assert not (tmp_path / "repo" / "outlier_int8").exists()
+
+
+def test_when_no_int8_mix_meets_the_tolerance_fp16_is_served(tmp_path: Path) -> None:
+    # FP16 stays within 3e-4 of FP32 on this model; no INT8 mix with at most half the nodes excluded does.
+    record = build(tmp_path, outlier_spec(tmp_path, Int8Recipe.MODELOPT, Tolerance(max_abs=0.002)))
+    guard = record["guard"]
+    assert guard["fallback"] == "fp16" and guard["excluded"] == [] and guard["after"] is None
+    assert all(not step["passes"] for step in guard["search"])
+    assert record["accuracy"]["max_abs"] <= 0.002
+    served = onnx.load(str(tmp_path / "repo" / "outlier_int8" / "1" / "model.onnx"))
+    assert not quantized_nodes(served)
+    assert any(i.data_type == onnx.TensorProto.FLOAT16 for i in served.graph.initializer)
