@@ -10,12 +10,12 @@ import argparse
 import json
 import sys
 import tempfile
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from builder.pipeline import BuildOptions, build_all
 from builder.runtimes import OnnxRuntimeCPU
-from builder.spec import Tolerance, default_cache_dir, load_manifest
+from builder.spec import Precision, Tolerance, default_cache_dir, load_manifest
 
 
 def main() -> int:
@@ -28,7 +28,8 @@ def main() -> int:
     args = p.parse_args()
     spec = {s.name: s for s in load_manifest(args.manifest)}[args.model]
     tolerance = Tolerance(top1_agreement_min=args.top1, cosine_mean_min=args.cosine_mean)
-    spec = replace(spec, precisions=("fp32", "int8"), tolerances={**spec.tolerances, "int8": tolerance})
+    spec = replace(spec, precisions=(Precision.FP32, Precision.INT8),
+                   tolerances={**spec.tolerances, Precision.INT8: tolerance})
     with tempfile.TemporaryDirectory() as tmp:
         options = BuildOptions(repository=Path(tmp) / "repo", runtime=OnnxRuntimeCPU(),
                                cache_dir=default_cache_dir(), force=True)
@@ -39,22 +40,22 @@ def main() -> int:
     if guard is None:
         print("plain INT8 already meets it; nothing to guard")
         return 0
-    speed, size = guard["throughput_b1_cpu"], guard["size_bytes"]
-    reference = {"cosine_mean": 1.0, **({"top1_agreement": 1.0} if "top1_agreement" in guard["before"] else {})}
-    rows = [("fp32", reference, "fp32"),
-            ("int8 plain", guard["before"], "int8_plain"),
-            ("int8 guarded" if not guard["fallback"] else "fp16 fallback", int8.accuracy, "int8_guarded")]
+    speed, size = guard.throughput_b1_cpu, guard.size_bytes
+    before = guard.before
+    reference = replace(before, cosine_mean=1.0, top1_agreement=None if before.top1_agreement is None else 1.0)
+    rows = [("fp32", reference, speed.fp32, size.fp32),
+            ("int8 plain", before, speed.int8_plain, size.int8_plain),
+            ("int8 guarded" if not guard.fallback else "fp16 fallback", int8.accuracy, speed.int8_guarded,
+             size.int8_guarded)]
     print(f"{'variant':<16} {'cos mean':>8} {'top1 agr':>8} {'b1 inf/s':>9} {'MB':>6}")
-    for label, acc, key in rows:
-        top1 = acc.get("top1_agreement")
-        top1_text = "-" if top1 is None else f"{top1:.3f}"
-        print(f"{label:<16} {acc['cosine_mean']:>8.4f} {top1_text:>8} "
-              f"{speed[key]:>9.1f} {size[key] / 1e6:>6.1f}")
-    print(f"kept in higher precision ({len(guard['excluded'])}): {', '.join(guard['excluded']) or '-'}")
-    print(f"quantizations built: {guard['quantizations']} ({len(guard['most_sensitive'])} shown most sensitive), "
-          f"search steps: {[(s['excluded'], s['passes']) for s in guard['search']]}, {guard['seconds']:.0f} s")
+    for label, acc, per_s, size_bytes in rows:
+        top1_text = "-" if acc.top1_agreement is None else f"{acc.top1_agreement:.3f}"
+        print(f"{label:<16} {acc.cosine_mean:>8.4f} {top1_text:>8} {per_s:>9.1f} {size_bytes / 1e6:>6.1f}")
+    print(f"kept in higher precision ({len(guard.excluded)}): {', '.join(guard.excluded) or '-'}")
+    print(f"quantizations built: {guard.quantizations} ({len(guard.most_sensitive)} shown most sensitive), "
+          f"search steps: {[(s.excluded, s.passes) for s in guard.search]}, {guard.seconds:.0f} s")
     if args.json:
-        args.json.write_text(json.dumps(guard, indent=2) + "\n")
+        args.json.write_text(json.dumps(asdict(guard), indent=2) + "\n")
     return 0
 
 

@@ -15,7 +15,6 @@ which are copied from the nvidia-pytriton wheel's libraries.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import csv
 import json
 import shutil
@@ -29,10 +28,12 @@ from typing import Any
 import onnx
 from onnx import TensorProto, helper
 
-from builder.manifest import DimRange, ServingSpec, TensorSpec
-from builder.triton_config import ConfigInputs, build, to_text
-from builder.triton_server import Ports, TritonServer, free_ports, library_dir
-from client.cli import measure, parse_config
+from builder.repository.triton_config import BackendConfig, ConfigInputs, TritonBackend, build, to_text
+from builder.serving.triton_server import Ports, TritonServer, free_ports, library_dir
+from builder.spec import DimRange, ServingSpec, TensorSpec
+from client.engine import LoadLevel, Measurement
+from client.power import PowerSource
+from client.session import SessionConfig, run
 
 
 def perf_analyzer_env(tmp: Path) -> dict[str, str]:
@@ -64,15 +65,18 @@ def run_perf_analyzer(binary: Path, env: dict[str, str], model: str, grpc_port: 
 
 def run_perfclient(model: str, grpc_port: int, concurrency: int, interval_ms: int,
                    stability: float) -> dict[str, float]:
-    config, _ = parse_config(["-m", model, "-u", f"127.0.0.1:{grpc_port}", "--concurrency", str(concurrency),
-                              "--measurement-interval", str(interval_ms), "--max-trials", "10",
-                              "--stability-percentage", f"{stability:g}", "--power-source", "none",
-                              "--no-progress"])
-    (_, result), = asyncio.run(measure(config))
-    assert result.summary is not None
-    return {"throughput": result.summary.throughput, "p50_us": result.summary.latency_us["p50"],
-            "p99_us": result.summary.latency_us["p99"], "avg_us": result.summary.latency_us["avg"],
-            "stable": float(result.stable)}
+    config = SessionConfig(
+        models=(model,), url=f"127.0.0.1:{grpc_port}", levels=(LoadLevel(concurrency=concurrency),),
+        measurement=Measurement(measurement_ms=interval_ms, max_trials=10, stability_percentage=stability,
+                                warmup_requests=20),
+        power_source=PowerSource.NONE,
+    )
+    (row,) = run(config)
+    summary = row.result.summary
+    if summary.latency_us is None:
+        raise RuntimeError(f"perfclient: no successful request at concurrency {concurrency}: {summary.errors}")
+    return {"throughput": summary.throughput, "p50_us": summary.latency_us.p50, "p99_us": summary.latency_us.p99,
+            "avg_us": summary.latency_us.avg, "stable": float(row.result.stable)}
 
 
 def trivial_model(repository: Path) -> str:
@@ -87,11 +91,12 @@ def trivial_model(repository: Path) -> str:
     )
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8),
               str(folder / "1" / "model.onnx"))
-    src = Path(__file__).resolve().parents[1] / "builder" / "triton_python_model.py"
+    src = Path(__file__).resolve().parents[1] / "builder" / "repository" / "python_model.py"
     shutil.copyfile(src, folder / "1" / "model.py")
     config = build(ConfigInputs(name=name, inputs=(TensorSpec("x", "float32", (-1, 16)),),
                                 outputs=(TensorSpec("y", "float32", (-1, 16)),), batch=DimRange(1, 8, 32),
-                                serving=ServingSpec(instances=1, max_queue_delay_us=0)))
+                                serving=ServingSpec(instances=1, max_queue_delay_us=0),
+                                backend=BackendConfig(TritonBackend.PYTHON, "model.onnx")))
     (folder / "config.pbtxt").write_text(to_text(config))
     return name
 

@@ -15,7 +15,7 @@ import json
 import statistics
 import sys
 import tempfile
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,15 @@ from numpy.typing import NDArray
 from builder.errors import BuilderError
 from builder.repository.model_folder import read_record
 from builder.runtimes.onnxruntime import ort_session, ort_throughput, run_session
-from builder.spec import ModelSpec, load_manifest, variant_name
+from builder.spec import (
+    CalibrationMethod,
+    Int8Recipe,
+    ModelSpec,
+    Precision,
+    default_cache_dir,
+    load_manifest,
+    variant_name,
+)
 from builder.steps import accuracy, cleanup, onnx_model, precision
 from builder.steps import samples as data
 
@@ -66,13 +74,13 @@ def recipe_comparison(spec: ModelSpec, samples: dict[str, NDArray[Any]], threads
         reference = run_session(ort_session(fp32), samples, 16)
         paths = {"fp32": fp32}
         failures = []
-        for recipe in ("modelopt", "onnxruntime"):
-            for method in ("entropy", "max"):
+        for recipe in Int8Recipe:
+            for method in CalibrationMethod:
                 cal_spec = replace(spec.calibration, recipe=recipe, method=method)
                 out = work / f"int8_{recipe}_{method}.onnx"
                 try:
                     precision.to_int8(fp32, onnx_model.sha256_file(fp32), calib, data.digest(calib), cal_spec,
-                                      out, precision.default_cache_dir())
+                                      out, default_cache_dir())
                 except BuilderError as exc:
                     failures.append({"model": spec.name, "variant": f"int8 ({recipe}, {method})",
                                      "error": str(exc).split(": ", 1)[-1][:160]})
@@ -83,7 +91,7 @@ def recipe_comparison(spec: ModelSpec, samples: dict[str, NDArray[Any]], threads
         for name, path in paths.items():
             metrics = accuracy.compare(reference, run_session(ort_session(path), samples, 16), spec.task)
             rows.append({"model": spec.name, "variant": name, "b1": speed[name][1], "b16": speed[name][16],
-                         "mb": path.stat().st_size / 1e6, **metrics})
+                         "mb": path.stat().st_size / 1e6, **asdict(metrics)})
         return rows + failures
 
 
@@ -124,11 +132,11 @@ def main() -> int:
             paths[name] = args.repository / record["artifact"]
             records[name] = record
         speed = measure(paths, samples, args.threads, args.seconds, args.rounds)
-        base = speed[variant_name(spec.name, "fp32")]
+        base = speed[variant_name(spec.name, Precision.FP32)]
         for name, per in speed.items():
             acc = records[name]["accuracy"]
             size = paths[name].stat().st_size / 1e6
-            top1 = f"{acc['top1_agreement']:.3f}" if "top1_agreement" in acc else "-"
+            top1 = f"{acc['top1_agreement']:.3f}" if acc.get("top1_agreement") is not None else "-"
             print(f"{name:<26} {per[1]:>9.1f} {per[16]:>9.1f} {per[1] / base[1]:>9.2f}x {per[16] / base[16]:>10.2f}x "
                   f"{size:>6.1f} {acc['cosine_mean']:>8.4f} {acc['cosine_min']:>8.4f} {top1:>8} {acc['max_abs']:>8.3g}")
             rows.append({"variant": name, "b1": per[1], "b16": per[16], "mb": size, **acc})
@@ -144,7 +152,7 @@ def main() -> int:
                     print(f"{spec.name + ' ' + row['variant']:<44} failed: {row['error']}")
                     recipes.append(row)
                     continue
-                top1 = f"{row['top1_agreement']:.3f}" if "top1_agreement" in row else "-"
+                top1 = f"{row['top1_agreement']:.3f}" if row.get("top1_agreement") is not None else "-"
                 print(f"{spec.name + ' ' + row['variant']:<44} b1 {row['b1']:>7.1f}/s  b16 {row['b16']:>7.1f}/s  "
                       f"{row['mb']:>5.1f} MB  cos mean {row['cosine_mean']:.4f}  top1 {top1}")
                 recipes.append(row)

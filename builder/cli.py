@@ -308,9 +308,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _tune(args)
         if args.command == "verify":
             from builder.serving.verify import verify_models
+            from client.protocol import Protocol
 
             results = verify_models(load_manifest(args.manifest), args.repository,
-                                    {"grpc": args.grpc_url, "http": args.http_url}, args.samples)
+                                    {Protocol.GRPC: args.grpc_url, Protocol.HTTP: args.http_url}, args.samples)
             for r in results:
                 print(f"{r.variant:<28} {r.protocol:<5} {r.samples:>3} held-out samples  "
                       f"max |server - onnxruntime| = {r.max_abs_diff:.2e}  {'OK' if r.ok else 'MISMATCH'}")

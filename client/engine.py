@@ -8,28 +8,50 @@ raised; statistics come from those records afterwards.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
-from client.errors import PerfClientError, RunAborted
-from client.power import Meter, Reading, window_power
-from client.protocol import Connection, Prepared, ServerStats, error_kind
-from client.stats import Records, Window, is_stable, server_breakdown, summarize
+from client.choices import Choice
+from client.errors import PerfClientError
+from client.power import Meter, PowerFigures, PowerSource, Reading, window_power
+from client.protocol import Connection, Prepared, error_kind
+from client.server_stats import ServerBreakdown, ServerStats, server_breakdown
+from client.stats import Records, Window, is_stable, summarize
 
 log = logging.getLogger(__name__)
 
-DISTRIBUTIONS = ("constant", "poisson")
+# How long a closed-loop worker waits after its request found the server unavailable: no spinning.
+_BACKOFF_S = 0.01
+# Limits on waits that would otherwise hang on a stalled server.
+_WARMUP_LIMIT_S = 60.0
+_REQUEST_COUNT_LIMIT_S = 600.0
+
+
+class Distribution(Choice):
+    """Open-loop inter-arrival times."""
+
+    CONSTANT = "constant"
+    POISSON = "poisson"
 
 
 @dataclass(frozen=True)
 class LoadLevel:
+    """One load: `concurrency` requests in flight (closed loop) or `request_rate` per second (open loop)."""
+
     concurrency: int | None = None
     request_rate: float | None = None
-    distribution: str = "constant"
+    distribution: Distribution = Distribution.CONSTANT
+
+    def __post_init__(self) -> None:
+        # A plain string works too ("poisson"): the engine compares members.
+        object.__setattr__(self, "distribution",
+                           Distribution.parse(self.distribution, "--distribution", error=PerfClientError))
+        self.check()
 
     @property
     def label(self) -> str:
@@ -37,44 +59,85 @@ class LoadLevel:
             return f"concurrency {self.concurrency}"
         return f"{self.request_rate:g} req/s ({self.distribution})"
 
+    def check(self) -> None:
+        if (self.concurrency is None) == (self.request_rate is None):
+            raise PerfClientError("a load level needs exactly one of --concurrency and --request-rate")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise PerfClientError(f"--concurrency {self.concurrency}: expected a positive integer")
+        if self.request_rate is not None and not self.request_rate > 0:
+            raise PerfClientError(f"--request-rate {self.request_rate}: expected a positive rate")
+
 
 @dataclass(frozen=True)
 class Measurement:
+    """How each load level is measured: perf_analyzer's windows and stability rule."""
+
     measurement_ms: int = 5000
     stability_percentage: float = 10.0
     max_trials: int = 10
     warmup_requests: int = 0
     request_count: int = 0  # > 0: a window closes after this many completed requests, not after a time
 
+    def __post_init__(self) -> None:
+        self.check()
 
-@dataclass
+    def check(self) -> None:
+        for flag, value, low in (("--measurement-interval", self.measurement_ms, 1),
+                                 ("--max-trials", self.max_trials, 1), ("--warmup", self.warmup_requests, 0),
+                                 ("--request-count", self.request_count, 0)):
+            if value < low:
+                raise PerfClientError(f"{flag} {value}: expected an integer >= {low}")
+        if not 0 < self.stability_percentage <= 100:
+            raise PerfClientError(f"--stability-percentage {self.stability_percentage}: expected 0 < P <= 100")
+
+
+@dataclass(frozen=True)
 class LevelResult:
+    """One load level on one model.
+
+    `summary` covers the last three windows (perf_analyzer's report), `server` and `power` the same
+    interval. `complete` is False for a level cut short (the server stopped): its figures cover the
+    windows measured before that.
+    """
+
     level: LoadLevel
-    windows: list[Window] = field(default_factory=list)
-    summary: Window | None = None
-    stable: bool = False
-    server: dict[str, float] = field(default_factory=dict)
-    power: dict[str, object] = field(default_factory=dict)
-    power_trace: list[tuple[float, float]] = field(default_factory=list)
+    windows: tuple[Window, ...]
+    summary: Window
+    stable: bool
+    server: ServerBreakdown
+    power: PowerFigures
+    power_trace: tuple[tuple[float, float], ...] = ()  # (monotonic s, W) instant-power samples
+    complete: bool = True
 
 
-ProgressFn = Callable[[LoadLevel, int, Window], None]
+class ServerStopped(PerfClientError):
+    """The server stopped answering during a level; `result` holds the windows measured before."""
+
+    def __init__(self, message: str, result: LevelResult) -> None:
+        super().__init__(message)
+        self.result = result
+
+
+WindowFn = Callable[[int, Window], None]  # (1-based window index, window) as each window closes
+
+# One snapshot per window boundary: the server's counters and every meter's reading.
+_Snapshot = tuple[ServerStats | None, list[Reading]]
 
 
 class LoadRun:
     """Drives one load level on an open connection."""
 
-    def __init__(self, conn: Connection, model: str, payloads: list[Prepared], batch: int,
-                 meter: Meter, measurement: Measurement, progress: ProgressFn | None = None,
-                 cross_checks: list[Meter] | None = None) -> None:
+    def __init__(self, conn: Connection, *, model: str, payloads: Sequence[Prepared], batch: int, meter: Meter,
+                 measurement: Measurement, on_window: WindowFn | None = None,
+                 cross_checks: Sequence[Meter] = ()) -> None:
         self.conn = conn
         self.model = model
-        self.payloads = payloads
+        self.payloads = list(payloads)
         self.batch = batch
         self.meter = meter
-        self.cross_checks = cross_checks or []
+        self.cross_checks = list(cross_checks)
         self.m = measurement
-        self.progress = progress
+        self.on_window = on_window
         self.records = Records()
         self._stop = asyncio.Event()
         self._tasks: set[asyncio.Task[str | None]] = set()
@@ -96,11 +159,10 @@ class LoadRun:
 
     async def _closed_loop_worker(self) -> None:
         while not self._stop.is_set():
-            now = time.monotonic_ns()
-            if await self._send(now) == "unavailable":
-                await asyncio.sleep(0.01)  # do not spin on a dead server
+            if await self._send(time.monotonic_ns()) == "unavailable":
+                await asyncio.sleep(_BACKOFF_S)
 
-    async def _open_loop(self, rate: float, distribution: str) -> None:
+    async def _open_loop(self, rate: float, distribution: Distribution) -> None:
         rng = np.random.default_rng(0)
         mean_ns = 1e9 / rate
         next_t = float(time.monotonic_ns())
@@ -111,88 +173,83 @@ class LoadRun:
             task = asyncio.create_task(self._send(int(next_t)))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
-            next_t += rng.exponential(mean_ns) if distribution == "poisson" else mean_ns
+            next_t += rng.exponential(mean_ns) if distribution is Distribution.POISSON else mean_ns
 
     async def run(self, level: LoadLevel) -> LevelResult:
-        result = LevelResult(level)
+        """Measure `level`; ServerStopped (with what was measured) if the server stops answering."""
         if level.concurrency is not None:
             drivers = [asyncio.create_task(self._closed_loop_worker()) for _ in range(level.concurrency)]
         else:
-            assert level.request_rate is not None
+            assert level.request_rate is not None  # LoadLevel holds exactly one of the two
             drivers = [asyncio.create_task(self._open_loop(level.request_rate, level.distribution))]
-        trace = getattr(self.meter, "trace", None)
+        trace = self.meter.trace
         trace_start = len(trace.samples) if trace is not None else 0
+        windows: list[Window] = []
+        snapshots: list[_Snapshot] = []
+        stable, stopped = False, False
         try:
             await self._warm_up()
-            snapshots: list[tuple[ServerStats, list[Reading]]] = [
-                (await self.conn.statistics(self.model), self._read_meters())
-            ]
-            while len(result.windows) < self.m.max_trials:
-                window = await self._window(snapshots)
-                result.windows.append(window)
-                if self.progress:
-                    self.progress(level, len(result.windows), window)
-                if window.requests == 0 and window.errors and not await self.conn.live():
-                    raise RunAborted(f"-u {self.conn.url}: the server stopped answering during {level.label}",
-                                     [result])
-                if is_stable(result.windows, self.m.stability_percentage):
-                    result.stable = True
+            snapshots.append(await self._snapshot())
+            while len(windows) < self.m.max_trials:
+                windows.append(await self._window(snapshots))
+                log.debug("%s %s window %d: %d requests in %.2f s, errors %s", self.model, level.label,
+                          len(windows), windows[-1].requests, windows[-1].seconds, windows[-1].errors or "none")
+                if self.on_window:
+                    self.on_window(len(windows), windows[-1])
+                if windows[-1].requests == 0 and windows[-1].errors and not await self.conn.live():
+                    stopped = True
                     break
-            self._finish(result, snapshots)
+                if is_stable(windows, self.m.stability_percentage):
+                    stable = True
+                    break
         finally:
             self._stop.set()
             for task in [*drivers, *self._tasks]:
                 task.cancel()
             await asyncio.gather(*drivers, *self._tasks, return_exceptions=True)
-            if trace is not None:
-                result.power_trace = list(trace.samples[trace_start:])
+        result = self._result(level, windows, snapshots, stable=stable, complete=not stopped,
+                              power_trace=tuple(trace.samples[trace_start:]) if trace is not None else ())
+        if stopped:
+            raise ServerStopped(f"-u {self.conn.url}: the server stopped answering during {level.label}", result)
         return result
 
     async def _warm_up(self) -> None:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + _WARMUP_LIMIT_S
         while len(self.records) < self.m.warmup_requests and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
 
-    def _read_meters(self) -> list[Reading]:
-        return [self.meter.read(), *(m.read() for m in self.cross_checks)]
+    async def _snapshot(self) -> _Snapshot:
+        return await self.conn.statistics(self.model), [self.meter.read(), *(m.read() for m in self.cross_checks)]
 
-    def _power(self, before: list[Reading], after: list[Reading], inferences: int) -> dict[str, object]:
-        cross = [(m.source, b, a) for m, b, a in zip(self.cross_checks, before[1:], after[1:], strict=True)]
+    def _power(self, before: list[Reading], after: list[Reading], inferences: int) -> PowerFigures:
+        cross: list[tuple[PowerSource, Reading, Reading]] = [
+            (m.source, b, a) for m, b, a in zip(self.cross_checks, before[1:], after[1:], strict=True)]
         return window_power(self.meter, before[0], after[0], inferences, cross)
 
-    async def _window(self, snapshots: list[tuple[ServerStats, list[Reading]]]) -> Window:
+    async def _window(self, snapshots: list[_Snapshot]) -> Window:
         start = time.monotonic_ns()
         first = len(self.records)
         if self.m.request_count > 0:
-            limit = time.monotonic() + 600
+            limit = time.monotonic() + _REQUEST_COUNT_LIMIT_S
             while len(self.records) - first < self.m.request_count and time.monotonic() < limit:
                 await asyncio.sleep(0.005)
         else:
             await asyncio.sleep(self.m.measurement_ms / 1000)
         end = time.monotonic_ns()
-        snapshots.append((await self.conn.statistics(self.model), self._read_meters()))
+        snapshots.append(await self._snapshot())
         window = summarize(self.records, start, end, self.batch)
         (stats0, power0), (stats1, power1) = snapshots[-2], snapshots[-1]
-        return Window(**{**window.__dict__,
-                         "server": server_breakdown(stats0, stats1),
-                         "power": self._power(power0, power1, window.inferences)})
+        return dataclasses.replace(window, server=server_breakdown(stats0, stats1),
+                                   power=self._power(power0, power1, window.inferences))
 
-    def _finish(self, result: LevelResult, snapshots: list[tuple[ServerStats, list[Reading]]]) -> None:
+    def _result(self, level: LoadLevel, windows: list[Window], snapshots: list[_Snapshot], *, stable: bool,
+                complete: bool, power_trace: tuple[tuple[float, float], ...]) -> LevelResult:
         # Like perf_analyzer, report the last three windows (the stable ones when stable).
-        chosen = result.windows[-3:]
-        first_index = len(result.windows) - len(chosen)
+        chosen = windows[-3:]
+        first_index = len(windows) - len(chosen)
         summary = summarize(self.records, chosen[0].start_ns, chosen[-1].end_ns, self.batch)
         (stats0, power0), (stats1, power1) = snapshots[first_index], snapshots[-1]
-        result.server = server_breakdown(stats0, stats1)
-        result.power = self._power(power0, power1, summary.inferences)
-        result.summary = summary
-
-
-def validate_levels(levels: list[LoadLevel]) -> None:
-    for level in levels:
-        if level.concurrency is not None and level.concurrency < 1:
-            raise PerfClientError(f"--concurrency {level.concurrency}: expected a positive integer")
-        if level.request_rate is not None and level.request_rate <= 0:
-            raise PerfClientError(f"--request-rate {level.request_rate}: expected a positive rate")
-        if level.distribution not in DISTRIBUTIONS:
-            raise PerfClientError(f"--distribution {level.distribution!r}: expected one of {', '.join(DISTRIBUTIONS)}")
+        return LevelResult(level=level, windows=tuple(windows), summary=summary, stable=stable,
+                           server=server_breakdown(stats0, stats1),
+                           power=self._power(power0, power1, summary.inferences), power_trace=power_trace,
+                           complete=complete)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from client.session import ModelResult
 
 
 class PerfClientError(Exception):
@@ -10,8 +13,9 @@ class PerfClientError(Exception):
 
 
 class RunAborted(PerfClientError):
-    """The run stopped part-way (the server died); `partial` holds what was measured before."""
+    """The run stopped part-way (the server died); `partial` holds what was measured before, the
+    last level possibly incomplete (`result.complete` False)."""
 
-    def __init__(self, message: str, partial: list[Any]) -> None:
+    def __init__(self, message: str, partial: list[ModelResult]) -> None:
         super().__init__(message)
         self.partial = partial

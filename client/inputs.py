@@ -2,25 +2,59 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
+from client.choices import Choice
+from client.datatypes import numpy_dtype
 from client.errors import PerfClientError
 from client.protocol import ModelMeta
 
-NUMPY_TYPES = {
-    "FP32": np.float32, "FP16": np.float16, "FP64": np.float64, "INT64": np.int64, "INT32": np.int32,
-    "INT16": np.int16, "INT8": np.int8, "UINT8": np.uint8, "BOOL": np.bool_,
-}
 # Distinct payloads rotated through, so a cache or a branch predictor never sees one request only.
 _PAYLOADS = 8
 
 
-def parse_shapes(values: list[str]) -> dict[str, tuple[int, ...]]:
+class InputKind(Choice):
+    RANDOM = "random"
+    ZERO = "zero"
+    NPZ = "npz"  # one .npz archive keyed by input name, samples on axis 0
+    FOLDER = "folder"  # a folder of NAME.npy files
+
+
+@dataclass(frozen=True)
+class InputData:
+    """Where request tensors come from: generated (random, zero) or real samples at `path`."""
+
+    kind: InputKind = InputKind.RANDOM
+    path: Path | None = None
+
+    def __post_init__(self) -> None:
+        if (self.path is None) != (self.kind in (InputKind.RANDOM, InputKind.ZERO)):
+            raise PerfClientError(f"--input-data: {self.kind} {'needs' if self.path is None else 'takes no'} path")
+
+    @classmethod
+    def parse(cls, value: str) -> InputData:
+        """`--input-data`: random | zero | FILE.npz | a folder of NAME.npy."""
+        if value in (InputKind.RANDOM.value, InputKind.ZERO.value):
+            return cls(InputKind(value))
+        path = Path(value)
+        if path.suffix == ".npz":
+            return cls(InputKind.NPZ, path)  # a missing file is reported when it is read
+        if path.is_dir():
+            return cls(InputKind.FOLDER, path)
+        raise PerfClientError(f"--input-data {value!r}: expected random, zero, a .npz file or a folder of .npy files")
+
+    def __str__(self) -> str:
+        return str(self.path) if self.path is not None else str(self.kind)
+
+
+def parse_shapes(values: Sequence[str]) -> dict[str, tuple[int, ...]]:
+    """`--shape NAME:D1,D2` values (without the batch dim) as {name: dims}."""
     shapes = {}
     for value in values:
         name, sep, dims = value.partition(":")
@@ -48,7 +82,7 @@ def _resolve_shape(meta: ModelMeta, name: str, shape: tuple[int, ...],
     return shape
 
 
-def build_payloads(meta: ModelMeta, batch: int, source: str, overrides: Mapping[str, tuple[int, ...]],
+def build_payloads(meta: ModelMeta, batch: int, source: InputData, overrides: Mapping[str, tuple[int, ...]],
                    seed: int = 0) -> list[dict[str, NDArray[Any]]]:
     """Up to 8 distinct payloads of `batch` samples each."""
     if batch < 1:
@@ -61,38 +95,46 @@ def build_payloads(meta: ModelMeta, batch: int, source: str, overrides: Mapping[
     if unknown:
         raise PerfClientError(f"--shape {', '.join(unknown)}: not inputs of {meta.name} "
                               f"(inputs: {', '.join(t.name for t in meta.inputs)})")
-    if source in ("random", "zero"):
-        return _synthetic(meta, batch, source, overrides, seed)
-    path = Path(source)
-    if path.suffix == ".npz":
+    if source.kind in (InputKind.RANDOM, InputKind.ZERO):
+        return _synthetic(meta, batch, source.kind, overrides, seed)
+    return _from_samples(meta, batch, _load(source), str(source))
+
+
+def _load(source: InputData) -> dict[str, NDArray[Any]]:
+    path = source.path
+    assert path is not None  # InputData guarantees a path for the file kinds
+    if source.kind is InputKind.NPZ:
         if not path.is_file():
-            raise PerfClientError(f"--input-data {source}: file not found")
+            raise PerfClientError(f"--input-data {path}: file not found")
         with np.load(path, allow_pickle=False) as archive:
-            data = {k: archive[k] for k in archive.files}
-    elif path.is_dir():
-        data = {p.stem: np.load(p, allow_pickle=False) for p in sorted(path.glob("*.npy"))}
-    else:
-        raise PerfClientError(f"--input-data {source!r}: expected random, zero, a .npz file or a folder of .npy files")
-    return _from_samples(meta, batch, data, source)
+            return {k: archive[k] for k in archive.files}
+    if not path.is_dir():
+        raise PerfClientError(f"--input-data {path}: folder not found")
+    return {p.stem: np.load(p, allow_pickle=False) for p in sorted(path.glob("*.npy"))}
 
 
-def _synthetic(meta: ModelMeta, batch: int, kind: str, overrides: Mapping[str, tuple[int, ...]],
+def _dtype(meta: ModelMeta, name: str, datatype: str) -> np.dtype[Any]:
+    try:
+        return numpy_dtype(datatype)
+    except KeyError:
+        raise PerfClientError(f"input {name!r} of {meta.name}: datatype {datatype} is not supported") from None
+
+
+def _synthetic(meta: ModelMeta, batch: int, kind: InputKind, overrides: Mapping[str, tuple[int, ...]],
                seed: int) -> list[dict[str, NDArray[Any]]]:
     rng = np.random.default_rng(seed)
     payloads = []
-    for _ in range(1 if kind == "zero" else _PAYLOADS):
+    for _ in range(1 if kind is InputKind.ZERO else _PAYLOADS):
         payload = {}
         for tensor in meta.inputs:
-            if tensor.datatype not in NUMPY_TYPES:
-                raise PerfClientError(f"input {tensor.name!r}: datatype {tensor.datatype} is not supported")
-            dtype = NUMPY_TYPES[tensor.datatype]
+            dtype = _dtype(meta, tensor.name, tensor.datatype)
             shape = _resolve_shape(meta, tensor.name, tensor.shape, overrides)
             full = ((batch,) if meta.max_batch_size else ()) + shape
-            if kind == "zero":
+            if kind is InputKind.ZERO:
                 array = np.zeros(full, dtype=dtype)
             elif np.issubdtype(dtype, np.floating):
                 array = rng.standard_normal(full).astype(dtype)
-            elif dtype is np.bool_:
+            elif dtype == np.bool_:
                 array = rng.random(full) < 0.5
             else:
                 # Small non-negative integers are valid token ids, masks and class indices alike.
@@ -113,8 +155,7 @@ def _from_samples(meta: ModelMeta, batch: int, data: Mapping[str, NDArray[Any]],
         payload = {}
         for tensor in meta.inputs:
             array = data[tensor.name]
-            dtype = NUMPY_TYPES.get(tensor.datatype)
-            if dtype is None or array.dtype != np.dtype(dtype):
+            if array.dtype != _dtype(meta, tensor.name, tensor.datatype):
                 raise PerfClientError(f"--input-data {source}: {tensor.name!r} is {array.dtype}, "
                                       f"model expects {tensor.datatype}")
             chunk = array[start : start + batch] if meta.max_batch_size else array[start]

@@ -13,24 +13,43 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from client.choices import Choice
+
 log = logging.getLogger(__name__)
 
-SOURCES = ("auto", "nvml", "triton", "rapl", "none")
+
+class PowerSource(Choice):
+    """Where energy comes from; `auto` tries nvml, then triton, then rapl."""
+
+    AUTO = "auto"
+    NVML = "nvml"
+    TRITON = "triton"
+    RAPL = "rapl"
+    NONE = "none"
 
 
 @dataclass(frozen=True)
 class Reading:
     t: float  # time.monotonic()
     energy_j: float | None  # cumulative, summed over devices
-    power_w: float | None
 
 
 class Meter(Protocol):
-    source: str
+    @property
+    def source(self) -> PowerSource: ...
+
+    @property
+    def trace(self) -> PowerTrace | None:
+        """Instant-power samples, where the source takes them."""
+
+    @property
+    def reason(self) -> str | None:
+        """Why there is no energy reading (the `none` source)."""
 
     def read(self) -> Reading: ...
 
@@ -52,7 +71,8 @@ class PowerTrace:
 
 
 class NvmlMeter:
-    source = "nvml"
+    source = PowerSource.NVML
+    reason = None
 
     def __init__(self, sample_interval: float = 0.05) -> None:
         import pynvml
@@ -64,7 +84,6 @@ class NvmlMeter:
             pynvml.nvmlShutdown()
             raise RuntimeError("NVML found no GPU")
         self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
-        self.names = [str(pynvml.nvmlDeviceGetName(h)) for h in self.handles]
         self.trace = PowerTrace()
         self._stop = threading.Event()
         self._interval = sample_interval
@@ -95,8 +114,7 @@ class NvmlMeter:
 
     def read(self) -> Reading:
         energy = sum(self._nvml.nvmlDeviceGetTotalEnergyConsumption(h) for h in self.handles) / 1000.0
-        power = sum(self._nvml.nvmlDeviceGetPowerUsage(h) for h in self.handles) / 1000.0
-        return Reading(time.monotonic(), energy, power)
+        return Reading(time.monotonic(), energy)
 
     def close(self) -> None:
         self._stop.set()
@@ -104,23 +122,21 @@ class NvmlMeter:
         self._nvml.nvmlShutdown()
 
 
-_METRIC_LINE = re.compile(r"^(nv_energy_consumption|nv_gpu_power_usage)\{[^}]*\}\s+([0-9.eE+-]+)", re.M)
+_ENERGY_LINE = re.compile(r"^nv_energy_consumption\{[^}]*\}\s+([0-9.eE+-]+)", re.M)
 
 
-def parse_triton_metrics(text: str) -> tuple[float | None, float | None]:
-    energy = power = None
-    for name, value in _METRIC_LINE.findall(text):
-        if name == "nv_energy_consumption":
-            energy = (energy or 0.0) + float(value)
-        else:
-            power = (power or 0.0) + float(value)
-    return energy, power
+def parse_triton_energy(text: str) -> float | None:
+    """Joules summed over GPUs from Triton's Prometheus text; None without a GPU energy metric."""
+    values = _ENERGY_LINE.findall(text)
+    return sum(float(v) for v in values) if values else None
 
 
 class TritonMetricsMeter:
-    """Triton's Prometheus endpoint: nv_energy_consumption (J, cumulative) and nv_gpu_power_usage (W)."""
+    """Triton's Prometheus endpoint: nv_energy_consumption (J, cumulative, summed over GPUs)."""
 
-    source = "triton"
+    source = PowerSource.TRITON
+    trace = None
+    reason = None
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -133,8 +149,7 @@ class TritonMetricsMeter:
                 text = response.read().decode("utf-8", "replace")
         except (urllib.error.URLError, OSError) as exc:
             raise RuntimeError(f"cannot read {self.url}: {exc}") from exc
-        energy, power = parse_triton_metrics(text)
-        return Reading(time.monotonic(), energy, power)
+        return Reading(time.monotonic(), parse_triton_energy(text))
 
     def close(self) -> None:
         pass
@@ -143,7 +158,9 @@ class TritonMetricsMeter:
 class RaplMeter:
     """CPU package energy from /sys/class/powercap (root-only on Linux >= 5.10)."""
 
-    source = "rapl"
+    source = PowerSource.RAPL
+    trace = None
+    reason = None
 
     def __init__(self, root: Path = Path("/sys/class/powercap")) -> None:
         self.domains = sorted(p for p in root.glob("intel-rapl:*") if p.name.count(":") == 1)
@@ -169,50 +186,49 @@ class RaplMeter:
             delta = cur - prev if cur >= prev else cur + self._ranges[i] - prev  # counter wrapped
             self._total += delta / 1e6
         self._last = now
-        return Reading(time.monotonic(), self._total, None)
+        return Reading(time.monotonic(), self._total)
 
     def close(self) -> None:
         pass
 
 
 class NoMeter:
-    source = "none"
+    source = PowerSource.NONE
+    trace = None
 
     def __init__(self, reason: str) -> None:
-        self.reason = reason
+        self.reason: str | None = reason
 
     def read(self) -> Reading:
-        return Reading(time.monotonic(), None, None)
+        return Reading(time.monotonic(), None)
 
     def close(self) -> None:
         pass
 
 
-def open_meter(source: str, metrics_url: str) -> Meter:
+def open_meter(source: PowerSource, metrics_url: str) -> Meter:
     """The first source that works, in order nvml → triton → rapl; `none` with every reason otherwise."""
-    if source not in SOURCES:
-        from client.errors import PerfClientError
-
-        raise PerfClientError(f"--power-source {source!r}: expected one of {', '.join(SOURCES)}")
-    order = ["nvml", "triton", "rapl"] if source == "auto" else [source]
+    order = [PowerSource.NVML, PowerSource.TRITON, PowerSource.RAPL] if source is PowerSource.AUTO else [source]
+    openers: dict[PowerSource, Callable[[], Meter]] = {
+        PowerSource.NVML: NvmlMeter, PowerSource.RAPL: RaplMeter,
+        PowerSource.TRITON: lambda: TritonMetricsMeter(metrics_url)}
     reasons = []
     for name in order:
-        if name == "none":
+        if name is PowerSource.NONE:
             break
         try:
-            if name == "nvml":
-                return NvmlMeter()
-            if name == "triton":
-                return TritonMetricsMeter(metrics_url)
-            return RaplMeter()
+            meter: Meter = openers[name]()
         except Exception as exc:  # noqa: BLE001 - each failure becomes part of the reason
             reasons.append(f"{name}: {str(exc).strip() or type(exc).__name__}")
+        else:
+            log.debug("power source: %s", name)
+            return meter
     return NoMeter("; ".join(reasons) or "disabled by --power-source none")
 
 
 def open_cross_checks(primary: Meter, metrics_url: str) -> list[Meter]:
     """Second sources read at the same instants as the primary, to cross-check its energy."""
-    if primary.source != "nvml":
+    if primary.source is not PowerSource.NVML:
         return []
     try:
         return [TritonMetricsMeter(metrics_url)]
@@ -221,26 +237,40 @@ def open_cross_checks(primary: Meter, metrics_url: str) -> list[Meter]:
         return []
 
 
+@dataclass(frozen=True)
+class PowerFigures:
+    """Energy over an interval from the chosen source; every figure None where it was not measured.
+
+    `reason` says why there is no energy (source `none`, or a source whose reading failed).
+    `energy_j_from_samples` integrates the instant-power samples; `cross_checks` holds the energy
+    that each second source counted over the same instants, for comparison with `energy_j`.
+    """
+
+    source: PowerSource
+    reason: str | None = None
+    avg_w: float | None = None
+    energy_j: float | None = None
+    j_per_infer: float | None = None
+    infer_per_j: float | None = None
+    energy_j_from_samples: float | None = None
+    cross_checks: Mapping[PowerSource, float | None] = field(default_factory=dict)
+
+
 def window_power(meter: Meter, before: Reading, after: Reading, inferences: int,
-                 cross: list[tuple[str, Reading, Reading]] | None = None) -> dict[str, object]:
-    result: dict[str, object] = {"source": meter.source}
+                 cross: Sequence[tuple[PowerSource, Reading, Reading]] = ()) -> PowerFigures:
     if before.energy_j is None or after.energy_j is None:
-        result["reason"] = getattr(meter, "reason", "no energy reading")
-        return result
+        return PowerFigures(source=meter.source, reason=meter.reason or "no energy reading")
     seconds = max(after.t - before.t, 1e-9)
     energy = after.energy_j - before.energy_j
-    result.update({
-        "avg_w": energy / seconds,
-        "energy_j": energy,
-        "j_per_infer": energy / inferences if inferences else None,
-        "infer_per_j": inferences / energy if energy > 0 else None,
-    })
-    trace = getattr(meter, "trace", None)
-    if isinstance(trace, PowerTrace):
-        integrated = trace.integrate(before.t, after.t)
-        if integrated is not None:
-            result["energy_j_from_samples"] = integrated
-    for source, b, a in cross or []:
-        if b.energy_j is not None and a.energy_j is not None:
-            result[f"energy_j_from_{source}"] = a.energy_j - b.energy_j
-    return result
+    integrated = meter.trace.integrate(before.t, after.t) if meter.trace is not None else None
+    checks = {source: (a.energy_j - b.energy_j if b.energy_j is not None and a.energy_j is not None else None)
+              for source, b, a in cross}
+    return PowerFigures(
+        source=meter.source,
+        avg_w=energy / seconds,
+        energy_j=energy,
+        j_per_infer=energy / inferences if inferences else None,
+        infer_per_j=inferences / energy if energy > 0 else None,
+        energy_j_from_samples=integrated,
+        cross_checks=checks,
+    )

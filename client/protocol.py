@@ -1,19 +1,46 @@
-"""gRPC and HTTP connections to Triton behind one small async interface."""
+"""gRPC and HTTP connections to Triton behind one small async interface.
+
+Control calls (liveness, metadata, config, statistics) go through tritonclient's public asyncio
+clients. The hot path does not: each payload is serialized once (client.wire) and sent as raw
+bytes, on a serializer-less `grpc.aio` channel or on our own aiohttp session, and the response is
+checked for an error but not decoded, as perf_analyzer does.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from dataclasses import dataclass
+from collections.abc import Awaitable, Mapping
+from dataclasses import dataclass, field
+from types import TracebackType
 from typing import Any
+from urllib.parse import quote
 
-from numpy.typing import NDArray
+import aiohttp
+import grpc
 
+from client.choices import Choice
 from client.errors import PerfClientError
+from client.server_stats import ServerStats, parse_statistics
+from client.wire import GRPC_INFER_METHOD, grpc_infer_request, http_error_message, http_infer_request
 
 log = logging.getLogger(__name__)
 
-PROTOCOLS = ("grpc", "http")
-DEFAULT_PORTS = {"grpc": 8001, "http": 8000}
+# A request that takes longer is recorded as a timeout (tritonclient's own aio default is 60 s too).
+REQUEST_TIMEOUT_S = 60.0
+# Control calls (metadata, statistics) between windows: short, so a dying server cannot stall a run.
+CONTROL_TIMEOUT_S = 10.0
+# Connection pool for the HTTP hot path; above any concurrency we drive, as tritonclient's conn_limit.
+HTTP_CONNECTIONS = 1024
+
+
+class Protocol(Choice):
+    GRPC = "grpc"
+    HTTP = "http"
+
+    @property
+    def default_port(self) -> int:
+        return 8001 if self is Protocol.GRPC else 8000
 
 
 @dataclass(frozen=True)
@@ -32,89 +59,76 @@ class ModelMeta:
 
 
 @dataclass(frozen=True)
-class ServerStats:
-    """Cumulative counters from Triton's statistics API (nanoseconds and counts)."""
-
-    success_count: int = 0
-    queue_ns: int = 0
-    compute_input_ns: int = 0
-    compute_infer_ns: int = 0
-    compute_output_ns: int = 0
-    inference_count: int = 0
-    execution_count: int = 0
-
-
-def _int(value: Any) -> int:
-    return int(value) if value not in (None, "") else 0
-
-
-def _part(stats: dict[str, Any], key: str) -> dict[str, Any]:
-    value = stats.get(key, {})
-    return value if isinstance(value, dict) else {}
-
-
-def parse_statistics(payload: dict[str, Any], model: str) -> ServerStats:
-    for entry in payload.get("model_stats", []):
-        if entry.get("name") != model:
-            continue
-        stats = entry.get("inference_stats", {})
-        return ServerStats(
-            success_count=_int(_part(stats, "success").get("count")),
-            queue_ns=_int(_part(stats, "queue").get("ns")),
-            compute_input_ns=_int(_part(stats, "compute_input").get("ns")),
-            compute_infer_ns=_int(_part(stats, "compute_infer").get("ns")),
-            compute_output_ns=_int(_part(stats, "compute_output").get("ns")),
-            inference_count=_int(entry.get("inference_count")),
-            execution_count=_int(entry.get("execution_count")),
-        )
-    return ServerStats()
-
-
-@dataclass(frozen=True)
 class Prepared:
     """A request serialized once and sent many times: the load loop does no per-request encoding."""
 
     model: str
     body: bytes
-    headers: dict[str, str]
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+
+class HttpStatusError(Exception):
+    """A non-200 answer to an HTTP inference request, with the server's reason."""
+
+    def __init__(self, status: int, body: bytes) -> None:
+        super().__init__(http_error_message(status, body))
+        self.status = status
 
 
 class Connection:
-    """One client connection; `prepare` serializes a request once, `send` sends it as it is.
+    """One connection to one server; `prepare` serializes a payload once, `send` sends it as it is.
 
-    The request bytes are what tritonclient itself would send (its own request builders make
-    them); responses are checked for errors but not decoded, as perf_analyzer does.
+    Use `async with await Connection.open(...)`, or call `close()`.
     """
 
-    def __init__(self, protocol: str, url: str) -> None:
-        if protocol not in PROTOCOLS:
-            raise PerfClientError(f"-i {protocol!r}: expected one of {', '.join(PROTOCOLS)}")
+    def __init__(self, protocol: Protocol, url: str, *, timeout_s: float = REQUEST_TIMEOUT_S) -> None:
+        """Call from a running event loop (aiohttp and grpc.aio bind to it)."""
         self.protocol = protocol
         self.url = url
-        self._client: Any
-        self._raw: Any = None
-        if protocol == "grpc":
-            import grpc
+        self._timeout_s = timeout_s
+        log.debug("connecting to %s over %s (request timeout %g s)", url, protocol, timeout_s)
+        self._control: Any
+        if protocol is Protocol.GRPC:
             import tritonclient.grpc.aio as grpc_aio
 
-            self._client = grpc_aio.InferenceServerClient(url=url)
+            self._control = grpc_aio.InferenceServerClient(url=url)
             self._channel = grpc.aio.insecure_channel(url, options=[
                 ("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)])
-            # No serializers: requests go out as the bytes given, responses come back as bytes.
-            self._raw = self._channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+            # No serializers: the request goes out as the bytes given, the response comes back as bytes.
+            self._infer = self._channel.unary_unary(GRPC_INFER_METHOD)
         else:
             import tritonclient.http.aio as http_aio
 
-            self._client = http_aio.InferenceServerClient(url=url, conn_limit=1024)
+            self._control = http_aio.InferenceServerClient(url=url, conn_timeout=CONTROL_TIMEOUT_S)
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=HTTP_CONNECTIONS),
+                timeout=aiohttp.ClientTimeout(total=timeout_s),
+                auto_decompress=False,  # responses are checked, never decoded (as tritonclient does)
+            )
+            self._base = f"http://{url}/v2/models"
+            self._urls: dict[str, str] = {}
+
+    @classmethod
+    async def open(cls, protocol: Protocol, url: str, *, timeout_s: float = REQUEST_TIMEOUT_S) -> Connection:
+        return cls(protocol, url, timeout_s=timeout_s)
+
+    async def __aenter__(self) -> Connection:
+        return self
+
+    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.close()
 
     async def close(self) -> None:
-        await self._client.close()
-        if self.protocol == "grpc":
+        await self._control.close()
+        if self.protocol is Protocol.GRPC:
             await self._channel.close()
+        else:
+            await self._session.close()
 
     async def live(self) -> bool:
         try:
-            return bool(await self._client.is_server_live())
+            return bool(await _bounded(self._control.is_server_live()))
         except Exception:  # noqa: BLE001 - any failure means "not live"
             return False
 
@@ -122,24 +136,24 @@ class Connection:
         # Liveness, not server readiness: with explicit model control another model may be loading
         # or unloading, which makes the whole server "not ready" while this model serves.
         try:
-            if not await self._client.is_server_live():
-                raise PerfClientError(f"-u {self.url}: server is up but not live")
-        except PerfClientError:
-            raise
+            live = await _bounded(self._control.is_server_live())
         except Exception as exc:
-            raise PerfClientError(f"-u {self.url}: cannot reach Triton over {self.protocol} ({_short(exc)})") from exc
+            raise PerfClientError(f"-u {self.url}: cannot reach Triton over {self.protocol} ({describe(exc)})") from exc
+        if not live:
+            raise PerfClientError(f"-u {self.url}: server is up but not live")
         try:
-            if self.protocol == "grpc":
-                meta = await self._client.get_model_metadata(name, as_json=True)
-                config = (await self._client.get_model_config(name, as_json=True))["config"]
+            if self.protocol is Protocol.GRPC:
+                meta = await _bounded(self._control.get_model_metadata(name, as_json=True))
+                config = (await _bounded(self._control.get_model_config(name, as_json=True)))["config"]
             else:
-                meta = await self._client.get_model_metadata(name)
-                config = await self._client.get_model_config(name)
+                meta = await _bounded(self._control.get_model_metadata(name))
+                config = await _bounded(self._control.get_model_config(name))
+            ready = await _bounded(self._control.is_model_ready(name))
         except Exception as exc:
-            raise PerfClientError(f"-m {name}: model is not served at {self.url} ({_short(exc)})") from exc
-        if not await self._client.is_model_ready(name):
+            raise PerfClientError(f"-m {name}: model is not served at {self.url} ({describe(exc)})") from exc
+        if not ready:
             raise PerfClientError(f"-m {name}: model is not ready at {self.url}")
-        max_batch = _int(config.get("max_batch_size"))
+        max_batch = int(config.get("max_batch_size") or 0)
 
         def tensors(items: list[dict[str, Any]]) -> tuple[TensorMeta, ...]:
             out = []
@@ -150,80 +164,81 @@ class Connection:
 
         return ModelMeta(name, max_batch, tensors(meta.get("inputs", [])), tensors(meta.get("outputs", [])))
 
-    def prepare(self, arrays: dict[str, NDArray[Any]], datatypes: dict[str, str]) -> list[Any]:
-        if self.protocol == "grpc":
-            import tritonclient.grpc as grpcclient
-
-            inputs = []
-            for name, array in arrays.items():
-                item = grpcclient.InferInput(name, list(array.shape), datatypes[name])
-                item.set_data_from_numpy(array)
-                inputs.append(item)
-            return inputs
-        import tritonclient.http as httpclient
-
-        inputs = []
-        for name, array in arrays.items():
-            item = httpclient.InferInput(name, list(array.shape), datatypes[name])
-            item.set_data_from_numpy(array, binary_data=True)
-            inputs.append(item)
-        return inputs
-
-    async def infer(self, model: str, inputs: list[Any]) -> Any:
-        """One request through tritonclient (decoded response): for probes and checks."""
-        return await self._client.infer(model, inputs)
-
-    def serialize(self, model: str, inputs: list[Any]) -> Prepared:
-        if self.protocol == "grpc":
-            from tritonclient.grpc._utils import _get_inference_request as grpc_request
-
-            request = grpc_request(model, inputs, "", "", None, 0, False, False, 0, None, None)
-            return Prepared(model, request.SerializeToString(), {})
-        from tritonclient.http._utils import _get_inference_request as http_request
-
-        body, json_size = http_request(inputs, "", None, 0, False, False, 0, None, None)
-        headers = {"Inference-Header-Content-Length": str(json_size)} if json_size is not None else {}
-        return Prepared(model, bytes(body), headers)
+    def prepare(self, model: str, arrays: Mapping[str, Any]) -> Prepared:
+        """Serialize one payload (input name -> array, full shape) in this connection's wire format."""
+        if self.protocol is Protocol.GRPC:
+            return Prepared(model, grpc_infer_request(model, arrays))
+        body, headers = http_infer_request(arrays)
+        return Prepared(model, body, headers)
 
     async def send(self, prepared: Prepared) -> None:
         """Send a prepared request; raise on any error the server or the transport reports."""
-        if self.protocol == "grpc":
-            await self._raw(prepared.body)
+        if self.protocol is Protocol.GRPC:
+            await self._infer(prepared.body, timeout=self._timeout_s)
             return
-        session = self._client._stub  # tritonclient's aiohttp session, with its connection pool
-        base = self._client._url
-        async with session.post(f"{base}/v2/models/{prepared.model}/infer", data=prepared.body,
-                                headers=prepared.headers) as response:
-            payload = await response.read()
+        async with self._session.post(self._url(prepared.model), data=prepared.body,
+                                      headers=prepared.headers) as response:
+            payload = await response.read()  # drain, so the connection goes back to the pool
             if response.status != 200:
-                raise PerfClientError(f"HTTP {response.status}: {payload[:200].decode('utf-8', 'replace')}")
+                raise HttpStatusError(response.status, payload)
 
-    async def statistics(self, model: str) -> ServerStats:
+    def _url(self, model: str) -> str:
+        # Built once per model, not per request: the hot path only looks it up.
+        url = self._urls.get(model)
+        if url is None:
+            url = self._urls[model] = f"{self._base}/{quote(model)}/infer"
+        return url
+
+    async def statistics(self, model: str) -> ServerStats | None:
+        """The model's cumulative counters; None when the server does not answer (best effort mid-run)."""
         try:
-            if self.protocol == "grpc":
-                payload = await self._client.get_inference_statistics(model, as_json=True)
+            if self.protocol is Protocol.GRPC:
+                call = self._control.get_inference_statistics(model, as_json=True)
             else:
-                payload = await self._client.get_inference_statistics(model)
-        except Exception as exc:  # noqa: BLE001 - statistics are best effort mid-run
-            log.debug("statistics unavailable: %s", exc)
-            return ServerStats()
+                call = self._control.get_inference_statistics(model)
+            payload = await _bounded(call)
+        except Exception as exc:  # noqa: BLE001 - a missing snapshot leaves the breakdown None
+            log.debug("statistics of %s unavailable: %s", model, describe(exc))
+            return None
         return parse_statistics(payload, model)
 
 
-def _short(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0][:200] if text else type(exc).__name__
+async def _bounded(call: Awaitable[Any]) -> Any:
+    """A control call under CONTROL_TIMEOUT_S (tritonclient's gRPC calls have no deadline by default)."""
+    return await asyncio.wait_for(call, CONTROL_TIMEOUT_S)
+
+
+def describe(exc: BaseException) -> str:
+    """The first line of an error's own message (gRPC: the server's details), at most 200 characters."""
+    text = str(exc).strip()
+    if isinstance(exc, grpc.aio.AioRpcError):  # its str() is a multi-line repr; the server's words are details()
+        text = f"{exc.code().name}: {exc.details() or ''}"
+    lines = text.splitlines()
+    return lines[0][:200] if lines else type(exc).__name__
+
+
+# What a failed inference request raises (a bug elsewhere keeps its own type and its traceback).
+TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (
+    grpc.aio.AioRpcError, HttpStatusError, aiohttp.ClientError, asyncio.TimeoutError, TimeoutError, ConnectionError)
+
+# Error kinds by gRPC status and by HTTP status: the labels results count errors under.
+_GRPC_KINDS = {
+    grpc.StatusCode.UNAVAILABLE: "unavailable", grpc.StatusCode.DEADLINE_EXCEEDED: "timeout",
+    grpc.StatusCode.NOT_FOUND: "unknown_model", grpc.StatusCode.INVALID_ARGUMENT: "invalid_argument",
+}
+_HTTP_KINDS = {400: "invalid_argument", 404: "unknown_model", 408: "timeout", 503: "unavailable", 504: "timeout"}
 
 
 def error_kind(exc: BaseException) -> str:
-    """A short, stable label for counting errors by kind."""
-    text = str(exc).lower()
-    if "unavailable" in text or "connect" in text or "connection" in text or "refused" in text:
-        return "unavailable"
-    if "deadline" in text or "timeout" in text or "timed out" in text:
+    """A short, stable label for counting a failed request, by the exception's type and status."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        code = exc.code()
+        return _GRPC_KINDS.get(code, str(code.name).lower())
+    if isinstance(exc, HttpStatusError):
+        return _HTTP_KINDS.get(exc.status, f"http_{exc.status}")
+    # aiohttp's ServerTimeoutError is also a connection error: test for the timeout first.
+    if isinstance(exc, TimeoutError | asyncio.TimeoutError):
         return "timeout"
-    if "unknown model" in text or "not found" in text:
-        return "unknown_model"
-    if "invalid" in text or "unexpected shape" in text or "expected" in text:
-        return "invalid_argument"
+    if isinstance(exc, aiohttp.ClientConnectionError | ConnectionError):
+        return "unavailable"
     return type(exc).__name__

@@ -1,16 +1,24 @@
-"""Results as a table, JSON, perf_analyzer-compatible CSV and PNG plots."""
+"""Results as a table, JSON and perf_analyzer-compatible CSV.
+
+The typed results become plain dicts only here, at the edge; the JSON keys and shape are the
+documented ones (a measurement that is missing is null, or absent where it always was).
+"""
 
 from __future__ import annotations
 
 import csv
-import json
-import os
-import tempfile
+import dataclasses
+import io
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from client import files
 from client.engine import LevelResult
+from client.power import PowerFigures
+from client.server_stats import ServerBreakdown
+from client.session import ModelResult, SessionConfig
+from client.stats import Latency
 
 # perf_analyzer's `-f FILE --verbose-csv` columns (its default CSV is the first 13), so existing tooling reads it.
 CSV_COLUMNS = [
@@ -21,139 +29,122 @@ CSV_COLUMNS = [
 ]
 
 
+def latency_dict(latency: Latency | None) -> dict[str, float] | None:
+    return dataclasses.asdict(latency) if latency is not None else None
+
+
+def server_dict(server: ServerBreakdown) -> dict[str, float | None]:
+    """Per-request server times and the achieved batch (the request count stays internal)."""
+    return {k: v for k, v in dataclasses.asdict(server).items() if k != "requests"}
+
+
+def power_dict(power: PowerFigures) -> dict[str, Any]:
+    """`source`; `reason` when there is no energy; the energy figures when there is; each cross-check
+    as `energy_j_from_<source>` and the integrated samples as `energy_j_from_samples` when present."""
+    out: dict[str, Any] = {"source": str(power.source)}
+    if power.reason is not None:
+        out["reason"] = power.reason
+    if power.energy_j is not None:
+        out.update(avg_w=power.avg_w, energy_j=power.energy_j, j_per_infer=power.j_per_infer,
+                   infer_per_j=power.infer_per_j)
+    if power.energy_j_from_samples is not None:
+        out["energy_j_from_samples"] = power.energy_j_from_samples
+    for source, energy in power.cross_checks.items():
+        if energy is not None:
+            out[f"energy_j_from_{source}"] = energy
+    return out
+
+
 def result_dict(result: LevelResult) -> dict[str, Any]:
-    assert result.summary is not None
     s = result.summary
     out: dict[str, Any] = {}
     if result.level.concurrency is not None:
         out["concurrency"] = result.level.concurrency
     else:
         out["request_rate"] = result.level.request_rate
-        out["distribution"] = result.level.distribution
+        out["distribution"] = str(result.level.distribution)
         out["late_sends"] = s.late_sends
     out.update({
         "throughput": s.throughput,
-        "latency_us": s.latency_us,
+        "latency_us": latency_dict(s.latency_us),
         "requests": s.requests,
-        "errors": s.errors,
+        "errors": dict(s.errors),
         "stable": result.stable,
         "windows": len(result.windows),
         "window_seconds": [round(w.seconds, 3) for w in result.windows],
-        "server": {k: v for k, v in result.server.items() if k != "requests"},
-        "power": result.power,
+        "server": server_dict(result.server),
+        "power": power_dict(result.power),
     })
     return out
 
 
-def document(model: str, protocol: str, url: str, batch: int, results: Sequence[LevelResult],
+def document(model: str, config: SessionConfig, results: Sequence[LevelResult],
              error: str | None = None) -> dict[str, Any]:
-    doc: dict[str, Any] = {"model": model, "protocol": protocol, "url": url, "batch_size": batch,
-                           "results": [result_dict(r) for r in results if r.summary is not None]}
+    doc: dict[str, Any] = {"model": model, "protocol": str(config.protocol), "url": config.url,
+                           "batch_size": config.batch, "results": [result_dict(r) for r in results]}
     if error:
         doc["error"] = error
     return doc
 
 
-def _atomic_write(path: Path, write: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w", encoding="utf-8", newline="") as handle:
-        write(handle)
-    os.replace(tmp, path)
+def documents(config: SessionConfig, rows: Sequence[ModelResult], error: str | None = None) -> list[dict[str, Any]]:
+    """One document per model measured (the first model's, empty, when nothing was)."""
+    models = list(dict.fromkeys(row.model for row in rows)) or [config.models[0]]
+    return [document(m, config, [row.result for row in rows if row.model == m], error) for m in models]
 
 
-def write_json(path: Path, docs: list[dict[str, Any]]) -> None:
-    payload: Any = docs[0] if len(docs) == 1 else {"runs": docs}
-    def write(handle: Any) -> None:
-        json.dump(payload, handle, indent=2)
-        handle.write("\n")
+def write_json(path: Path, docs: Sequence[dict[str, Any]]) -> None:
+    """One model: its document; several: {"runs": [...]}."""
+    files.write_json(path, docs[0] if len(docs) == 1 else {"runs": list(docs)})
 
-    _atomic_write(path, write)
+
+def _us(value: float | None) -> int | str:
+    return round(value) if value is not None else ""
 
 
 def write_csv(path: Path, results: Sequence[LevelResult]) -> None:
-    def write(handle: Any) -> None:
-        writer = csv.writer(handle)
-        open_loop = any(r.level.concurrency is None for r in results)
-        writer.writerow(["Request Rate" if open_loop else "Concurrency", *CSV_COLUMNS[1:]])
-        for r in results:
-            if r.summary is None:
-                continue
-            lat, srv = r.summary.latency_us, r.server
-            server_total = sum(srv.get(k, 0.0) for k in ("queue_us", "compute_input_us", "compute_infer_us",
-                                                          "compute_output_us"))
-            load = r.level.concurrency if r.level.concurrency is not None else r.level.request_rate
-            # Client send/recv are not timed apart from the whole request: they stay 0, and the
-            # network column holds what the server's own times do not explain.
-            writer.writerow([
-                load, round(r.summary.throughput, 3), 0, round(max(lat["avg"] - server_total, 0.0)),
-                round(srv.get("queue_us", 0.0)), round(srv.get("compute_input_us", 0.0)),
-                round(srv.get("compute_infer_us", 0.0)), round(srv.get("compute_output_us", 0.0)), 0,
-                round(lat["p50"]), round(lat["p90"]), round(lat["p95"]), round(lat["p99"]), round(lat["avg"]),
-                0, 0,
-            ])
-
-    _atomic_write(path, write)
+    """perf_analyzer's verbose CSV; a figure that was not measured is an empty cell."""
+    handle = io.StringIO()
+    writer = csv.writer(handle)
+    open_loop = any(r.level.concurrency is None for r in results)
+    writer.writerow(["Request Rate" if open_loop else "Concurrency", *CSV_COLUMNS[1:]])
+    for r in results:
+        lat, srv = r.summary.latency_us, r.server
+        total = srv.total_us
+        network = max(lat.avg - total, 0.0) if lat is not None and total is not None else None
+        load = r.level.concurrency if r.level.concurrency is not None else r.level.request_rate
+        # Client send/recv are not timed apart from the whole request: they stay 0, and the
+        # network column holds what the server's own times do not explain.
+        writer.writerow([
+            load, round(r.summary.throughput, 3), 0, _us(network), _us(srv.queue_us), _us(srv.compute_input_us),
+            _us(srv.compute_infer_us), _us(srv.compute_output_us), 0,
+            *(_us(getattr(lat, k)) if lat is not None else "" for k in ("p50", "p90", "p95", "p99", "avg")),
+            0, 0,
+        ])
+    files.write_atomic(path, handle.getvalue())
 
 
-def _fmt(value: Any, spec: str) -> str:
+def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def table(rows: Sequence[tuple[str, LevelResult]]) -> str:
+def _ms(latency: Latency | None, key: str) -> float | None:
+    return getattr(latency, key) / 1e3 if latency is not None else None
+
+
+def table(rows: Sequence[ModelResult]) -> str:
     head = f"{'model':<28} {'load':>18} {'infer/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'avg W':>7} " \
            f"{'J/infer':>9} {'stable':>6} {'batch':>5} {'errors':>6}"
     lines = [head, "-" * len(head)]
-    for model, r in rows:
-        if r.summary is None:
-            continue
-        p = r.power
+    for row in rows:
+        r = row.result
         lines.append(
-            f"{model:<28} {r.level.label:>18} {r.summary.throughput:>9.1f} {r.summary.latency_us['p50'] / 1e3:>8.2f} "
-            f"{r.summary.latency_us['p99'] / 1e3:>8.2f} {_fmt(p.get('avg_w'), '.1f'):>7} "
-            f"{_fmt(p.get('j_per_infer'), '.4f'):>9} {'yes' if r.stable else 'no':>6} "
-            f"{r.server.get('avg_batch', 0.0):>5.1f} {sum(r.summary.errors.values()):>6}"
+            f"{row.model:<28} {r.level.label:>18} {r.summary.throughput:>9.1f} "
+            f"{_fmt(_ms(r.summary.latency_us, 'p50'), '.2f'):>8} {_fmt(_ms(r.summary.latency_us, 'p99'), '.2f'):>8} "
+            f"{_fmt(r.power.avg_w, '.1f'):>7} {_fmt(r.power.j_per_infer, '.4f'):>9} "
+            f"{'yes' if r.stable else 'no':>6} {_fmt(r.server.avg_batch, '.1f'):>5} {sum(r.summary.errors.values()):>6}"
         )
-    sources = {r.power.get("source") for _, r in rows}
-    reasons = {str(r.power.get("reason")) for _, r in rows if r.power.get("reason")}
-    lines.append(f"power source: {', '.join(str(s) for s in sources)}"
-                 + (f" ({'; '.join(sorted(reasons))})" if reasons else ""))
+    sources = dict.fromkeys(str(row.result.power.source) for row in rows)
+    reasons = sorted({row.result.power.reason for row in rows if row.result.power.reason})
+    lines.append(f"power source: {', '.join(sources)}" + (f" ({'; '.join(reasons)})" if reasons else ""))
     return "\n".join(lines)
-
-
-def plot(path: Path, rows: Sequence[tuple[str, LevelResult]]) -> None:
-    """Latency (p50, p99) against throughput per model; power over time when samples exist."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    traces = [(m, r) for m, r in rows if r.power_trace]
-    fig, axes = plt.subplots(1, 2 if traces else 1, figsize=(12 if traces else 7, 4.5), squeeze=False)
-    ax = axes[0][0]
-    models = dict.fromkeys(m for m, _ in rows)
-    for model in models:
-        points = [r for m, r in rows if m == model and r.summary is not None]
-        x = [r.summary.throughput for r in points if r.summary]
-        ax.plot(x, [r.summary.latency_us["p50"] / 1e3 for r in points if r.summary], "o-", label=f"{model} p50")
-        ax.plot(x, [r.summary.latency_us["p99"] / 1e3 for r in points if r.summary], "s--", label=f"{model} p99")
-    ax.set_xlabel("throughput (inferences/s)")
-    ax.set_ylabel("latency (ms)")
-    ax.set_title("latency vs throughput")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
-    if traces:
-        ax2 = axes[0][1]
-        for model, r in traces:
-            t0 = r.power_trace[0][0]
-            ax2.plot([t - t0 for t, _ in r.power_trace], [w for _, w in r.power_trace],
-                     label=f"{model} {r.level.label}")
-        ax2.set_xlabel("seconds")
-        ax2.set_ylabel("watts")
-        ax2.set_title("power over time")
-        ax2.grid(True, alpha=0.3)
-        ax2.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

@@ -1,16 +1,19 @@
-"""Per-request records → window summaries, perf_analyzer-compatible stability, server-side deltas."""
+"""Per-request records → window summaries, and perf_analyzer's stability rule."""
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from numpy.typing import NDArray
 
-from client.protocol import ServerStats
+from client.server_stats import ServerBreakdown
+
+if TYPE_CHECKING:
+    from client.power import PowerFigures
 
 
 @dataclass
@@ -33,47 +36,62 @@ class Records:
 
 
 @dataclass(frozen=True)
+class Latency:
+    """Request latency in µs, counted from the scheduled send time."""
+
+    avg: float
+    p50: float
+    p90: float
+    p95: float
+    p99: float
+    max: float
+
+
+@dataclass(frozen=True)
 class Window:
+    """What the client saw in one interval; the engine adds the server's and the meter's view of it.
+
+    `latency_us` is None when no request succeeded; `server` and `power` are None for a summary
+    computed from the records alone (a LevelResult carries those over its summary separately).
+    """
+
     start_ns: int
     end_ns: int
-    requests: int
+    requests: int  # successful requests
     inferences: int
     throughput: float  # inferences per second
-    latency_us: dict[str, float]
-    errors: dict[str, int]
+    latency_us: Latency | None
+    errors: dict[str, int]  # error kind -> count
     late_sends: int = 0
-    server: dict[str, float] | None = None
-    power: dict[str, object] | None = None
+    server: ServerBreakdown | None = None
+    power: PowerFigures | None = None
 
     @property
     def seconds(self) -> float:
         return (self.end_ns - self.start_ns) / 1e9
 
 
-_PERCENTILES = {"p50": 50, "p90": 90, "p95": 95, "p99": 99}
 # A send counts as late when it left this long after its scheduled time (open loop).
 LATE_NS = 1_000_000
 
 
-def latency_summary(latencies_ns: NDArray[Any]) -> dict[str, float]:
+def latency_summary(latencies_ns: NDArray[Any]) -> Latency | None:
     if latencies_ns.size == 0:
-        return {k: 0.0 for k in ("avg", *_PERCENTILES, "max")}
+        return None
     us = latencies_ns / 1e3
-    out = {"avg": float(np.mean(us))}
-    for key, q in _PERCENTILES.items():
-        out[key] = float(np.percentile(us, q, method="linear"))
-    out["max"] = float(np.max(us))
-    return out
+    p50, p90, p95, p99 = (float(v) for v in np.percentile(us, [50, 90, 95, 99], method="linear"))
+    return Latency(avg=float(np.mean(us)), p50=p50, p90=p90, p95=p95, p99=p99, max=float(np.max(us)))
 
 
-def summarize(records: Records, start_ns: int, end_ns: int, batch: int, first: int = 0) -> Window:
+def summarize(records: Records, start_ns: int, end_ns: int, batch: int) -> Window:
     """Requests that completed in [start_ns, end_ns); latency counts from the scheduled send time."""
-    done = np.asarray(records.done[first:], dtype=np.int64)
-    scheduled = np.asarray(records.scheduled[first:], dtype=np.int64)
-    sent = np.asarray(records.sent[first:], dtype=np.int64)
+    done = np.asarray(records.done, dtype=np.int64)
+    scheduled = np.asarray(records.scheduled, dtype=np.int64)
+    sent = np.asarray(records.sent, dtype=np.int64)
     in_window = (done >= start_ns) & (done < end_ns)
-    errors = [e for e, keep in zip(records.errors[first:], in_window, strict=True) if keep and e is not None]
-    ok = in_window & np.asarray([e is None for e in records.errors[first:]], dtype=bool)
+    failed = np.asarray([e is not None for e in records.errors], dtype=bool)
+    errors = [e for e, keep in zip(records.errors, in_window, strict=True) if keep and e is not None]
+    ok = in_window & ~failed
     requests = int(np.count_nonzero(ok))
     seconds = max(end_ns - start_ns, 1) / 1e9
     return Window(
@@ -94,29 +112,11 @@ def is_stable(windows: Sequence[Window], percentage: float, count: int = 3) -> b
     if len(windows) < count:
         return False
     last = windows[-count:]
-    if any(w.requests == 0 for w in last):
+    latencies = [w.latency_us.avg for w in last if w.latency_us is not None]
+    if any(w.requests == 0 for w in last) or len(latencies) < count:
         return False
-    for values in ([w.throughput for w in last], [w.latency_us["avg"] for w in last]):
+    for values in ([w.throughput for w in last], latencies):
         mean = sum(values) / len(values)
         if mean <= 0 or any(abs(v - mean) > mean * percentage / 100 for v in values):
             return False
     return True
-
-
-def server_breakdown(before: ServerStats, after: ServerStats) -> dict[str, float]:
-    """Average server-side times per request (µs) and the achieved batch over an interval."""
-    requests = after.success_count - before.success_count
-    executions = after.execution_count - before.execution_count
-    inferences = after.inference_count - before.inference_count
-
-    def per_request(a: int, b: int) -> float:
-        return (b - a) / requests / 1e3 if requests > 0 else 0.0
-
-    return {
-        "requests": float(requests),
-        "queue_us": per_request(before.queue_ns, after.queue_ns),
-        "compute_input_us": per_request(before.compute_input_ns, after.compute_input_ns),
-        "compute_infer_us": per_request(before.compute_infer_ns, after.compute_infer_ns),
-        "compute_output_us": per_request(before.compute_output_ns, after.compute_output_ns),
-        "avg_batch": inferences / executions if executions > 0 else 0.0,
-    }

@@ -11,7 +11,6 @@ instance group. Writes gpu_bench.json and gpu_bench.md to --out.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import shutil
 import sys
@@ -19,11 +18,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from builder.manifest import DimRange, ServingSpec, TensorSpec
-from builder.triton_config import ConfigInputs, build, to_text
-from builder.triton_server import Ports, TritonServer, free_ports
-from client.cli import measure, parse_config
+from builder.repository.triton_config import BackendConfig, ConfigInputs, InstanceKind, TritonBackend, build, to_text
+from builder.serving.triton_server import Ports, TritonServer, free_ports
+from builder.spec import DimRange, ServingSpec, TensorSpec
+from client.engine import LevelResult, LoadLevel, Measurement
+from client.power import PowerFigures, PowerSource
 from client.report import result_dict
+from client.session import SessionConfig, run
 
 HERE = Path(__file__).resolve().parent
 MAX_BATCH = 64
@@ -36,26 +37,35 @@ def make_repository(root: Path, delay_us: int) -> dict[str, bool]:
         config = build(ConfigInputs(
             name=name, inputs=(TensorSpec("input", "float32", (-1, 3, 224, 224)),),
             outputs=(TensorSpec("logits", "float32", (-1, 1000)),), batch=DimRange(1, 32, MAX_BATCH),
-            serving=serving, artifact="model.py",
+            serving=serving,
+            backend=BackendConfig(TritonBackend.PYTHON, "model.py", InstanceKind.GPU),
         ))
-        config.instance_group[0].kind = config.instance_group[0].KIND_GPU
-        config.ClearField("parameters")
+        config.ClearField("parameters")  # the torch model reads no ONNX file
         (root / name / "1").mkdir(parents=True)
         shutil.copyfile(HERE / "torch_resnet_model.py", root / name / "1" / "model.py")
         (root / name / "config.pbtxt").write_text(to_text(config))
     return models
 
 
-def cross_check(result: dict[str, Any]) -> dict[str, float | None]:
-    p = result["power"]
-    nvml = p.get("energy_j")
-    triton = p.get("energy_j_from_triton")
-    samples = p.get("energy_j_from_samples")
+def cross_check(power: PowerFigures) -> dict[str, float | None]:
+    """Triton's energy counter and the integrated NVML samples, each as a ratio to NVML's counter."""
+    nvml = power.energy_j
 
-    def ratio(x: Any) -> float | None:
-        return x / nvml if isinstance(x, float) and isinstance(nvml, float) and nvml > 0 else None
+    def ratio(x: float | None) -> float | None:
+        return x / nvml if x is not None and nvml is not None and nvml > 0 else None
 
-    return {"triton_vs_nvml": ratio(triton), "samples_vs_nvml": ratio(samples)}
+    return {"triton_vs_nvml": ratio(power.cross_checks.get(PowerSource.TRITON)),
+            "samples_vs_nvml": ratio(power.energy_j_from_samples)}
+
+
+def window_cross_checks(level: LevelResult) -> list[dict[str, float | None]]:
+    rows: list[dict[str, float | None]] = []
+    for w in level.windows:
+        p = w.power
+        rows.append({"seconds": w.seconds, "nvml_j": p.energy_j if p else None,
+                     "triton_j": p.cross_checks.get(PowerSource.TRITON) if p else None,
+                     "samples_j": p.energy_j_from_samples if p else None})
+    return rows
 
 
 def main() -> int:
@@ -80,23 +90,17 @@ def main() -> int:
         try:
             for model in models:
                 for concurrency in levels:
-                    config, _ = parse_config([
-                        "-m", model, "-u", f"127.0.0.1:{grpc}", "--concurrency", str(concurrency),
-                        "--measurement-interval", str(args.interval_ms), "--max-trials", "6",
-                        "--warmup", "50", "--metrics-url", f"http://127.0.0.1:{metrics}/metrics",
-                        "--no-progress",
-                    ])
-                    (_, level), = asyncio.run(measure(config))
-                    result = result_dict(level)
+                    config = SessionConfig(
+                        models=(model,), url=f"127.0.0.1:{grpc}", levels=(LoadLevel(concurrency=concurrency),),
+                        measurement=Measurement(measurement_ms=args.interval_ms, max_trials=6, warmup_requests=50),
+                        metrics_url=f"http://127.0.0.1:{metrics}/metrics",
+                    )
+                    (row,) = run(config)
+                    result = result_dict(row.result)
                     result["model"] = model
                     result["dynamic_batching"] = models[model]
-                    result["cross_check"] = cross_check(result)
-                    result["window_cross_checks"] = [
-                        {"seconds": w.seconds, "nvml_j": (w.power or {}).get("energy_j"),
-                         "triton_j": (w.power or {}).get("energy_j_from_triton"),
-                         "samples_j": (w.power or {}).get("energy_j_from_samples")}
-                        for w in level.windows
-                    ]
+                    result["cross_check"] = cross_check(row.result.power)
+                    result["window_cross_checks"] = window_cross_checks(row.result)
                     rows.append(result)
                     print(json.dumps({k: result[k] for k in ("model", "concurrency", "throughput", "stable")}
                                      | {"power": result["power"]}), flush=True)

@@ -4,6 +4,7 @@ ONNX Runtime running the same artifact locally."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from builder.spec.model import ModelSpec
 from builder.spec.names import variant_name
 from builder.steps import samples as samples_mod
 from client.datatypes import triton_datatype
+from client.protocol import Protocol
 
 log = logging.getLogger(__name__)
 
@@ -29,17 +31,17 @@ RTOL = 1e-3
 @dataclass(frozen=True)
 class VerifyResult:
     variant: str
-    protocol: str
+    protocol: Protocol
     samples: int
     max_abs_diff: float
     ok: bool
 
 
 def _infer(
-    protocol: str, url: str, model: str, feed: dict[str, NDArray[Any]], outputs: list[str]
+    protocol: Protocol, url: str, model: str, feed: dict[str, NDArray[Any]], outputs: list[str]
 ) -> dict[str, NDArray[Any]]:
     client: Any
-    if protocol == "grpc":
+    if protocol is Protocol.GRPC:
         import tritonclient.grpc as tc
     else:
         import tritonclient.http as tc
@@ -59,7 +61,7 @@ def _infer(
         client.close()
 
 
-def verify_variant(repository: Path, name: str, samples: dict[str, NDArray[Any]], urls: dict[str, str],
+def verify_variant(repository: Path, name: str, samples: dict[str, NDArray[Any]], urls: Mapping[Protocol, str],
                    batch: int = 4) -> list[VerifyResult]:
     record = read_record(repository / name)
     if record is None:
@@ -85,7 +87,7 @@ def verify_variant(repository: Path, name: str, samples: dict[str, NDArray[Any]]
 
 
 def verify_models(
-    specs: list[ModelSpec], repository: Path, urls: dict[str, str], samples: int = 16
+    specs: list[ModelSpec], repository: Path, urls: Mapping[Protocol, str], samples: int = 16
 ) -> list[VerifyResult]:
     results: list[VerifyResult] = []
     for spec in specs:

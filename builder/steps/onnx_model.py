@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,8 +12,6 @@ from google.protobuf.message import DecodeError
 from builder.errors import ManifestError, OnnxModelError
 from builder.spec.dtypes import from_onnx
 from builder.spec.model import DimRange, TensorSpec
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib
-import logging
 import zipfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -15,8 +14,6 @@ from numpy.typing import NDArray
 
 from builder.errors import DataError, ManifestError
 from builder.spec.model import DataSpec, DimRange, TensorSpec
-
-log = logging.getLogger(__name__)
 
 Samples = dict[str, NDArray[Any]]
 SampleFn = Callable[[int, int], Samples]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import socket
 import subprocess
 import sys
@@ -111,3 +112,18 @@ def test_user_errors_print_no_traceback(tmp_path: Path) -> None:
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == f"trtbuild: error: {tmp_path / 'x.onnx'}: file not found"
+
+
+@pytest.mark.parametrize(("flags", "info", "debug"), [([], True, False), (["-q"], False, False),
+                                                      (["-v"], True, True)])
+def test_verbosity_flags_change_what_the_builder_logs(
+    flags: list[str], info: bool, debug: bool, files: dict[str, Path], tmp_path: Path,
+    caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str],
+) -> None:
+    caplog.set_level(logging.NOTSET)  # the logger levels main() sets decide
+    code = main([*flags, "build", "--onnx", str(files["mlp"]), "--name", "v", "--precision", "fp32",
+                 "--repository", str(tmp_path / "repo")])
+    assert code == 0, capsys.readouterr().err
+    ours = [r for r in caplog.records if r.name.startswith("builder")]
+    assert any(r.levelno == logging.INFO for r in ours) is info
+    assert any(r.levelno == logging.DEBUG for r in ours) is debug

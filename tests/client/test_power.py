@@ -1,8 +1,22 @@
+"""client.power: meters, and the energy figures of an interval (missing means None, never 0)."""
+
+from __future__ import annotations
+
 from pathlib import Path
 
 import pytest
 
-from client.power import NoMeter, PowerTrace, RaplMeter, Reading, open_meter, parse_triton_metrics, window_power
+from client.power import (
+    NoMeter,
+    PowerFigures,
+    PowerSource,
+    PowerTrace,
+    RaplMeter,
+    Reading,
+    open_meter,
+    parse_triton_energy,
+    window_power,
+)
 
 METRICS = """# HELP nv_energy_consumption GPU energy consumption in joules since the Triton Server started
 # TYPE nv_energy_consumption counter
@@ -15,9 +29,25 @@ nv_inference_count{model="m",version="1"} 5
 """
 
 
-def test_triton_metrics_are_summed_over_gpus() -> None:
-    assert parse_triton_metrics(METRICS) == (2000.0, 200.0)
-    assert parse_triton_metrics("nv_inference_count{model=\"m\"} 3\n") == (None, None)
+class SampledMeter:
+    """A meter with instant-power samples (as NVML's), for window_power."""
+
+    source = PowerSource.NVML
+    reason = None
+
+    def __init__(self, samples: list[tuple[float, float]]) -> None:
+        self.trace: PowerTrace | None = PowerTrace(samples)
+
+    def read(self) -> Reading:
+        raise AssertionError("window_power takes readings, it does not read")
+
+    def close(self) -> None:
+        pass
+
+
+def test_triton_energy_is_summed_over_gpus() -> None:
+    assert parse_triton_energy(METRICS) == 2000.0
+    assert parse_triton_energy("nv_inference_count{model=\"m\"} 3\n") is None
 
 
 def test_rapl_reads_package_domains_and_survives_wraparound(tmp_path: Path) -> None:
@@ -35,22 +65,37 @@ def test_rapl_reads_package_domains_and_survives_wraparound(tmp_path: Path) -> N
     assert end.energy_j - start.energy_j == pytest.approx(0.2)
 
 
-def test_unreadable_sources_give_none_with_every_reason(tmp_path: Path) -> None:
-    meter = open_meter("auto", "http://127.0.0.1:9/metrics")
-    if meter.source == "none":  # this machine: no GPU and no readable RAPL
-        assert isinstance(meter, NoMeter)
-        assert "nvml:" in meter.reason and "triton:" in meter.reason and "rapl:" in meter.reason
-    assert open_meter("none", "").source == "none"
+def test_unreadable_sources_give_none_with_every_reason() -> None:
+    meter = open_meter(PowerSource.AUTO, "http://127.0.0.1:9/metrics")
+    if meter.source is PowerSource.NONE:  # a machine without a GPU and without readable RAPL
+        assert isinstance(meter, NoMeter) and meter.reason is not None
+        assert all(f"{name}:" in meter.reason for name in ("nvml", "triton", "rapl"))
+    disabled = open_meter(PowerSource.NONE, "")
+    assert disabled.source is PowerSource.NONE and disabled.reason == "disabled by --power-source none"
+    triton = open_meter(PowerSource.TRITON, "http://127.0.0.1:9/metrics")  # only the source asked for
+    assert triton.source is PowerSource.NONE and triton.reason is not None and triton.reason.startswith("triton:")
 
 
-def test_window_power_joules_per_inference_and_sample_integration() -> None:
-    class Fake:
-        source = "nvml"
-        trace = PowerTrace([(0.0, 100.0), (1.0, 100.0), (2.0, 200.0)])
+def test_joules_per_inference_samples_and_cross_checks() -> None:
+    meter = SampledMeter([(0.0, 100.0), (1.0, 100.0), (2.0, 200.0)])
+    cross = [(PowerSource.TRITON, Reading(0.0, 50.0), Reading(2.0, 298.0)),
+             (PowerSource.RAPL, Reading(0.0, None), Reading(2.0, None))]
+    p = window_power(meter, Reading(0.0, 1000.0), Reading(2.0, 1250.0), 500, cross)
+    assert p.source is PowerSource.NVML and p.reason is None
+    assert p.energy_j == 250.0 and p.avg_w == 125.0
+    assert p.j_per_infer == 0.5 and p.infer_per_j == 2.0
+    assert p.energy_j_from_samples == pytest.approx(250.0)
+    assert p.cross_checks == {PowerSource.TRITON: 248.0, PowerSource.RAPL: None}
 
-    result = window_power(Fake(), Reading(0.0, 1000.0, None), Reading(2.0, 1250.0, None), 500)  # type: ignore[arg-type]
-    assert result["energy_j"] == 250.0 and result["avg_w"] == 125.0
-    assert result["j_per_infer"] == 0.5 and result["infer_per_j"] == 2.0
-    assert result["energy_j_from_samples"] == pytest.approx(250.0)
-    none = window_power(NoMeter("no GPU"), Reading(0, None, None), Reading(1, None, None), 5)
-    assert none == {"source": "none", "reason": "no GPU"}
+
+def test_no_energy_is_none_everywhere_with_the_reason() -> None:
+    p = window_power(NoMeter("no GPU"), Reading(0, None), Reading(1, None), 5)
+    assert p == PowerFigures(source=PowerSource.NONE, reason="no GPU")
+    assert p.avg_w is None and p.energy_j is None and p.j_per_infer is None and p.infer_per_j is None
+
+
+def test_no_inference_and_no_energy_used_give_none_ratios() -> None:
+    meter = SampledMeter([])
+    p = window_power(meter, Reading(0.0, 10.0), Reading(1.0, 10.0), 0)
+    assert p.energy_j == 0.0 and p.j_per_infer is None and p.infer_per_j is None
+    assert p.energy_j_from_samples is None  # fewer than two samples: nothing to integrate

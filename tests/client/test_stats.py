@@ -1,12 +1,16 @@
+"""client.stats: window summaries from per-request records, and perf_analyzer's stability rule."""
+
+from __future__ import annotations
+
 import numpy as np
 import pytest
 
-from client.protocol import ServerStats, parse_statistics
-from client.stats import Records, Window, is_stable, latency_summary, server_breakdown, summarize
+from client.stats import Latency, Records, Window, is_stable, latency_summary, summarize
 
 
 def window(throughput: float, latency: float, requests: int = 100) -> Window:
-    return Window(0, 1, requests, requests, throughput, {"avg": latency}, {})
+    lat = Latency(avg=latency, p50=latency, p90=latency, p95=latency, p99=latency, max=latency) if requests else None
+    return Window(0, 1, requests, requests, throughput, lat, {})
 
 
 @pytest.mark.parametrize(
@@ -25,6 +29,7 @@ def test_stability_rule_on_recorded_series(series: list[tuple[float, float]], st
 
 def test_empty_windows_are_never_stable() -> None:
     assert not is_stable([window(0, 0, 0)] * 3, 10.0)
+    assert not is_stable([window(100, 10), window(100, 10), window(0, 0, 0)], 10.0)
 
 
 def test_summary_counts_only_requests_completed_in_the_window() -> None:
@@ -38,35 +43,26 @@ def test_summary_counts_only_requests_completed_in_the_window() -> None:
     w = summarize(rec, 10 * ms, 100 * ms, batch=4)
     assert w.requests == 2 and w.inferences == 8
     assert w.throughput == pytest.approx(8 / 0.09)
-    assert w.latency_us["max"] == pytest.approx(20_000)  # from the scheduled time, not the send time
+    assert w.latency_us is not None
+    assert w.latency_us.max == pytest.approx(20_000)  # from the scheduled time, not the send time
     assert w.errors == {"unavailable": 1}
     assert w.late_sends == 1
+    assert w.server is None and w.power is None  # the engine adds those
 
 
-def test_percentiles_match_numpy() -> None:
-    lat = np.arange(1, 1001, dtype=np.int64) * 1000
+def test_a_window_without_a_successful_request_has_no_latency() -> None:
+    rec = Records()
+    rec.add(0, 0, 10, "unavailable")
+    w = summarize(rec, 0, 100, batch=1)
+    assert w.requests == 0 and w.throughput == 0 and w.latency_us is None and w.errors == {"unavailable": 1}
+
+
+def test_percentiles_match_numpy_and_are_ordered() -> None:
+    lat = np.random.default_rng(0).exponential(1000.0, size=1001).astype(np.int64) * 1000
     s = latency_summary(lat)
-    assert s["p50"] == pytest.approx(np.percentile(lat / 1e3, 50))
-    assert s["p99"] == pytest.approx(np.percentile(lat / 1e3, 99))
-    assert s["max"] == 1000.0 and s["avg"] == pytest.approx(500.5)
-
-
-def test_server_breakdown_is_per_request_and_average_batch() -> None:
-    before = ServerStats(10, 1_000_000, 0, 5_000_000, 0, 40, 10)
-    after = ServerStats(20, 3_000_000, 100_000, 15_000_000, 200_000, 80, 15)
-    b = server_breakdown(before, after)
-    assert b["queue_us"] == pytest.approx(200.0)
-    assert b["compute_infer_us"] == pytest.approx(1000.0)
-    assert b["avg_batch"] == pytest.approx(8.0)
-
-
-def test_statistics_payloads_from_both_protocols_parse_alike() -> None:
-    grpc_json = {"model_stats": [{"name": "m", "inference_count": "12", "execution_count": "3",
-                                  "inference_stats": {"success": {"count": "6", "ns": "9"},
-                                                      "queue": {"count": "6", "ns": "600"}}}]}
-    http_json = {"model_stats": [{"name": "m", "inference_count": 12, "execution_count": 3,
-                                  "inference_stats": {"success": {"count": 6, "ns": 9},
-                                                      "queue": {"count": 6, "ns": 600}}}]}
-    assert parse_statistics(grpc_json, "m") == parse_statistics(http_json, "m")
-    assert parse_statistics(grpc_json, "m").queue_ns == 600
-    assert parse_statistics(grpc_json, "other") == ServerStats()
+    assert s is not None
+    assert s.p50 == pytest.approx(np.percentile(lat / 1e3, 50))
+    assert s.p99 == pytest.approx(np.percentile(lat / 1e3, 99))
+    assert s.avg == pytest.approx(np.mean(lat / 1e3)) and s.max == pytest.approx(lat.max() / 1e3)
+    assert s.p50 <= s.p90 <= s.p95 <= s.p99 <= s.max
+    assert latency_summary(np.array([], dtype=np.int64)) is None

@@ -9,12 +9,13 @@ import numpy as np
 
 from builder.serving.triton_server import TritonServer
 from builder.serving.verify import verify_variant
-from builder.spec import ModelSpec
+from builder.spec import ModelSpec, variant_name
 from builder.steps import samples as data_mod
+from client.protocol import Protocol
 
 
-def urls(server: TritonServer) -> dict[str, str]:
-    return {"grpc": f"127.0.0.1:{server.ports.grpc}", "http": f"127.0.0.1:{server.ports.http}"}
+def urls(server: TritonServer) -> dict[Protocol, str]:
+    return {Protocol.GRPC: f"127.0.0.1:{server.ports.grpc}", Protocol.HTTP: f"127.0.0.1:{server.ports.http}"}
 
 
 def test_every_variant_matches_onnxruntime_over_grpc_and_http(
@@ -26,7 +27,7 @@ def test_every_variant_matches_onnxruntime_over_grpc_and_http(
         assert spec.evaluation is not None
         samples = data_mod.load(spec.evaluation, "eval")
         for prec in spec.precisions:
-            results = verify_variant(repository, f"{spec.name}_{prec}", samples, urls(triton))
+            results = verify_variant(repository, variant_name(spec.name, prec), samples, urls(triton))
             assert {r.protocol for r in results} == {"grpc", "http"}
             for r in results:
                 assert r.ok, r

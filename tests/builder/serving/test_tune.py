@@ -12,9 +12,9 @@ from builder.repository.triton_config import parse
 from builder.serving.tune import (
     Goal,
     Objective,
-    Search,
     Point,
     Result,
+    Search,
     Space,
     apply,
     best,

@@ -1,0 +1,222 @@
+"""perfclient, the command line, against a real Triton: outputs, the one-line error contract, logging."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from client.cli import ProgressLine, main, parse_config
+from client.engine import Distribution, LoadLevel
+from client.inputs import InputKind
+from client.logs import configure_logging
+from client.power import PowerSource
+from client.protocol import Protocol
+from client.report import CSV_COLUMNS
+from client.stats import Latency, Window
+from tests.client.servers import Endpoints, PrivateServer
+
+
+@pytest.fixture
+def restore_logging() -> Iterator[None]:
+    """main() configures logging for the process (levels, the root handler); put it back afterwards."""
+    root, ours = logging.getLogger(), logging.getLogger("client")
+    saved = (root.level, ours.level, root.handlers[:])
+    yield
+    root.setLevel(saved[0])
+    ours.setLevel(saved[1])
+    root.handlers[:] = saved[2]
+
+
+def perfclient(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = main(args)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_flags_become_one_session_config(tmp_path: Path) -> None:
+    cli = parse_config(["-m", "a", "-m", "b", "-i", "http", "--request-rate", "20", "--distribution", "poisson",
+                        "-b", "4", "--input-data", "zero", "--shape", "ids:12", "--power-source", "none",
+                        "--max-trials", "3", "--json", str(tmp_path / "r.json"), "-vv"])
+    s = cli.session
+    assert s.models == ("a", "b") and s.url == "localhost:8000" and s.protocol is Protocol.HTTP
+    assert s.levels == (LoadLevel(request_rate=20.0, distribution=Distribution.POISSON),)
+    assert s.batch == 4 and s.input_data.kind is InputKind.ZERO and s.shapes == {"ids": (12,)}
+    assert s.power_source is PowerSource.NONE and s.measurement.max_trials == 3
+    assert s.metrics_endpoint == "http://localhost:8002/metrics"
+    assert cli.json_path == tmp_path / "r.json" and cli.progress and cli.verbose == 2 and not cli.quiet
+    sweep = parse_config(["-m", "a", "--concurrency-range", "2:8:3", "-q"])
+    assert [lv.concurrency for lv in sweep.session.levels] == [2, 5, 8] and sweep.session.url == "localhost:8001"
+    assert not sweep.progress and sweep.quiet
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_concurrency_mode_writes_the_documented_json_and_csv(
+    protocol: str, endpoints: Endpoints, quick_args: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out_json, out_csv = tmp_path / "r.json", tmp_path / "r.csv"
+    code, out, _ = perfclient(["-m", "mlp_fp32", "-u", endpoints.url(protocol), "-i", protocol, "--concurrency", "4",
+                               "--json", str(out_json), "--csv", str(out_csv), "--plot", str(tmp_path / "p.png"),
+                               "--metrics-url", endpoints.metrics, *quick_args], capsys)
+    assert code == 0
+    assert "mlp_fp32" in out and "power source: none" in out
+    doc = json.loads(out_json.read_text())
+    assert doc["model"] == "mlp_fp32" and doc["protocol"] == protocol
+    (result,) = doc["results"]
+    assert result["concurrency"] == 4 and result["throughput"] > 0 and result["errors"] == {}
+    lat = result["latency_us"]
+    assert set(lat) == {"avg", "p50", "p90", "p95", "p99", "max"}
+    assert 0 < lat["p50"] <= lat["p90"] <= lat["p95"] <= lat["p99"] <= lat["max"]
+    assert set(result["server"]) == {"queue_us", "compute_input_us", "compute_infer_us", "compute_output_us",
+                                     "avg_batch"}
+    assert result["server"]["compute_infer_us"] > 0 and result["server"]["avg_batch"] >= 1
+    assert result["power"]["source"] == "none" and result["power"]["reason"]
+    assert isinstance(result["stable"], bool) and 1 <= result["windows"] <= 4
+    rows = list(csv.reader(out_csv.open()))
+    assert rows[0] == CSV_COLUMNS and rows[1][0] == "4"
+    assert float(rows[1][1]) == pytest.approx(result["throughput"], rel=1e-3)
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_concurrency_sweep_and_batch_size(endpoints: Endpoints, quick_args: list[str], tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, _ = perfclient(["-m", "mlp_int8", "-u", endpoints.grpc, "--concurrency-range", "1:3:2", "-b", "2",
+                             "--json", str(tmp_path / "s.json"), *quick_args], capsys)
+    assert code == 0
+    results = json.loads((tmp_path / "s.json").read_text())["results"]
+    assert [r["concurrency"] for r in results] == [1, 3]
+    assert all(r["server"]["avg_batch"] >= 2 for r in results)
+
+
+@pytest.mark.parametrize("distribution", ["constant", "poisson"])
+def test_open_loop_holds_the_rate_and_counts_late_sends(
+    distribution: str, endpoints: Endpoints, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, _ = perfclient(["-m", "mlp_fp16", "-u", endpoints.grpc, "--request-rate", "80", "--distribution",
+                             distribution, "--json", str(tmp_path / "o.json"), "--measurement-interval", "1500",
+                             "--max-trials", "3", "--no-progress"], capsys)
+    assert code == 0
+    (result,) = json.loads((tmp_path / "o.json").read_text())["results"]
+    assert result["request_rate"] == 80 and result["distribution"] == distribution
+    assert result["throughput"] == pytest.approx(80, rel=0.35)
+    assert result["late_sends"] >= 0 and result["errors"] == {}
+
+
+def test_real_input_data_from_npz(endpoints: Endpoints, quick_args: list[str], tmp_path: Path,
+                                  capsys: pytest.CaptureFixture[str]) -> None:
+    np.savez(tmp_path / "in.npz", x=np.random.default_rng(0).standard_normal((8, 4, 32)).astype(np.float32))
+    code, _, err = perfclient(["-m", "mlp_fp32", "-u", endpoints.grpc, "--input-data", str(tmp_path / "in.npz"),
+                               "-b", "2", *quick_args], capsys)
+    assert code == 0, err
+    np.savez(tmp_path / "bad.npz", pixels=np.zeros((8, 4, 32), np.float32))
+    code, _, err = perfclient(["-m", "mlp_fp32", "-u", endpoints.grpc, "--input-data", str(tmp_path / "bad.npz"),
+                               *quick_args], capsys)
+    assert code == 1 and "holds ['pixels'], model mlp_fp32 expects ['x']" in err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["-m", "mlp_fp32", "-u", "{dead}"], "cannot reach Triton over grpc"),
+        (["-m", "resnet_nope", "-u", "{grpc}"], "-m resnet_nope: model is not served"),
+        (["-m", "seq_fp32", "-u", "{grpc}"], "has dynamic dims [-1]; expected --shape ids:DIMS"),
+        (["-m", "mlp_fp32", "-u", "{grpc}", "--shape", "x:4,31"], "model mlp_fp32 expects [4, 32]"),
+        (["-m", "mlp_fp32", "-u", "{grpc}", "--shape", "pixels:3"], "--shape pixels: not an input"),
+        (["-m", "mlp_fp32", "-u", "{grpc}", "-b", "64"], "-b 64: model mlp_fp32 accepts at most 8"),
+        (["-m", "mlp_fp32", "-i", "udp"], "-i 'udp': expected one of grpc, http"),
+        (["-m", "mlp_fp32", "--concurrency-range", "4:2"], "expected 1 <= START <= END"),
+        (["-m", "mlp_fp32", "--request-rate", "-5"], "--request-rate -5.0: expected a positive rate"),
+        (["-m", "mlp_fp32", "--request-rate", "5", "--distribution", "bursty"], "--distribution 'bursty'"),
+        (["-m", "mlp_fp32", "--max-trials", "0"], "--max-trials 0: expected an integer >= 1"),
+        (["-m", "mlp_fp32", "--power-source", "meter"], "--power-source 'meter': expected one of auto, nvml"),
+        (["-m", "mlp_fp32", "--input-data", "nowhere/at/all"], "--input-data 'nowhere/at/all': expected random"),
+        (["-m", "mlp_fp32", "-u", "{grpc}", "--json", "{unwritable}"], "--json {unwritable}: cannot write"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_1(args: list[str], message: str, endpoints: Endpoints, dead_url: str,
+                                          quick_args: list[str], tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "file").write_text("")
+    unwritable = str(tmp_path / "file" / "r.json")  # a path under a regular file
+    fill = {"dead": dead_url, "grpc": endpoints.grpc, "unwritable": unwritable}
+    code, _, err = perfclient(quick_args + [a.format(**fill) for a in args], capsys)
+    assert code == 1
+    lines = err.strip().splitlines()
+    assert lines[-1].startswith("perfclient: error:") and message.format(**fill) in lines[-1], lines[-1]
+    assert "Traceback" not in err
+
+
+def test_server_dying_mid_run_keeps_the_windows_and_exits_non_zero(private_server: PrivateServer,
+                                                                     tmp_path: Path) -> None:
+    out = tmp_path / "partial.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "client", "-m", "mlp_fp32", "-u", private_server.endpoints.grpc, "--concurrency",
+         "2", "--measurement-interval", "500", "--max-trials", "40", "--stability-percentage", "0.001",
+         "--json", str(out), "--no-progress"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        time.sleep(4)
+    finally:
+        private_server.stop()
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 1, stderr
+    assert "server stopped answering" in stderr.strip().splitlines()[-1]
+    doc = json.loads(out.read_text())
+    assert "stopped answering" in doc["error"]
+    assert doc["results"] and doc["results"][0]["throughput"] > 0 and doc["results"][0]["windows"] >= 2
+    assert "mlp_fp32" in stdout  # the table of what was measured
+    assert "Traceback" not in stderr
+
+
+@pytest.mark.parametrize(
+    ("flags", "ours", "theirs"),
+    [([], logging.INFO, logging.WARNING), (["-v"], logging.DEBUG, logging.WARNING),
+     (["-vv"], logging.DEBUG, logging.DEBUG), (["-q"], logging.WARNING, logging.WARNING)],
+)
+def test_verbosity_flags_set_the_levels(flags: list[str], ours: int, theirs: int, restore_logging: None) -> None:
+    cli = parse_config(["-m", "m", *flags])
+    configure_logging(["client"], verbose=cli.verbose, quiet=cli.quiet)
+    assert logging.getLogger("client.session").getEffectiveLevel() == ours
+    assert logging.getLogger("asyncio").getEffectiveLevel() == theirs
+
+
+@pytest.mark.parametrize(("flags", "shown"), [(["-v"], True), ([], False), (["-q"], False)])
+def test_verbose_shows_the_session_debug_lines(flags: list[str], shown: bool, endpoints: Endpoints,
+                                               quick_args: list[str], caplog: pytest.LogCaptureFixture,
+                                               capsys: pytest.CaptureFixture[str], restore_logging: None) -> None:
+    # pytest's handler stands in for the terminal's: what reaches it is what the logger levels let through.
+    code, _, _ = perfclient(["-m", "mlp_fp32", "-u", endpoints.grpc, *flags, *quick_args, "--max-trials", "1"],
+                            capsys)
+    assert code == 0
+    lines = [(r.levelno, r.name, r.getMessage()) for r in caplog.records]
+    assert ((logging.DEBUG, "client.session", "measuring mlp_fp32 at concurrency 1") in lines) is shown
+
+
+@pytest.mark.parametrize(("flags", "shown"), [(["-v"], True), ([], False)])
+def test_verbose_reaches_the_terminal(flags: list[str], shown: bool, dead_url: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "client", "-m", "mlp_fp32", "-u", dead_url, *flags],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and proc.stderr.splitlines()[-1].startswith("perfclient: error: ")
+    assert (f"DEBUG client.protocol: connecting to {dead_url} over grpc" in proc.stderr) is shown
+
+
+def test_progress_line_per_window() -> None:
+    stream = io.StringIO()
+    progress = ProgressLine(stream)
+    lat = Latency(avg=1500.0, p50=1200.0, p90=2000.0, p95=2500.0, p99=3400.0, max=5000.0)
+    progress("mlp", LoadLevel(concurrency=4), 2, Window(0, 10**9, 99, 99, 99.0, lat, {"timeout": 1}))
+    progress("mlp", LoadLevel(concurrency=4), 3, Window(0, 10**9, 0, 0, 0.0, None, {}))
+    assert stream.getvalue().splitlines() == [
+        "mlp concurrency 4 window 2: 99.0 infer/s, p50 1.20 ms, p99 3.40 ms, errors 1",
+        "mlp concurrency 4 window 3: 0.0 infer/s, p50 -, p99 -, errors 0",
+    ]

@@ -1,0 +1,98 @@
+"""client.protocol against a real Triton: the server accepts our request bytes on both protocols, and
+failures are labelled by the exception's type and status."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+import pytest
+from numpy.typing import NDArray
+
+from client.protocol import Connection, HttpStatusError, Protocol, describe, error_kind
+from client.server_stats import ServerStats
+from tests.client.servers import Endpoints
+
+X = np.random.default_rng(0).standard_normal((2, 4, 32)).astype(np.float32)
+
+
+async def _send(protocol: Protocol, url: str, model: str, arrays: dict[str, NDArray[Any]],
+                timeout_s: float = 10.0) -> BaseException | None:
+    async with await Connection.open(protocol, url, timeout_s=timeout_s) as conn:
+        try:
+            await conn.send(conn.prepare(model, arrays))
+        except Exception as exc:  # noqa: BLE001 - the test inspects what was raised
+            return exc
+    return None
+
+
+async def _successes(protocol: Protocol, url: str, model: str) -> ServerStats | None:
+    async with await Connection.open(protocol, url) as conn:
+        return await conn.statistics(model)
+
+
+@pytest.mark.parametrize("protocol", list(Protocol))
+def test_the_server_accepts_and_counts_our_requests(protocol: Protocol, endpoints: Endpoints) -> None:
+    url = endpoints.url(protocol)
+    before = asyncio.run(_successes(protocol, url, "mlp_fp32"))
+
+    async def send_five() -> None:
+        async with await Connection.open(protocol, url) as conn:
+            prepared = conn.prepare("mlp_fp32", {"x": X})
+            for _ in range(5):
+                await conn.send(prepared)
+
+    asyncio.run(send_five())
+    after = asyncio.run(_successes(protocol, url, "mlp_fp32"))
+    assert before is not None and after is not None
+    # Other tests share the server, so at least our five; each carried a batch of two.
+    assert after.success_count - before.success_count >= 5
+    assert after.inference_count - before.inference_count >= 10
+
+
+@pytest.mark.parametrize("protocol", list(Protocol))
+def test_metadata_without_the_batch_axis(protocol: Protocol, endpoints: Endpoints) -> None:
+    async def meta() -> Any:
+        async with await Connection.open(protocol, endpoints.url(protocol)) as conn:
+            return await conn.model("mlp_fp32"), await conn.model("seq_fp32")
+
+    mlp, seq = asyncio.run(meta())
+    assert mlp.max_batch_size == 8 and [(t.name, t.datatype, t.shape) for t in mlp.inputs] == [("x", "FP32", (4, 32))]
+    assert [(t.name, t.datatype, t.shape) for t in seq.inputs] == [("ids", "INT64", (-1,))]
+
+
+@pytest.mark.parametrize("protocol", list(Protocol))
+@pytest.mark.parametrize(
+    ("model", "arrays", "kind", "words"),
+    [
+        ("no_such_model", {"x": X}, "unknown_model", "unknown model"),
+        ("mlp_fp32", {"x": X.astype(np.int32)}, "invalid_argument", "data-type"),
+        ("mlp_fp32", {"x": X[:, :, :31]}, "invalid_argument", "unexpected shape"),
+    ],
+)
+def test_rejections_are_labelled_by_status(protocol: Protocol, model: str, arrays: dict[str, NDArray[Any]],
+                                           kind: str, words: str, endpoints: Endpoints) -> None:
+    exc = asyncio.run(_send(protocol, endpoints.url(protocol), model, arrays))
+    assert exc is not None and error_kind(exc) == kind
+    assert words in describe(exc) and "\n" not in describe(exc)
+    if protocol is Protocol.HTTP:
+        assert isinstance(exc, HttpStatusError) and describe(exc).startswith("HTTP 4")
+
+
+@pytest.mark.parametrize("protocol", list(Protocol))
+def test_nobody_listening_is_unavailable(protocol: Protocol, dead_url: str) -> None:
+    exc = asyncio.run(_send(protocol, dead_url, "mlp_fp32", {"x": X}, timeout_s=5))
+    assert exc is not None and error_kind(exc) == "unavailable"
+
+
+def test_timeouts_and_unknown_errors_keep_distinct_labels() -> None:
+    assert error_kind(TimeoutError()) == "timeout"
+    assert error_kind(HttpStatusError(503, b'{"error":"overloaded"}')) == "unavailable"
+    assert error_kind(HttpStatusError(500, b"")) == "http_500"
+    assert error_kind(ValueError("bad")) == "ValueError"
+
+
+@pytest.mark.parametrize("protocol", list(Protocol))
+def test_statistics_of_an_unreachable_server_are_none(protocol: Protocol, dead_url: str) -> None:
+    assert asyncio.run(_successes(protocol, dead_url, "mlp_fp32")) is None

@@ -1,0 +1,97 @@
+"""client.report: typed results become the documented JSON, perf_analyzer's CSV and the table."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from client.engine import Distribution, LevelResult, LoadLevel
+from client.power import PowerFigures, PowerSource
+from client.report import CSV_COLUMNS, documents, power_dict, result_dict, table, write_csv, write_json
+from client.server_stats import ServerBreakdown
+from client.session import ModelResult, SessionConfig
+from client.stats import Latency, Window
+
+LATENCY = Latency(avg=1100.0, p50=1000.0, p90=1500.0, p95=1700.0, p99=2500.0, max=4000.0)
+SERVER = ServerBreakdown(requests=300, queue_us=100.0, compute_input_us=10.0, compute_infer_us=700.0,
+                         compute_output_us=20.0, avg_batch=2.5)
+NVML = PowerFigures(source=PowerSource.NVML, avg_w=150.0, energy_j=300.0, j_per_infer=0.25, infer_per_j=4.0,
+                    energy_j_from_samples=296.0, cross_checks={PowerSource.TRITON: 301.0})
+NONE = PowerFigures(source=PowerSource.NONE, reason="nvml: no GPU")
+
+
+def level_result(level: LoadLevel, power: PowerFigures = NVML, server: ServerBreakdown = SERVER,
+                 latency: Latency | None = LATENCY) -> LevelResult:
+    windows = tuple(Window(i * 10**9, (i + 1) * 10**9, 100, 200, 200.0, latency, {}) for i in range(4))
+    summary = Window(10**9, 4 * 10**9, 300, 600, 200.0, latency, {"timeout": 2}, late_sends=3)
+    return LevelResult(level=level, windows=windows, summary=summary, stable=True, server=server, power=power)
+
+
+def test_closed_loop_json_keeps_the_documented_keys() -> None:
+    doc = result_dict(level_result(LoadLevel(concurrency=8)))
+    assert list(doc) == ["concurrency", "throughput", "latency_us", "requests", "errors", "stable", "windows",
+                         "window_seconds", "server", "power"]
+    assert doc["latency_us"] == {"avg": 1100.0, "p50": 1000.0, "p90": 1500.0, "p95": 1700.0, "p99": 2500.0,
+                                 "max": 4000.0}
+    assert doc["server"] == {"queue_us": 100.0, "compute_input_us": 10.0, "compute_infer_us": 700.0,
+                             "compute_output_us": 20.0, "avg_batch": 2.5}
+    assert doc["power"] == {"source": "nvml", "avg_w": 150.0, "energy_j": 300.0, "j_per_infer": 0.25,
+                            "infer_per_j": 4.0, "energy_j_from_samples": 296.0, "energy_j_from_triton": 301.0}
+    assert doc["windows"] == 4 and doc["window_seconds"] == [1.0] * 4 and doc["errors"] == {"timeout": 2}
+    json.dumps(doc)  # plain JSON types only
+
+
+def test_open_loop_json_and_missing_figures() -> None:
+    doc = result_dict(level_result(LoadLevel(request_rate=50.0, distribution=Distribution.POISSON), power=NONE,
+                                   server=ServerBreakdown(requests=0), latency=None))
+    assert (doc["request_rate"], doc["distribution"], doc["late_sends"]) == (50.0, "poisson", 3)
+    assert doc["power"] == {"source": "none", "reason": "nvml: no GPU"}
+    assert doc["latency_us"] is None and doc["server"]["queue_us"] is None and doc["server"]["avg_batch"] is None
+    assert power_dict(PowerFigures(source=PowerSource.NVML, energy_j=1.0, avg_w=2.0,
+                                   cross_checks={PowerSource.TRITON: None})) == {
+        "source": "nvml", "avg_w": 2.0, "energy_j": 1.0, "j_per_infer": None, "infer_per_j": None}
+
+
+def test_one_model_is_one_document_several_are_runs(tmp_path: Path) -> None:
+    config = SessionConfig(models=("a", "b"), url="h:8001", batch=2)
+    rows = [ModelResult("a", level_result(LoadLevel(concurrency=1))),
+            ModelResult("b", level_result(LoadLevel(concurrency=1)))]
+    write_json(tmp_path / "one.json", documents(config, rows[:1]))
+    one = json.loads((tmp_path / "one.json").read_text())
+    assert (one["model"], one["protocol"], one["url"], one["batch_size"]) == ("a", "grpc", "h:8001", 2)
+    assert "error" not in one and len(one["results"]) == 1
+    write_json(tmp_path / "two.json", documents(config, rows, error="stopped"))
+    two = json.loads((tmp_path / "two.json").read_text())
+    assert [d["model"] for d in two["runs"]] == ["a", "b"] and all(d["error"] == "stopped" for d in two["runs"])
+    empty = documents(config, [], error="stopped")
+    assert empty == [{"model": "a", "protocol": "grpc", "url": "h:8001", "batch_size": 2, "results": [],
+                      "error": "stopped"}]
+
+
+def test_csv_has_perf_analyzers_verbose_columns(tmp_path: Path) -> None:
+    write_csv(tmp_path / "r.csv", [level_result(LoadLevel(concurrency=4)),
+                                   level_result(LoadLevel(concurrency=8), server=ServerBreakdown(requests=0))])
+    header, full, missing = list(csv.reader((tmp_path / "r.csv").open(newline="")))
+    assert header == CSV_COLUMNS
+    row = dict(zip(header, full, strict=True))
+    assert row["Concurrency"] == "4" and float(row["Inferences/Second"]) == 200.0
+    assert row["Network+Server Send/Recv"] == "270"  # avg latency minus the server's own times
+    assert (row["Server Queue"], row["p50 latency"], row["p99 latency"], row["Avg latency"]) == (
+        "100", "1000", "2500", "1100")
+    unmeasured = dict(zip(header, missing, strict=True))
+    assert unmeasured["Server Queue"] == "" and unmeasured["Network+Server Send/Recv"] == ""
+    write_csv(tmp_path / "o.csv", [level_result(LoadLevel(request_rate=5.0))])
+    assert next(csv.reader((tmp_path / "o.csv").open()))[0] == "Request Rate"
+
+
+@pytest.mark.parametrize(("power", "expected"), [(NVML, "150.0"), (NONE, "-")])
+def test_table_shows_missing_figures_as_a_dash(power: PowerFigures, expected: str) -> None:
+    text = table([ModelResult("mlp", level_result(LoadLevel(concurrency=2), power=power,
+                                                   server=ServerBreakdown(requests=0)))])
+    line = text.splitlines()[2].split()
+    assert line[0] == "mlp" and line[3] == "200.0" and line[6] == expected
+    assert line[-2] == "-"  # batch: nothing executed
+    assert text.splitlines()[-1] == ("power source: nvml" if power is NVML else "power source: none (nvml: no GPU)")
