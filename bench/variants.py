@@ -23,7 +23,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from builder.errors import BuilderError
-from builder.repository.model_folder import read_record
+from builder.repository.model_folder import RECORD, read_record
 from builder.runtimes.onnxruntime import ort_session, ort_throughput, run_session
 from builder.spec import (
     CalibrationMethod,
@@ -79,8 +79,9 @@ def recipe_comparison(spec: ModelSpec, samples: dict[str, NDArray[Any]], threads
                 cal_spec = replace(spec.calibration, recipe=recipe, method=method)
                 out = work / f"int8_{recipe}_{method}.onnx"
                 try:
-                    precision.to_int8(fp32, onnx_model.sha256_file(fp32), calib, data.digest(calib), cal_spec,
-                                      out, default_cache_dir())
+                    precision.to_int8(fp32, fp32_sha=onnx_model.sha256_file(fp32), calibration=calib,
+                                      data_digest=data.digest(calib), spec=cal_spec, out_path=out,
+                                      cache_dir=default_cache_dir())
                 except BuilderError as exc:
                     failures.append({"model": spec.name, "variant": f"int8 ({recipe}, {method})",
                                      "error": str(exc).split(": ", 1)[-1][:160]})
@@ -126,11 +127,12 @@ def main() -> int:
         for prec in spec.precisions:
             name = variant_name(spec.name, prec)
             record = read_record(args.repository / name)
-            if record is None:
-                print(f"bench: error: {args.repository / name} is not built; run `make engines`", file=sys.stderr)
+            if record is None or record.runtime != "onnxruntime":
+                print(f"bench: error: {args.repository / name}: expected an ONNX Runtime build; run `make engines`",
+                      file=sys.stderr)
                 return 1
-            paths[name] = args.repository / record["artifact"]
-            records[name] = record
+            paths[name] = args.repository / record.artifact
+            records[name] = json.loads((args.repository / name / RECORD).read_text())  # accuracy, as recorded
         speed = measure(paths, samples, args.threads, args.seconds, args.rounds)
         base = speed[variant_name(spec.name, Precision.FP32)]
         for name, per in speed.items():

@@ -31,8 +31,13 @@ from client.logs import configure_logging
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trtbuild", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv: debug)")
+    parser.add_argument("-v", "--verbose", action="count", default=0,
+                        help="debug output from trtbuild (-vv: from libraries too)")
     parser.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
+    # The same flags after the subcommand (`trtbuild build -v ...`); SUPPRESS keeps the values above.
+    verbosity = argparse.ArgumentParser(add_help=False)
+    verbosity.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    verbosity.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True)
 
     def common_build(p: argparse.ArgumentParser) -> None:
@@ -52,12 +57,12 @@ def _parser() -> argparse.ArgumentParser:
         trt.add_argument("--trt-cuda-graphs", action="store_true", help="enable CUDA graphs in config.pbtxt")
         trt.add_argument("--no-trt-warmup", action="store_true", help="no model_warmup in config.pbtxt")
 
-    engines = sub.add_parser("engines", help="build every model in the manifest")
+    engines = sub.add_parser("engines", parents=[verbosity], help="build every model in the manifest")
     engines.add_argument("--manifest", type=Path, default=Path("models.toml"))
     engines.add_argument("--only", action="append", default=[], metavar="NAME", help="build only NAME (repeatable)")
     common_build(engines)
 
-    build = sub.add_parser("build", help="build a user's ONNX model")
+    build = sub.add_parser("build", parents=[verbosity], help="build a user's ONNX model")
     build.add_argument("--onnx", type=Path, required=True)
     build.add_argument("--name", required=True)
     build.add_argument("--precision", default=None,
@@ -72,7 +77,7 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("--task", default="generic", help="classification | embedding | generic")
     common_build(build)
 
-    serve = sub.add_parser("serve", help="run the bundled Triton server on the repository")
+    serve = sub.add_parser("serve", parents=[verbosity], help="run the bundled Triton server on the repository")
     serve.add_argument("--repository", type=Path, default=Path("model_repository"))
     serve.add_argument("--state-dir", type=Path, default=Path(".run"), help="log, pid file, backend folder")
     serve.add_argument("--http-port", type=int, default=8000)
@@ -81,7 +86,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--background", action="store_true", help="return once /v2/health/ready answers 200")
     serve.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for readiness")
 
-    tune = sub.add_parser("tune", help="measure serving configurations and write the best into the repository")
+    tune = sub.add_parser("tune", parents=[verbosity],
+                          help="measure serving configurations and write the best into the repository")
     tune.add_argument("name", help="model name from models.toml (variants NAME_<precision>)")
     tune.add_argument("--repository", type=Path, default=Path("model_repository"))
     tune.add_argument("--precisions", default="fp32,fp16,int8", help="variants to consider")
@@ -101,14 +107,15 @@ def _parser() -> argparse.ArgumentParser:
     tune.add_argument("--dry-run", action="store_true", help="measure and report, do not write the winner")
     tune.add_argument("--no-compare", action="store_true", help="skip the side-by-side re-measurement")
 
-    verify = sub.add_parser("verify", help="compare the server's gRPC and HTTP answers with ONNX Runtime")
+    verify = sub.add_parser("verify", parents=[verbosity],
+                            help="compare the server's gRPC and HTTP answers with ONNX Runtime")
     verify.add_argument("--manifest", type=Path, default=Path("models.toml"))
     verify.add_argument("--repository", type=Path, default=Path("model_repository"))
     verify.add_argument("--http-url", default="localhost:8000")
     verify.add_argument("--grpc-url", default="localhost:8001")
     verify.add_argument("--samples", type=int, default=16, help="held-out samples per variant")
 
-    stop = sub.add_parser("stop", help="stop a server started with serve --background")
+    stop = sub.add_parser("stop", parents=[verbosity], help="stop a server started with serve --background")
     stop.add_argument("--state-dir", type=Path, default=Path(".run"))
     return parser
 
@@ -213,7 +220,7 @@ def _delays(value: str, flag: str) -> tuple[int | None, ...]:
     return tuple(dict.fromkeys(items))
 
 
-def _ms(value: float, flag: str) -> float:
+def _positive(value: float, flag: str) -> float:
     if value <= 0:
         raise ManifestError(f"{flag} {value:g}: expected a positive number")
     return value
@@ -229,9 +236,9 @@ def _tune(args: argparse.Namespace) -> int:
         raise ManifestError(f"tune {name}: no variant of it in {args.repository}; run `trtbuild engines` first")
     space = Space(variants, _int_list(args.max_batch, "--max-batch"), _delays(args.queue_delay_us, "--queue-delay-us"),
                   _int_list(args.instances, "--instances"))
-    objective = Objective(Goal.parse(args.objective, "--objective", error=ManifestError),
-                          _ms(args.p99_budget_ms, "--p99-budget-ms") * 1000 if args.p99_budget_ms is not None else None,
-                          args.min_throughput)
+    budget = _positive(args.p99_budget_ms, "--p99-budget-ms") * 1000 if args.p99_budget_ms is not None else None
+    floor = _positive(args.min_throughput, "--min-throughput") if args.min_throughput is not None else None
+    objective = Objective(Goal.parse(args.objective, "--objective", error=ManifestError), budget, floor)
     if args.measurement_interval < 1 or args.max_trials < 1:
         raise ManifestError(f"--measurement-interval {args.measurement_interval} / --max-trials {args.max_trials}: "
                             "expected positive integers")

@@ -110,7 +110,7 @@ def _spec_fingerprint(spec: ModelSpec) -> dict[str, Any]:
 def _up_to_date(spec: ModelSpec, repository: Path, key: str) -> bool:
     for prec in spec.precisions:
         record = read_record(repository / variant_name(spec.name, prec))
-        if record is None or record.get("build_key") != key:
+        if record is None or record.build_key != key:
             return False
     return True
 
@@ -121,24 +121,26 @@ _REASON_LABELS = {"onnx": "exported ONNX", "evaluation": "evaluation data", "cal
 
 
 def rebuild_reasons(spec: ModelSpec, repository: Path, wanted: dict[str, Any]) -> list[str]:
-    """Why a model's variants are rebuilt, from what their build records say they were built from."""
+    """Why a model's variants are rebuilt, from what their build records say they were built from.
+    Empty when the records match `wanted` (a forced rebuild)."""
     reasons: list[str] = []
     for prec in spec.precisions:
         record = read_record(repository / variant_name(spec.name, prec))
         if record is None:
             reasons.append(f"{variant_name(spec.name, prec)} not built yet")
             continue
-        present = record.get("inputs", {})
-        for key, label in _REASON_LABELS.items():
+        present = record.inputs
+        for key in sorted(set(present) | set(wanted), key=lambda k: (k not in _REASON_LABELS, k)):
             old, new = present.get(key), wanted.get(key)
             if old == new:
                 continue
+            label = _REASON_LABELS.get(key, key)
             if isinstance(old, dict) and isinstance(new, dict):
                 changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
                 reasons.append(f"{label} changed ({', '.join(f'{k} {old.get(k)} -> {new.get(k)}' for k in changed)})")
             else:
                 reasons.append(f"{label} changed")
-    return sorted(set(reasons)) or ["--force"]
+    return sorted(set(reasons))
 
 
 def _source_onnx(spec: ModelSpec, out: Path) -> None:
@@ -174,7 +176,8 @@ def build_model(spec: ModelSpec, options: BuildOptions, staging: Staging) -> Mod
         if not options.force and _up_to_date(spec, options.repository, key):
             log.info("%s: inputs unchanged, nothing rebuilt", spec.name)
             return ModelResult(spec.name, ModelStatus.UNCHANGED, key, [], seconds=time.perf_counter() - started)
-        for reason in rebuild_reasons(spec, options.repository, inputs_record):
+        reasons = rebuild_reasons(spec, options.repository, inputs_record)
+        for reason in reasons or ["--force"]:
             log.info("%s: rebuilding: %s", spec.name, reason)
 
         slim_report = cleanup.slim(fp32_path, samples.take(evaluation, 0, 4))

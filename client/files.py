@@ -9,17 +9,27 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 
-def write_atomic(path: Path, data: bytes | str) -> None:
-    payload = data.encode("utf-8") if isinstance(data, str) else data
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _write(path: Path, fill: Callable[[BinaryIO], None]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        # mkstemp creates 0600; give the file the mode an ordinary open() would (readers may be other users).
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as handle:
-            handle.write(payload)
+            fill(handle)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
@@ -29,9 +39,23 @@ def write_atomic(path: Path, data: bytes | str) -> None:
         raise
 
 
+def write_atomic(path: Path, data: bytes | str) -> None:
+    payload = data.encode("utf-8") if isinstance(data, str) else data
+
+    def fill(handle: BinaryIO) -> None:
+        handle.write(payload)
+
+    _write(path, fill)
+
+
 def copy_atomic(source: Path, path: Path) -> None:
-    """Copy a file so that `path` appears whole or not at all."""
-    write_atomic(path, source.read_bytes())
+    """Copy a file so that `path` appears whole or not at all (streamed: model files are large)."""
+    with source.open("rb") as reader:
+
+        def fill(handle: BinaryIO) -> None:
+            shutil.copyfileobj(reader, handle, 1 << 20)
+
+        _write(path, fill)
 
 
 def write_json(path: Path, payload: object) -> None:

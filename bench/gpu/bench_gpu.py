@@ -4,7 +4,7 @@ counter, cross-checked against Triton's nv_energy_consumption and against integr
 
     python bench/gpu/bench_gpu.py [--out DIR] [--interval-ms 5000] [--concurrency 1,8,32]
 
-Configurations come from the project's config writer (builder.triton_config), switched to a GPU
+Configurations come from the project's config writer (builder.repository.triton_config), switched to a GPU
 instance group. Writes gpu_bench.json and gpu_bench.md to --out.
 """
 

@@ -4,6 +4,8 @@ and build.json, the record of what it was built from."""
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -19,13 +21,26 @@ CONFIG = "config.pbtxt"
 RUNNER = "model.py"
 
 
-def read_record(model_dir: Path) -> dict[str, Any] | None:
-    """The folder's build record, or None when it has none (or an unreadable one)."""
+@dataclass(frozen=True)
+class BuildRecord:
+    """What later commands read back from a folder's build.json (it holds more, for people)."""
+
+    build_key: str
+    artifact: str  # relative to the repository
+    runtime: str  # the Runtime's name
+    inputs: Mapping[str, Any]  # everything the build depended on, by kind (compared for rebuild reasons)
+
+
+def read_record(model_dir: Path) -> BuildRecord | None:
+    """The folder's build record, or None when it has none (or one this version cannot read)."""
     try:
         data = json.loads((model_dir / RECORD).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        record = BuildRecord(build_key=data["build_key"], artifact=data["artifact"], runtime=data["runtime"],
+                             inputs=data["inputs"])
+    except (OSError, ValueError, KeyError, TypeError):
         return None
-    return data if isinstance(data, dict) else None
+    valid = all(isinstance(v, str) for v in (record.build_key, record.artifact, record.runtime))
+    return record if valid and isinstance(record.inputs, Mapping) else None
 
 
 def write_record(model_dir: Path, record: dict[str, Any]) -> None:

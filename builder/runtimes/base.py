@@ -8,7 +8,7 @@ staleness, artifacts carried over from earlier builds, backend settings) stays b
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -26,8 +26,8 @@ class CompileTarget:
 
     inputs: tuple[TensorSpec, ...]
     batch: DimRange
-    dims: Mapping[str, DimRange] = field(default_factory=dict)
-    onnx_sha256: str = ""
+    dims: Mapping[str, DimRange]
+    onnx_sha256: str  # of the variant ONNX: what a compiled artifact was built from
 
 
 class Runtime(Protocol):

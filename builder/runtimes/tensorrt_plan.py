@@ -32,6 +32,10 @@ class TrtBuildOptions:
     cuda_graphs: bool = False
     warmup: bool = True
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "hardware_compatibility", HardwareCompatibility.parse(
+            self.hardware_compatibility, "--trt-hardware-compatibility", error=ManifestError))
+
     def check(self) -> TrtBuildOptions:
         if self.workspace_mib < 1:
             raise ManifestError(f"--trt-workspace-mib {self.workspace_mib}: expected a positive number of MiB")

@@ -21,8 +21,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from builder.errors import ServerError
+from client.choices import Choice
 
 log = logging.getLogger(__name__)
+
+
+class ModelControl(Choice):
+    """Triton's --model-control-mode: load everything at start, or only what the client asks for."""
+
+    NONE = "none"
+    EXPLICIT = "explicit"
 
 
 @dataclass(frozen=True)
@@ -99,7 +107,7 @@ def check_ports(ports: Ports) -> None:
 
 
 def command(repository: Path, ports: Ports, backend_dir: Path, log_file: Path,
-            model_control: str = "none", extra: list[str] | None = None) -> list[str]:
+            model_control: ModelControl = ModelControl.NONE, extra: list[str] | None = None) -> list[str]:
     return [
         str(binary()),
         f"--model-repository={repository.resolve()}",
@@ -108,7 +116,7 @@ def command(repository: Path, ports: Ports, backend_dir: Path, log_file: Path,
         f"--grpc-port={ports.grpc}",
         f"--metrics-port={ports.metrics}",
         "--allow-metrics=true",
-        f"--model-control-mode={model_control}",
+        f"--model-control-mode={model_control.value}",
         f"--log-file={log_file.resolve()}",
         "--log-verbose=0",
         "--exit-timeout-secs=10",
@@ -138,7 +146,7 @@ class TritonServer:
     """A Triton process on loopback ports; `start()` returns once /v2/health/ready answers 200."""
 
     def __init__(self, repository: Path, state_dir: Path, ports: Ports | None = None,
-                 model_control: str = "none", extra_args: list[str] | None = None) -> None:
+                 model_control: ModelControl = ModelControl.NONE, extra_args: list[str] | None = None) -> None:
         self.repository = repository
         self.state_dir = state_dir
         self.ports = ports or Ports()

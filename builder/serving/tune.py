@@ -15,7 +15,7 @@ from typing import Any
 
 from builder.errors import BuilderError
 from builder.repository import triton_config
-from builder.serving.triton_server import Ports, TritonServer, free_ports
+from builder.serving.triton_server import ModelControl, Ports, TritonServer, free_ports
 from client import session
 from client.choices import Choice
 from client.engine import LoadLevel, Measurement
@@ -77,6 +77,12 @@ def _p99(results: Sequence[Result]) -> float:
     return max((r.p99_us if r.p99_us is not None else math.inf for r in results), default=math.inf)
 
 
+def _mean_p99(results: Sequence[Result]) -> float:
+    """The mean p99 over the concurrencies; infinite when one completed nothing."""
+    values = [r.p99_us if r.p99_us is not None else math.inf for r in results]
+    return sum(values) / len(values) if values else math.inf
+
+
 def _throughput(results: Sequence[Result]) -> float:
     return sum(r.throughput for r in results) / len(results) if results else 0.0
 
@@ -100,7 +106,7 @@ class Objective:
         if self.goal is Goal.THROUGHPUT:
             return _throughput(results)
         if self.goal is Goal.P99:
-            return -_p99(results)
+            return -_mean_p99(results)
         per_joule = [r.infer_per_joule for r in results]
         if any(v is None for v in per_joule):
             raise BuilderError("--objective infer_per_joule: no power source here (perfclient reports none)")
@@ -232,7 +238,7 @@ class TuneServer:
                 shutil.copytree(self.source / variant, repo / variant)
             http, grpc, metrics = free_ports(3)
             self.server = TritonServer(repo, self.tmp / "state", Ports(http, grpc, metrics),
-                                       model_control="explicit")
+                                       model_control=ModelControl.EXPLICIT)
             self.server.start(timeout=120)
         except BaseException:
             self.__exit__()
@@ -307,9 +313,17 @@ class MeasuredPoint:
         return p99 / 1e3 if math.isfinite(p99) else None
 
 
+class Contender(Choice):
+    """The configurations re-measured side by side at the end of a tuning run."""
+
+    TUNED = "tuned"
+    DEFAULT = "default"
+    NO_BATCHING = "no dynamic batching"
+
+
 @dataclass(frozen=True)
 class Comparison:
-    config: str  # tuned | default | no dynamic batching
+    config: Contender
     label: str
     throughput: float
     p99_ms: float | None  # None: a concurrency completed no request
@@ -395,6 +409,10 @@ def tune(repository: Path, space: Space, objective: Objective, *, search: Search
          measurement_ms: int, default_variant: str, report_path: Path | None, plot_path: Path | None,
          write: bool = True, compare: bool = True, max_trials: int = 6) -> TuneReport:
     started = time.perf_counter()
+    for variant in space.variants:
+        if not (repository / variant / "config.pbtxt").is_file():
+            raise BuilderError(f"tune: variant {variant} has no config.pbtxt in {repository}; "
+                               "run `trtbuild engines` first")
     default = point_of(default_variant, (repository / default_variant / "config.pbtxt").read_text())
     space = space.including(default)
     with TuneServer(repository, space.variants, concurrencies, measurement_ms, max_trials) as server:
@@ -407,8 +425,8 @@ def tune(repository: Path, space: Space, objective: Objective, *, search: Search
         comparison: list[Comparison] = []
         if compare and winner is not None:
             # Side by side in one run: winner, the builder's default, and no dynamic batching.
-            candidates = {"tuned": winner, "default": default,
-                          "no dynamic batching": replace(default, queue_delay_us=None)}
+            candidates = {Contender.TUNED: winner, Contender.DEFAULT: default,
+                          Contender.NO_BATCHING: replace(default, queue_delay_us=None)}
             for name, point in candidates.items():
                 rs = server.measure(point)
                 p99 = _p99(rs)

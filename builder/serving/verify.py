@@ -14,7 +14,8 @@ from numpy.typing import NDArray
 
 from builder.errors import BuilderError, ServerError
 from builder.repository.model_folder import read_record
-from builder.runtimes.onnxruntime import ort_session, run_session
+from builder.runtimes import select
+from builder.spec.enums import RuntimeChoice
 from builder.spec.model import ModelSpec
 from builder.spec.names import variant_name
 from builder.steps import samples as samples_mod
@@ -66,10 +67,11 @@ def verify_variant(repository: Path, name: str, samples: dict[str, NDArray[Any]]
     record = read_record(repository / name)
     if record is None:
         raise BuilderError(f"{repository / name}: no build record; run `make engines` first")
-    artifact = repository / record["artifact"]
-    session = ort_session(artifact)
-    outputs = [o.name for o in session.get_outputs()]
-    expected = run_session(session, samples, batch)
+    # The artifact runs locally under the runtime that built it (a TensorRT plan needs TensorRT here).
+    runtime = select(RuntimeChoice.parse(record.runtime, f"{repository / name}: build record runtime",
+                                         error=BuilderError))
+    expected = runtime.run(repository / record.artifact, samples, batch)
+    outputs = list(expected)
     count = len(next(iter(samples.values())))
     results = []
     for protocol, url in urls.items():

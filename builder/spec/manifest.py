@@ -100,7 +100,7 @@ def _parse_model(entry: Any, base: Path, where: str) -> ModelSpec:
         raise ManifestError(f"{what}: source must be module:function (a string), got {source!r}")
     dims = {str(k): parse_dim_range(v, f"{what}: dims.{k}") for k, v in _table(entry, "dims", what).items()}
     tolerances = {
-        Precision.parse(key, f"{what}: tolerances.", error=ManifestError):
+        Precision.parse(key, f"{what}: tolerances table", error=ManifestError):
             _parse_tolerance(table, f"{what}: tolerances.{key}")
         for key, table in _table(entry, "tolerances", what).items()
     }

@@ -62,6 +62,12 @@ class CalibrationSpec:
     nodes_to_exclude: tuple[str, ...] = ()
     nodes_to_quantize: tuple[str, ...] = ()  # set by the accuracy guard's per-node sensitivity runs
 
+    def __post_init__(self) -> None:
+        # Library callers may pass plain strings; store the members (a wrong value fails here, named).
+        object.__setattr__(self, "method", CalibrationMethod.parse(self.method, "calibration.method",
+                                                                   error=ManifestError))
+        object.__setattr__(self, "recipe", Int8Recipe.parse(self.recipe, "calibration.recipe", error=ManifestError))
+
 
 @dataclass(frozen=True)
 class Tolerance:
@@ -106,6 +112,15 @@ class ModelSpec:
     tolerances: Mapping[Precision, Tolerance] = field(default_factory=dict)
     serving: ServingSpec = ServingSpec()
     opset: int = 17
+
+    def __post_init__(self) -> None:
+        # Library callers may pass plain strings; store the members (a wrong value fails here, named).
+        object.__setattr__(self, "task", Task.parse(self.task, f"model {self.name!r}: task", error=ManifestError))
+        object.__setattr__(self, "precisions", tuple(
+            Precision.parse(p, f"model {self.name!r}: precision", error=ManifestError) for p in self.precisions))
+        object.__setattr__(self, "tolerances", {
+            Precision.parse(p, f"model {self.name!r}: tolerances.", error=ManifestError): t
+            for p, t in self.tolerances.items()})
 
     def tolerance(self, precision: Precision) -> Tolerance:
         return self.tolerances.get(precision, DEFAULT_TOLERANCES[precision])

@@ -50,7 +50,7 @@ class VariantContext:
     started: float = field(default_factory=time.perf_counter)
     settings: dict[str, object] = field(default_factory=dict)  # how the precision step made the variant
     calibration: CalibrationResult | None = None
-    variant_sha: str = ""  # of the variant ONNX the artifact was compiled from
+    variant_sha: str | None = None  # of the variant ONNX the artifact was compiled from; set by Compile
     metrics: Metrics | None = None
     guard: GuardReport | None = None
 
@@ -71,5 +71,7 @@ class VariantContext:
         return self.version_dir / self.runtime.artifact
 
     def target(self) -> CompileTarget:
+        """What the runtime compiles; only once Compile has hashed the variant ONNX."""
+        assert self.variant_sha is not None, "the compile target exists once the variant ONNX is final"
         spec = self.model.spec
         return CompileTarget(self.model.signature.inputs, spec.batch, dict(spec.dims), self.variant_sha)

@@ -66,6 +66,7 @@ def quantized_nodes(model: onnx.ModelProto) -> list[str]:
 
 def guard(
     quantize: Callable[[CalibrationSpec, Path], None],
+    *,
     spec: CalibrationSpec,
     plain: Path,
     evaluation: Mapping[str, NDArray[Any]],
@@ -143,7 +144,8 @@ def throughput(path: Path, evaluation: Mapping[str, NDArray[Any]], seconds: floa
 def make_quantizer(fp32_path: Path, fp32_sha: str, calibration: Mapping[str, NDArray[Any]], calib_digest: str,
                    cache_dir: Path) -> Callable[[CalibrationSpec, Path], None]:
     def quantize(spec: CalibrationSpec, out: Path) -> None:
-        precision.to_int8(fp32_path, fp32_sha, calibration, calib_digest, spec, out, cache_dir)
+        precision.to_int8(fp32_path, fp32_sha=fp32_sha, calibration=calibration, data_digest=calib_digest,
+                          spec=spec, out_path=out, cache_dir=cache_dir)
 
     return quantize
 
@@ -187,7 +189,8 @@ def guard_int8(*, fp32_path: Path, fp32_sha: str, calibration: Mapping[str, NDAr
     search_dir = work / "guard"
     search_dir.mkdir(exist_ok=True)
     quantize = make_quantizer(fp32_path, fp32_sha, calibration, calibration_digest, cache_dir)
-    result, guarded = guard(quantize, spec, plain, evaluation, reference, task, tolerance, search_dir)
+    result, guarded = guard(quantize, spec=spec, plain=plain, evaluation=evaluation, reference=reference,
+                            task=task, tolerance=tolerance, work=search_dir)
     fallback = None
     if guarded is not None:
         shutil.copyfile(guarded, variant_onnx)

@@ -120,6 +120,7 @@ def calibration_key(fp32_sha: str, data_digest: str, spec: CalibrationSpec) -> s
 
 def to_int8(
     fp32_path: Path,
+    *,
     fp32_sha: str,
     calibration: Mapping[str, NDArray[Any]],
     data_digest: str,

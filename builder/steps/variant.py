@@ -44,9 +44,10 @@ class MakePrecision:
             calibration_spec = model.spec.calibration
             if calibration_spec is None or model.calibration is None or model.calibration_digest is None:
                 raise AssertionError("an INT8 variant without calibration data passed the spec check")
-            ctx.calibration = precision.to_int8(model.fp32_path, model.fp32_sha, model.calibration,
-                                                model.calibration_digest, calibration_spec, ctx.variant_onnx,
-                                                model.cache_dir)
+            ctx.calibration = precision.to_int8(
+                model.fp32_path, fp32_sha=model.fp32_sha, calibration=model.calibration,
+                data_digest=model.calibration_digest, spec=calibration_spec, out_path=ctx.variant_onnx,
+                cache_dir=model.cache_dir)
             ctx.settings = ctx.calibration.settings
 
 

@@ -11,7 +11,7 @@ import onnx
 import pytest
 
 from builder.errors import AccuracyError, DataError
-from builder.pipeline import BuildOptions, build_all
+from builder.pipeline import BuildOptions, build_all, rebuild_reasons
 from builder.repository.triton_config import parse
 from builder.runtimes import OnnxRuntimeCPU
 from builder.spec import (
@@ -150,3 +150,20 @@ def test_onnxruntime_int8_recipe_quantizes_per_channel_and_passes(tmp_path: Path
     weight_scales = [i for i in model.graph.initializer if i.name.endswith("_scale") and len(i.dims) == 1]
     assert weight_scales, "per-channel quantization stores one scale per output channel"
     assert int8.accuracy.top1_agreement >= 0.8
+
+
+def test_rebuild_reasons_name_what_changed(tiny_repository: tuple[Path, list[ModelSpec]], repo_copy: Path) -> None:
+    _, specs = tiny_repository
+    record_path = repo_copy / "mlp_int8" / "build.json"
+    record = json.loads(record_path.read_text())
+    wanted = dict(record["inputs"])
+    assert rebuild_reasons(specs[0], repo_copy, wanted) == []  # nothing differs: only --force rebuilds
+    wanted["calibration"] = "0" * 64
+    wanted["runtime"] = {"tensorrt": "10.13.0", "gpu": "NVIDIA H200"}
+    reasons = rebuild_reasons(specs[0], repo_copy, wanted)
+    assert "calibration data changed" in reasons
+    assert any(r.startswith("runtime changed (") and "gpu None -> NVIDIA H200" in r for r in reasons)
+    # A key only one side has (an older record's, or a new kind of input) is named, not hidden.
+    record["inputs"]["serving_backend"] = "python"
+    record_path.write_text(json.dumps(record))
+    assert "serving_backend changed" in rebuild_reasons(specs[0], repo_copy, dict(wanted, calibration=None))

@@ -10,7 +10,7 @@ import pytest
 
 from builder.serving.triton_server import Ports, TritonServer, free_ports
 from client.engine import Measurement
-from tests.client.servers import Endpoints, PrivateServer
+from tests.helpers.servers import Endpoints, PrivateServer
 
 
 def _endpoints(ports: Ports) -> Endpoints:

@@ -23,7 +23,7 @@ from client.power import PowerSource
 from client.protocol import Protocol
 from client.report import CSV_COLUMNS
 from client.stats import Latency, Window
-from tests.client.servers import Endpoints, PrivateServer
+from tests.helpers.servers import Endpoints, PrivateServer
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from numpy.typing import NDArray
 
 from client.protocol import Connection, HttpStatusError, Protocol, describe, error_kind
 from client.server_stats import ServerStats
-from tests.client.servers import Endpoints
+from tests.helpers.servers import Endpoints
 
 X = np.random.default_rng(0).standard_normal((2, 4, 32)).astype(np.float32)
 

@@ -18,7 +18,7 @@ from client.power import PowerSource
 from client.protocol import Connection, Protocol
 from client.session import ModelResult, SessionConfig, measure, run
 from client.stats import Window
-from tests.client.servers import Endpoints, PrivateServer
+from tests.helpers.servers import Endpoints, PrivateServer
 
 
 def config(url: str, quick: Measurement, **changes: Any) -> SessionConfig:

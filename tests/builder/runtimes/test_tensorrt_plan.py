@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import pytest
 from google.protobuf import json_format
 
 from builder.errors import ManifestError, RuntimeUnavailableError
-from builder.pipeline import rebuild_reasons
 from builder.repository.triton_config import (
     BackendConfig,
     ConfigInputs,
@@ -33,7 +31,7 @@ from builder.runtimes.tensorrt_plan import (
     timing_cache_name,
     warmup_inputs,
 )
-from builder.spec import DimRange, ModelSpec, RuntimeChoice, ServingSpec, TensorSpec
+from builder.spec import DimRange, RuntimeChoice, ServingSpec, TensorSpec
 
 INPUTS = (TensorSpec("input_ids", "int64", (-1, "seq")), TensorSpec("pixels", "float32", (-1, 3, 8, 8)))
 
@@ -131,16 +129,3 @@ def test_asking_for_tensorrt_where_it_is_missing_says_how_to_install_it() -> Non
     with pytest.raises(RuntimeUnavailableError, match=r"pip install '\.\[tensorrt\]'.*NGC Triton container"):
         select(RuntimeChoice.TENSORRT)
     assert select(RuntimeChoice.AUTO).name == "onnxruntime"
-
-
-def test_rebuild_reasons_name_what_changed(tiny_repository: tuple[Path, list[ModelSpec]], repo_copy: Path) -> None:
-    _, specs = tiny_repository
-    record_path = repo_copy / "mlp_int8" / "build.json"
-    record = json.loads(record_path.read_text())
-    wanted = dict(record["inputs"])
-    assert rebuild_reasons(specs[0], repo_copy, wanted) == ["--force"]  # nothing differs
-    wanted["calibration"] = "0" * 64
-    wanted["runtime"] = {"tensorrt": "10.13.0", "gpu": "NVIDIA H200"}
-    reasons = rebuild_reasons(specs[0], repo_copy, wanted)
-    assert "calibration data changed" in reasons
-    assert any(r.startswith("runtime changed (") and "gpu None -> NVIDIA H200" in r for r in reasons)

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import urllib.request
 from pathlib import Path
 
 import numpy as np
+import pytest
 
+from builder.errors import RuntimeUnavailableError
+from builder.runtimes import tensorrt_available
 from builder.serving.triton_server import TritonServer
 from builder.serving.verify import verify_variant
 from builder.spec import ModelSpec, variant_name
@@ -49,3 +53,15 @@ def test_health_and_metrics_endpoints(triton: TritonServer) -> None:
         assert response.status == 200
     with urllib.request.urlopen(f"http://127.0.0.1:{triton.ports.metrics}/metrics", timeout=5) as response:
         assert b"nv_inference_request_success" in response.read()
+
+
+def test_verify_runs_the_artifact_under_the_runtime_that_built_it(repo_copy: Path) -> None:
+    record_path = repo_copy / "mlp_fp32" / "build.json"
+    record = json.loads(record_path.read_text())
+    record["runtime"] = "tensorrt"
+    record_path.write_text(json.dumps(record))
+    ids = {"x": np.zeros((2, 4, 32), np.float32)}
+    if tensorrt_available():
+        pytest.skip("TensorRT is available here")
+    with pytest.raises(RuntimeUnavailableError, match="--runtime tensorrt: TensorRT with a CUDA GPU is not available"):
+        verify_variant(repo_copy, "mlp_fp32", ids, {})

@@ -133,3 +133,11 @@ def test_tune_with_unmeetable_constraints_leaves_the_repository_untouched(repo_c
              plot_path=None, max_trials=2)
     assert snapshot(repo_copy) == before
     assert json.loads((tmp_path / "t.json").read_text())["winner"] is None
+
+
+def test_p99_objective_averages_over_concurrencies_and_feasibility_takes_the_worst() -> None:
+    point = Point("m_fp32", 8, 0, 1)
+    results = [Result(point, 1, 100.0, 1e3, 2e3, None, 1.0, True, 0),
+               Result(point, 32, 900.0, 2e4, 4e4, None, 8.0, True, 0)]
+    assert Objective(Goal.P99).value(results) == -2.1e4  # the mean of 2 ms and 40 ms p99
+    assert not Objective(Goal.P99, p99_budget_us=3e4).feasible(results)  # 40 ms is over the budget

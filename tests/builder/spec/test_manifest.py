@@ -74,3 +74,14 @@ def test_precisions_are_ordered_with_the_reference_first() -> None:
     assert parse_precisions("int8,fp32,fp16,int8", "--precision") == ("fp32", "fp16", "int8")
     with pytest.raises(ManifestError, match="--precision: unknown precision 'fp8'"):
         parse_precisions("fp8", "--precision")
+
+
+def test_library_callers_may_pass_plain_strings_and_get_members_or_a_named_error() -> None:
+    from builder.spec import CalibrationMethod, CalibrationSpec, DataSpec, DimRange, ModelSpec, Precision, Task
+
+    spec = ModelSpec(name="m", batch=DimRange(1, 1, 1), precisions=("fp32", "fp16"), task="embedding")  # type: ignore[arg-type]
+    assert spec.precisions == (Precision.FP32, Precision.FP16) and spec.task is Task.EMBEDDING
+    cal = CalibrationSpec(DataSpec("x:y", 8), method="max")  # type: ignore[arg-type]
+    assert cal.method is CalibrationMethod.MAX
+    with pytest.raises(ManifestError, match=r"calibration\.recipe 'tflite': expected one of modelopt, onnxruntime"):
+        CalibrationSpec(DataSpec("x:y", 8), recipe="tflite")  # type: ignore[arg-type]
