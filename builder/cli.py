@@ -231,21 +231,25 @@ def _tune(args: argparse.Namespace) -> int:
 
     name = check_model_name(args.name, "tune NAME")
     precisions = parse_precisions(args.precisions, "--precisions")
-    variants = tuple(variant_name(name, p) for p in precisions if (args.repository / variant_name(name, p)).is_dir())
-    if not variants:
-        raise ManifestError(f"tune {name}: no variant of it in {args.repository}; run `trtbuild engines` first")
-    space = Space(variants, _int_list(args.max_batch, "--max-batch"), _delays(args.queue_delay_us, "--queue-delay-us"),
-                  _int_list(args.instances, "--instances"))
+    goal = Goal.parse(args.objective, "--objective", error=ManifestError)
+    search = Search.parse(args.search, "--search", error=ManifestError)
+    axes = (_int_list(args.max_batch, "--max-batch"), _delays(args.queue_delay_us, "--queue-delay-us"),
+            _int_list(args.instances, "--instances"))
+    concurrencies = _int_list(args.concurrency, "--concurrency")
     budget = _positive(args.p99_budget_ms, "--p99-budget-ms") * 1000 if args.p99_budget_ms is not None else None
     floor = _positive(args.min_throughput, "--min-throughput") if args.min_throughput is not None else None
-    objective = Objective(Goal.parse(args.objective, "--objective", error=ManifestError), budget, floor)
     if args.measurement_interval < 1 or args.max_trials < 1:
         raise ManifestError(f"--measurement-interval {args.measurement_interval} / --max-trials {args.max_trials}: "
                             "expected positive integers")
+    variants = tuple(variant_name(name, p) for p in precisions if (args.repository / variant_name(name, p)).is_dir())
+    if not variants:
+        raise ManifestError(f"tune {name}: no variant of it in {args.repository}; run `trtbuild engines` first")
+    space = Space(variants, *axes)
+    objective = Objective(goal, budget, floor)
     report_path = args.report or Path("reports") / f"tune_{name}.json"
     plot_path = args.plot or Path("reports") / f"tune_{name}.png"
-    report = tune(args.repository, space, objective, search=Search.parse(args.search, "--search", error=ManifestError),
-                  concurrencies=_int_list(args.concurrency, "--concurrency"), measurement_ms=args.measurement_interval,
+    report = tune(args.repository, space, objective, search=search, concurrencies=concurrencies,
+                  measurement_ms=args.measurement_interval,
                   default_variant=variants[0], report_path=report_path, plot_path=plot_path, write=not args.dry_run,
                   compare=not args.no_compare, max_trials=args.max_trials)
     print(f"{'point':<58} {'infer/s':>8} {'p99 ms':>8} {'feasible':>8}")
