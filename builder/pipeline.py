@@ -19,6 +19,7 @@ from typing import Any
 
 from builder import __version__
 from builder.errors import DataError
+from builder.repository.lock import repository_lock
 from builder.repository.model_folder import read_record
 from builder.repository.staging import Staging
 from builder.runtimes.base import Runtime
@@ -43,6 +44,7 @@ class BuildOptions:
     runtime: Runtime
     cache_dir: Path = field(default_factory=default_cache_dir)
     force: bool = False
+    wait: bool = True  # for another writer of the repository to finish (False: fail at once)
 
 
 class ModelStatus(Choice):
@@ -200,14 +202,16 @@ def build_all(
 ) -> list[ModelResult]:
     """Build every model; commit to the repository only if all of them passed."""
     started = time.time()
-    staging = Staging(options.repository)
     results: list[ModelResult] = []
-    try:
-        for spec in specs:
-            results.append(build_model(spec, options, staging))
-        staging.commit()
-    finally:
-        staging.discard()
+    with repository_lock(options.repository, what=f"the build of {', '.join(s.name for s in specs)}",
+                         wait=options.wait):
+        staging = Staging(options.repository)
+        try:
+            for spec in specs:
+                results.append(build_model(spec, options, staging))
+            staging.commit()
+        finally:
+            staging.discard()
     if report_path is not None:
         write_json(report_path, {
             "command": command,

@@ -2,16 +2,27 @@
 
 Variants are built in a staging folder inside the repository (same filesystem, so renames are
 atomic) and swapped in only once every model of the run has passed; a failed run leaves every
-existing model exactly as it was.
+existing model exactly as it was. A staging folder belongs to the build that made it (its pid is
+in the name): another build never touches it, and only the leftovers of dead builds are removed.
+
+The swap exchanges the staged and the live folder in one `renameat2(RENAME_EXCHANGE)` call, so a
+reader (Triton polling the repository) never finds the model folder missing. Where the filesystem
+cannot exchange, it falls back to two renames and says so.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import errno
 import logging
 import os
+import re
 import shutil
 import tempfile
+from functools import cache
 from pathlib import Path
+from typing import Any
 
 from builder.errors import BuilderError
 
@@ -19,10 +30,48 @@ log = logging.getLogger(__name__)
 
 _STAGING_PREFIX = ".staging-"
 _TRASH_PREFIX = ".trash-"
+_OWNER = re.compile(r"^\.(?:staging|trash)-(\d+)-")
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True
+
+
+@cache
+def _renameat2() -> Any:
+    """libc's renameat2 (glibc >= 2.28), or None."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    function = getattr(libc, "renameat2", None)
+    if function is not None:
+        function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+        function.restype = ctypes.c_int
+    return function
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap two existing paths atomically; False where the OS or filesystem cannot."""
+    function = _renameat2()
+    if function is None:
+        return False
+    if function(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+        return False
+    raise OSError(code, f"exchanging {a} and {b}: {os.strerror(code)}")
 
 
 class Staging:
-    """A staging area for one build run: `dir(name)` gives a fresh folder, `commit()` swaps them in."""
+    """A staging area for one build run: `dir(name)` gives a fresh folder, `commit()` swaps them in.
+    Callers hold the repository lock (builder.repository.lock) around its whole life."""
 
     def __init__(self, repository: Path) -> None:
         self.repository = repository
@@ -33,13 +82,15 @@ class Staging:
         if not os.access(repository, os.W_OK):
             raise BuilderError(f"--repository {repository}: folder is not writable")
         self._clear_leftovers()
-        self.root = Path(tempfile.mkdtemp(prefix=_STAGING_PREFIX, dir=repository))
+        self.root = Path(tempfile.mkdtemp(prefix=f"{_STAGING_PREFIX}{os.getpid()}-", dir=repository))
         self._names: list[str] = []
 
     def _clear_leftovers(self) -> None:
-        # A crashed earlier run may have left a staging or trash folder; neither holds a live model.
+        """Remove staging and trash folders whose build died; a live build's are left alone."""
         for child in self.repository.iterdir():
-            if child.name.startswith((_STAGING_PREFIX, _TRASH_PREFIX)) and child.is_dir():
+            match = _OWNER.match(child.name)
+            if child.is_dir() and match and int(match.group(1)) != os.getpid() and not _alive(int(match.group(1))):
+                log.info("removing %s, left by a build that is no longer running", child)
                 shutil.rmtree(child, ignore_errors=True)
 
     def dir(self, name: str) -> Path:
@@ -51,18 +102,23 @@ class Staging:
         return path
 
     def commit(self) -> list[Path]:
-        """Swap staged models into the repository, each with one rename; return their final paths."""
+        """Swap staged models into the repository; return their final paths."""
         committed = []
         for name in self._names:
             staged = self.root / name
             final = self.repository / name
-            trash = None
-            if final.exists():
-                trash = self.repository / f"{_TRASH_PREFIX}{name}-{os.getpid()}"
-                os.replace(final, trash)
-            os.replace(staged, final)
-            if trash is not None:
-                shutil.rmtree(trash, ignore_errors=True)
+            if final.exists() and exchange(staged, final):
+                shutil.rmtree(staged, ignore_errors=True)  # now the previous model
+            else:
+                if final.exists():
+                    log.warning("%s: this filesystem cannot exchange folders atomically; replacing it with "
+                                "two renames (a reader may miss it for a moment)", final)
+                    trash = Path(tempfile.mkdtemp(prefix=f"{_TRASH_PREFIX}{os.getpid()}-", dir=self.repository))
+                    os.replace(final, trash / name)
+                    os.replace(staged, final)
+                    shutil.rmtree(trash, ignore_errors=True)
+                else:
+                    os.replace(staged, final)
             committed.append(final)
             log.info("wrote %s", final)
         return committed

@@ -18,6 +18,19 @@ from builder.runtimes.base import CompileTarget, Outputs
 from builder.spec.enums import ServingBackend
 
 
+def _ort_errors() -> tuple[type[Exception], ...]:
+    """ONNX Runtime's own exception types (its pybind layer derives them from Exception directly)."""
+    from onnxruntime.capi import onnxruntime_pybind11_state as state
+
+    names = ("Fail", "InvalidArgument", "NoSuchFile", "NoModel", "EngineError", "RuntimeException",
+             "InvalidProtobuf", "ModelLoaded", "NotImplemented", "InvalidGraph", "EPFail")
+    found = (getattr(state, name, None) for name in names)
+    return tuple(t for t in found if isinstance(t, type) and issubclass(t, Exception))
+
+
+ORT_ERRORS = _ort_errors()
+
+
 def ort_session(path: Path, intra_op_threads: int = 0) -> ort.InferenceSession:
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL

@@ -15,6 +15,7 @@ from typing import Any
 
 from builder.errors import BuilderError
 from builder.repository import triton_config
+from builder.repository.lock import repository_lock
 from builder.serving.triton_server import ModelControl, Ports, TritonServer, free_ports
 from client import session
 from client.choices import Choice
@@ -345,13 +346,15 @@ class TuneReport:
     seconds: float = 0.0
 
 
-def write_winner(repository: Path, point: Point) -> Path:
-    """Replace the variant's config.pbtxt atomically, keeping the previous one as a backup."""
-    target = repository / point.variant / "config.pbtxt"
-    original = target.read_text()
-    backup = target.with_name(f"config.pbtxt.bak-{time.strftime('%Y%m%d-%H%M%S')}")
-    shutil.copy2(target, backup)
-    write_atomic(target, apply(original, point))
+def write_winner(repository: Path, point: Point, *, wait: bool = True) -> Path:
+    """Replace the variant's config.pbtxt atomically under the repository lock, keeping the previous
+    one as a backup."""
+    with repository_lock(repository, what=f"tune's winner for {point.variant}", wait=wait):
+        target = repository / point.variant / "config.pbtxt"
+        original = target.read_text()
+        backup = target.with_name(f"config.pbtxt.bak-{time.strftime('%Y%m%d-%H%M%S')}")
+        shutil.copy2(target, backup)
+        write_atomic(target, apply(original, point))
     return backup
 
 
@@ -407,7 +410,7 @@ def plot(path: Path, measured: dict[Point, list[Result]], front: list[Point], wi
 
 def tune(repository: Path, space: Space, objective: Objective, *, search: Search, concurrencies: Sequence[int],
          measurement_ms: int, default_variant: str, report_path: Path | None, plot_path: Path | None,
-         write: bool = True, compare: bool = True, max_trials: int = 6) -> TuneReport:
+         write: bool = True, compare: bool = True, max_trials: int = 6, wait: bool = True) -> TuneReport:
     started = time.perf_counter()
     for variant in space.variants:
         if not (repository / variant / "config.pbtxt").is_file():
@@ -446,6 +449,6 @@ def tune(repository: Path, space: Space, objective: Objective, *, search: Search
                            f"(p99 budget {objective.p99_budget_us}, min throughput {objective.min_throughput}); "
                            "the repository is unchanged")
     if write:
-        backup = write_winner(repository, winner)
+        backup = write_winner(repository, winner, wait=wait)
         log.info("tune: wrote %s (previous config kept as %s)", repository / winner.variant / "config.pbtxt", backup)
     return report

@@ -11,10 +11,14 @@ import hashlib
 import io
 import json
 import logging
+import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
+import traceback
 import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -27,8 +31,10 @@ import onnx
 from numpy.typing import NDArray
 
 from builder.errors import BuilderError
+from builder.runtimes.onnxruntime import ORT_ERRORS
 from builder.spec.enums import CalibrationMethod, Int8Recipe
 from builder.spec.model import CalibrationSpec
+from builder.spec.settings import default_cache_dir
 from builder.steps import onnx_model
 from client.files import copy_atomic
 
@@ -49,9 +55,31 @@ class CalibrationResult:
     settings: dict[str, object]  # the tool and the options it ran with, as recorded in build.json
 
 
+# Failures of the tools a variant is made with that mean "this model or these settings do not work
+# with it": they become one line naming a log file with the tool's full output. Any other exception
+# is a bug (ours or the tool's) and keeps its traceback.
+TOOL_ERRORS: tuple[type[BaseException], ...] = (
+    RuntimeError, ValueError, AssertionError, OSError, onnx.checker.ValidationError,
+    onnx.shape_inference.InferenceError, *ORT_ERRORS,
+)
+# The ONNX Runtime quantizer runs in a subprocess; a calibration that takes longer is stuck.
+QUANTIZER_TIMEOUT_S = float(os.environ.get("TRTBUILD_QUANTIZER_TIMEOUT_S", "3600"))
+
+
+def failure_log(what: str, output: str, exc: BaseException | None) -> Path:
+    """Write a tool's captured output (and the exception's traceback) where the one-line error names it."""
+    folder = default_cache_dir() / "logs"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{re.sub(r'[^A-Za-z0-9_.-]+', '_', what)}.log"
+    trace = "".join(traceback.format_exception(exc)) if exc is not None else ""
+    path.write_text(f"{what}\n\n--- tool output ---\n{output}\n--- exception ---\n{trace}", encoding="utf-8")
+    return path
+
+
 @contextlib.contextmanager
 def _quiet() -> Iterator[io.StringIO]:
-    """ModelOpt and ORT's calibrator print progress bars; keep them out of the user's terminal."""
+    """ModelOpt and ORT's calibrator print progress bars; keep them out of the user's terminal and in
+    the sink (written to a log file when the step fails). ModelOpt's own logging is restored after."""
     sink = io.StringIO()
     with warnings.catch_warnings(), contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
         warnings.simplefilter("ignore")
@@ -60,10 +88,12 @@ def _quiet() -> Iterator[io.StringIO]:
         # ModelOpt binds a handler to sys.stdout at import; send its records to the sink instead
         # and keep them from reaching the root logger twice.
         mo_log = logging.getLogger("modelopt.onnx")
+        saved = (mo_log.propagate, mo_log.handlers[:])
         mo_log.propagate = False
-        for handler in mo_log.handlers[:]:
+        for handler in saved[1]:
             mo_log.removeHandler(handler)
-        mo_log.addHandler(logging.StreamHandler(sink))
+        sink_handler = logging.StreamHandler(sink)
+        mo_log.addHandler(sink_handler)
         # Parts of ModelOpt log through the root logger (e.g. ops it cannot convert to FP16).
         root_filter = _ModeloptRootFilter(sink)
         logging.getLogger().addFilter(root_filter)
@@ -71,6 +101,10 @@ def _quiet() -> Iterator[io.StringIO]:
             yield sink
         finally:
             logging.getLogger().removeFilter(root_filter)
+            mo_log.removeHandler(sink_handler)
+            mo_log.propagate = saved[0]
+            for handler in saved[1]:
+                mo_log.addHandler(handler)
     if sink.getvalue():
         log.debug("modelopt output:\n%s", sink.getvalue()[-4000:])
 
@@ -90,13 +124,15 @@ class _ModeloptRootFilter(logging.Filter):
 def to_fp16(fp32_path: Path, out_path: Path) -> dict[str, object]:
     """FP16 compute with FP32 inputs and outputs, so clients and configs stay unchanged."""
     settings: dict[str, object] = {"tool": "modelopt.onnx.autocast", "keep_io_types": True, "data_max": 512}
-    with _quiet():
+    with _quiet() as sink:
         from modelopt.onnx.autocast import convert_to_mixed_precision
 
         try:
             model = convert_to_mixed_precision(str(fp32_path), low_precision_type="fp16", keep_io_types=True)
-        except Exception as exc:
-            raise BuilderError(f"{fp32_path}: FP16 conversion failed: {exc}") from exc
+        except TOOL_ERRORS as exc:
+            record = failure_log(f"fp16 {fp32_path.name}", sink.getvalue(), exc)
+            raise BuilderError(f"{fp32_path}: FP16 conversion failed: {_first_line(exc)} (full output: {record})"
+                               ) from exc
     onnx.save(model, str(out_path))
     onnx_model.load(out_path)
     return settings
@@ -149,15 +185,18 @@ def to_int8(
         shutil.copyfile(cached, out_path)
         return CalibrationResult(spec.recipe, spec.method, samples, key, True, _count_q(out_path), settings)
     log.info("INT8: calibrating on %d samples (%s, %s recipe)", samples, spec.method, spec.recipe)
-    with tempfile.TemporaryDirectory(prefix="trtbuild-int8-") as tmp, _quiet():
+    with tempfile.TemporaryDirectory(prefix="trtbuild-int8-") as tmp, _quiet() as sink:
         tmp_out = Path(tmp) / "int8.onnx"
         try:
             if spec.recipe is Int8Recipe.ONNXRUNTIME:
                 _quantize_ort(fp32_path, calibration, spec, Path(tmp), tmp_out)
             else:
                 _quantize_modelopt(fp32_path, calibration, spec, tmp_out)
-        except Exception as exc:
-            raise BuilderError(f"{fp32_path}: INT8 calibration ({spec.recipe}) failed: {exc}") from exc
+        except _INT8_ERRORS as exc:
+            output = sink.getvalue() + (exc.output if isinstance(exc, QuantizerFailed) else "")
+            record = failure_log(f"int8 {spec.recipe} {fp32_path.name}", output, exc)
+            raise BuilderError(f"{fp32_path}: INT8 calibration ({spec.recipe}) failed: {_first_line(exc)} "
+                               f"(full output: {record})") from exc
         quantized = onnx_model.load(tmp_out)
         qdq = sum(1 for n in quantized.graph.node if n.op_type == "QuantizeLinear")
         if qdq == 0 and not spec.nodes_to_quantize:
@@ -206,10 +245,34 @@ def _quantize_ort(fp32_path: Path, calibration: Mapping[str, NDArray[Any]], spec
                                "method": spec.method.value, "op_types_to_quantize": list(spec.op_types_to_quantize),
                                "nodes_to_exclude": list(spec.nodes_to_exclude),
                                "nodes_to_quantize": list(spec.nodes_to_quantize)}))
-    proc = subprocess.run([sys.executable, "-m", "builder.steps.precision", str(job)], capture_output=True, text=True)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "builder.steps.precision", str(job)], capture_output=True,
+                              text=True, timeout=QUANTIZER_TIMEOUT_S)
+    except subprocess.TimeoutExpired as exc:
+        output = "\n".join(str(part) for part in (exc.stdout, exc.stderr) if part)
+        raise QuantizerFailed(f"the ONNX Runtime quantizer did not finish within {QUANTIZER_TIMEOUT_S:g} s "
+                              "(TRTBUILD_QUANTIZER_TIMEOUT_S)", output) from exc
     if proc.returncode != 0:
         lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
-        raise BuilderError(lines[-1] if lines else f"quantizer exited with status {proc.returncode}")
+        raise QuantizerFailed(lines[-1] if lines else f"quantizer exited with status {proc.returncode}",
+                              proc.stdout + proc.stderr)
+
+
+class QuantizerFailed(Exception):
+    """The quantizer subprocess failed; `output` is everything it printed."""
+
+    def __init__(self, message: str, output: str) -> None:
+        super().__init__(message)
+        self.output = output
+
+
+_INT8_ERRORS: tuple[type[BaseException], ...] = (*TOOL_ERRORS, QuantizerFailed)
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    # ANSI colour codes from ONNX Runtime's log lines have no place in a one-line message.
+    return re.sub(r"\x1b\[[0-9;]*m", "", lines[-1] if lines else type(exc).__name__)[:300]
 
 
 def _ort_quantize_worker(job_path: str) -> None:

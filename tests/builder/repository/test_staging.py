@@ -1,0 +1,131 @@
+"""Staging and the repository lock: whole models or none, never a missing model folder, one writer
+at a time, and another build's staging left alone."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from builder.errors import BuilderError
+from builder.repository.lock import repository_lock
+from builder.repository.staging import Staging, exchange
+from tests.helpers.tiny_models import mlp_onnx
+
+
+def _stage(repository: Path, name: str, content: str) -> Staging:
+    staging = Staging(repository)
+    folder = staging.dir(name)
+    (folder / "1").mkdir()
+    (folder / "config.pbtxt").write_text(content)
+    return staging
+
+
+def test_a_reader_never_finds_the_model_folder_missing_during_commits(tmp_path: Path) -> None:
+    if not _can_exchange(tmp_path):
+        pytest.skip("this filesystem cannot exchange folders atomically")
+    repository = tmp_path / "repo"
+    staging = _stage(repository, "m", "v0")
+    staging.commit()
+    staging.discard()
+    missing: list[str] = []
+    stop = threading.Event()
+
+    def reader() -> None:
+        while not stop.is_set():
+            try:
+                (repository / "m" / "config.pbtxt").read_text()
+            except FileNotFoundError as exc:
+                missing.append(str(exc))
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        for version in range(1, 150):
+            staging = _stage(repository, "m", f"v{version}")
+            staging.commit()
+            staging.discard()
+    finally:
+        stop.set()
+        thread.join()
+    assert missing == []
+    assert (repository / "m" / "config.pbtxt").read_text() == "v149"
+    assert sorted(p.name for p in repository.iterdir()) == ["m"]  # no staging or trash left behind
+
+
+def _can_exchange(root: Path) -> bool:
+    (root / "x").mkdir()
+    (root / "y").mkdir()
+    return exchange(root / "x", root / "y")
+
+
+def test_leftovers_of_dead_builds_go_and_a_live_builds_staging_stays(tmp_path: Path) -> None:
+    repository = tmp_path / "repo"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        repository.mkdir()
+        (repository / f".staging-{dead.pid}-abc" / "m").mkdir(parents=True)
+        (repository / f".trash-{dead.pid}-def").mkdir()
+        (repository / f".staging-{live.pid}-ghi" / "m").mkdir(parents=True)
+        staging = Staging(repository)
+        names = sorted(p.name for p in repository.iterdir())
+        assert names == sorted([f".staging-{live.pid}-ghi", staging.root.name])
+        staging.discard()
+    finally:
+        live.kill()
+        live.wait()
+
+
+HOLD = """
+import sys, time
+from pathlib import Path
+from builder.repository.lock import repository_lock
+with repository_lock(Path(sys.argv[1]), what="the build of holder"):
+    print("held", flush=True)
+    time.sleep(float(sys.argv[2]))
+"""
+
+
+def test_a_second_writer_fails_naming_the_holder_or_waits_for_it(tmp_path: Path) -> None:
+    repository = tmp_path / "repo"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(repository), "2"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        with pytest.raises(BuilderError, match=rf"being written by the build of holder \(pid {holder.pid}, "):
+            with repository_lock(repository, what="test", wait=False):
+                pass
+        started = time.monotonic()
+        with repository_lock(repository, what="test", wait=True, timeout_s=30):
+            waited = time.monotonic() - started
+        assert waited > 1.0  # the holder kept it 2 s after saying so: this writer waited for it
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+@pytest.mark.parametrize("offset_s", [0.0, 0.7, 2.0])
+def test_two_builds_into_one_repository_at_once_both_land(tmp_path: Path, offset_s: float) -> None:
+    onnx_path = mlp_onnx(tmp_path / "mlp.onnx")
+    repository = tmp_path / "repo"
+
+    def build(name: str) -> subprocess.Popen[str]:
+        return subprocess.Popen([sys.executable, "-m", "builder", "build", "--onnx", str(onnx_path), "--name", name,
+                                 "--precision", "fp32", "--task", "classification", "--repository", str(repository)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    first = build("first")
+    time.sleep(offset_s)
+    second = build("second")
+    for proc in (first, second):
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err
+    for name in ("first_fp32", "second_fp32"):
+        assert (repository / name / "config.pbtxt").is_file() and (repository / name / "build.json").is_file()
+        assert (repository / name / "1" / "model.onnx").is_file()
+    assert not [p for p in repository.iterdir() if p.name.startswith((".staging-", ".trash-"))]

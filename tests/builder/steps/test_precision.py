@@ -1,0 +1,77 @@
+"""The precision step's error contract: a tool's anticipated failure is one line naming a log file
+with its full output; anything else keeps its traceback; ModelOpt's logging is left as it was."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from builder.errors import BuilderError
+from builder.spec import CalibrationMethod, CalibrationSpec, DataSpec, Int8Recipe
+from builder.steps import precision
+from builder.steps.onnx_model import sha256_file
+from tests.helpers.tiny_models import mlp_onnx, mlp_samples
+
+
+def concat_with_fixed_tile(path: Path) -> Path:
+    """x[batch, 3, H, W] concatenated with a constant [1, 3, 4, 4]: runs only where H = W = 4."""
+    tile = numpy_helper.from_array(np.ones((1, 3, 4, 4), np.float32), "tile")
+    graph = helper.make_graph(
+        [helper.make_node("Concat", ["x", "tile"], ["y"], axis=0)], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, "height", "width"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["rows", 3, "height", "width"])],
+        initializer=[tile],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(path))
+    return path
+
+
+def test_a_tool_failure_is_one_line_naming_a_log_with_its_output(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRTBUILD_CACHE", str(tmp_path / "cache"))
+    model = concat_with_fixed_tile(tmp_path / "detector.onnx")
+    with pytest.raises(BuilderError) as caught:
+        precision.to_fp16(model, tmp_path / "fp16.onnx")
+    message = str(caught.value)
+    assert message.startswith(f"{model}: FP16 conversion failed: ") and "\n" not in message
+    assert "\x1b[" not in message  # ONNX Runtime's colour codes stay out of the line
+    log_path = Path(message.rsplit("(full output: ", 1)[1].rstrip(")"))
+    assert log_path.parent == tmp_path / "cache" / "logs" and log_path.is_file()
+    assert "Traceback" in log_path.read_text()
+
+
+def test_an_unexpected_exception_keeps_its_traceback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import modelopt.onnx.autocast as autocast
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise KeyError("a bug, not a bad model")
+
+    monkeypatch.setattr(autocast, "convert_to_mixed_precision", broken)
+    with pytest.raises(KeyError, match="a bug"):
+        precision.to_fp16(mlp_onnx(tmp_path / "m.onnx"), tmp_path / "fp16.onnx")
+
+
+def test_modelopt_logging_is_restored_after_a_step(tmp_path: Path) -> None:
+    import modelopt.onnx  # noqa: F401
+
+    mo_log = logging.getLogger("modelopt.onnx")
+    before = (mo_log.propagate, list(mo_log.handlers))
+    precision.to_fp16(mlp_onnx(tmp_path / "m.onnx"), tmp_path / "fp16.onnx")
+    assert (mo_log.propagate, list(mo_log.handlers)) == before
+
+
+def test_a_stuck_quantizer_subprocess_is_stopped_by_its_timeout(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRTBUILD_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(precision, "QUANTIZER_TIMEOUT_S", 0.05)
+    model = mlp_onnx(tmp_path / "m.onnx")
+    spec = CalibrationSpec(DataSpec("x.npz", 8), method=CalibrationMethod.MAX, recipe=Int8Recipe.ONNXRUNTIME)
+    with pytest.raises(BuilderError, match=r"did not finish within 0.05 s \(TRTBUILD_QUANTIZER_TIMEOUT_S\)"):
+        precision.to_int8(model, fp32_sha=sha256_file(model), calibration=mlp_samples(8), data_digest="d",
+                          spec=spec, out_path=tmp_path / "int8.onnx", cache_dir=tmp_path / "cache")
+    assert not list(tmp_path.glob("cache/calibration/*.onnx"))  # nothing cached from a failed calibration
