@@ -11,13 +11,15 @@ from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
+from tritonclient.utils import InferenceServerException
 
 from builder.errors import BuilderError, ServerError
 from builder.repository.model_folder import read_record
 from builder.runtimes import select
 from builder.spec.enums import RuntimeChoice
-from builder.spec.model import ModelSpec
+from builder.spec.model import ModelSpec, TensorSpec
 from builder.spec.names import variant_name
+from builder.steps import onnx_model
 from builder.steps import samples as samples_mod
 from client.datatypes import triton_datatype
 from client.protocol import Protocol
@@ -36,6 +38,7 @@ class VerifyResult:
     samples: int
     max_abs_diff: float
     ok: bool
+    source: str = "held-out"  # what the samples are: held-out, held-out calibration, synthetic
 
 
 def _infer(
@@ -56,14 +59,14 @@ def _infer(
         requested = [tc.InferRequestedOutput(n) for n in outputs]
         result = client.infer(model, inputs, outputs=requested)
         return {n: result.as_numpy(n) for n in outputs}
-    except Exception as exc:
+    except (InferenceServerException, OSError) as exc:  # the server's answer, or no connection
         raise ServerError(f"{model}: {protocol} request to {url} failed: {str(exc).strip()[:200]}") from exc
     finally:
         client.close()
 
 
 def verify_variant(repository: Path, name: str, samples: dict[str, NDArray[Any]], urls: Mapping[Protocol, str],
-                   batch: int = 4) -> list[VerifyResult]:
+                   batch: int = 4, source: str = "held-out") -> list[VerifyResult]:
     record = read_record(repository / name)
     if record is None:
         raise BuilderError(f"{repository / name}: no build record; run `make engines` first")
@@ -84,8 +87,36 @@ def verify_variant(repository: Path, name: str, samples: dict[str, NDArray[Any]]
                 want = expected[out][start : start + batch]
                 worst = max(worst, float(np.max(np.abs(got[out].astype(np.float64) - want))))
                 ok = ok and bool(np.allclose(got[out], want, atol=ATOL, rtol=RTOL))
-        results.append(VerifyResult(name, protocol, count, worst, ok))
+        results.append(VerifyResult(name, protocol, count, worst, ok, source))
     return results
+
+
+def _signature_inputs(spec: ModelSpec, repository: Path) -> tuple[TensorSpec, ...]:
+    """The model's inputs: declared in models.toml, else read from a variant ONNX in the repository."""
+    if spec.inputs:
+        return spec.inputs
+    for prec in spec.precisions:
+        record = read_record(repository / variant_name(spec.name, prec))
+        if record is not None and record.artifact.endswith(".onnx"):
+            what = f"model {spec.name!r}"
+            return onnx_model.signature(onnx_model.load(repository / record.artifact), what).inputs
+    raise BuilderError(f"model {spec.name!r}: no evaluation data, no declared inputs and no ONNX artifact in "
+                       f"{repository} to make synthetic samples from; expected [model.evaluation] in the manifest")
+
+
+def verification_samples(spec: ModelSpec, repository: Path, count: int) -> tuple[samples_mod.Samples, str]:
+    """What to send: the held-out evaluation data; else the held-out quarter of the calibration data (as
+    the build did); else synthetic samples at the opt shape. The second value says which."""
+    what = f"model {spec.name!r}"
+    if spec.evaluation is not None:
+        return samples_mod.take(samples_mod.load(spec.evaluation, f"{what}: evaluation"), 0, count), "held-out"
+    if spec.calibration is not None:
+        calibration = samples_mod.load(spec.calibration.data, f"{what}: calibration")
+        total = len(next(iter(calibration.values())))
+        start = total - total // 4
+        return samples_mod.take(calibration, start, min(total, start + count)), "held-out calibration"
+    inputs = _signature_inputs(spec, repository)
+    return samples_mod.random_samples(inputs, dict(spec.dims), count, seed=1, integers=True), "synthetic (opt shape)"
 
 
 def verify_models(
@@ -93,11 +124,9 @@ def verify_models(
 ) -> list[VerifyResult]:
     results: list[VerifyResult] = []
     for spec in specs:
-        if spec.evaluation is None:
-            log.info("%s: no evaluation data in the manifest; skipped", spec.name)
-            continue
-        held_out = samples_mod.load(spec.evaluation, f"model {spec.name!r}: evaluation")
-        held_out = samples_mod.take(held_out, 0, samples)
+        chosen, source = verification_samples(spec, repository, samples)
+        if source != "held-out":
+            log.info("%s: no evaluation data in the manifest; verifying with %s samples", spec.name, source)
         for prec in spec.precisions:
-            results.extend(verify_variant(repository, variant_name(spec.name, prec), held_out, urls))
+            results.extend(verify_variant(repository, variant_name(spec.name, prec), chosen, urls, source=source))
     return results

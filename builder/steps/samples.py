@@ -119,16 +119,23 @@ def take(samples: Mapping[str, NDArray[Any]], start: int, stop: int) -> Samples:
     return {k: v[start:stop] for k, v in samples.items()}
 
 
-def random_samples(inputs: tuple[TensorSpec, ...], dims: Mapping[str, DimRange], count: int, seed: int) -> Samples:
-    """Synthetic inputs for float models without user data (opt size for dynamic dims)."""
+def random_samples(inputs: tuple[TensorSpec, ...], dims: Mapping[str, DimRange], count: int, seed: int, *,
+                   integers: bool = False) -> Samples:
+    """Synthetic inputs at the opt size of dynamic dims. Floats only, unless `integers`: then integer
+    inputs get 0s and 1s (valid token ids, masks and class indices alike) — enough to compare two
+    runs of one model, meaningless as an accuracy reference."""
     rng = np.random.default_rng(seed)
     out: Samples = {}
     for tensor in inputs:
-        if not np.issubdtype(np.dtype(tensor.dtype), np.floating):
+        shape = [count, *(dims[d].opt if isinstance(d, str) else d for d in tensor.sample_shape)]
+        dtype = np.dtype(tensor.dtype)
+        if np.issubdtype(dtype, np.floating):
+            out[tensor.name] = rng.standard_normal(shape).astype(dtype)
+        elif integers:
+            out[tensor.name] = rng.integers(0, 2, size=shape).astype(dtype)
+        else:
             raise DataError(
                 f"input {tensor.name!r} is {tensor.dtype}: random data would be meaningless; "
                 "expected evaluation data (--eval-data FILE.npz)"
             )
-        shape = [count, *(dims[d].opt if isinstance(d, str) else d for d in tensor.sample_shape)]
-        out[tensor.name] = rng.standard_normal(shape).astype(tensor.dtype)
     return out

@@ -65,3 +65,18 @@ def test_verify_runs_the_artifact_under_the_runtime_that_built_it(repo_copy: Pat
         pytest.skip("TensorRT is available here")
     with pytest.raises(RuntimeUnavailableError, match="--runtime tensorrt: TensorRT with a CUDA GPU is not available"):
         verify_variant(repo_copy, "mlp_fp32", ids, {})
+
+
+def test_a_model_without_evaluation_data_is_verified_with_synthetic_samples_and_says_so(
+    tiny_repository: tuple[Path, list[ModelSpec]], triton: TritonServer
+) -> None:
+    from dataclasses import replace
+
+    from builder.serving.verify import verify_models
+
+    repository, specs = tiny_repository
+    seq = replace(next(s for s in specs if s.name == "seq"), evaluation=None)
+    results = verify_models([seq], repository, urls(triton), samples=5)
+    assert {(r.variant, r.protocol) for r in results} == {
+        (f"seq_{p}", proto) for p in ("fp32", "fp16") for proto in (Protocol.GRPC, Protocol.HTTP)}
+    assert all(r.ok and r.samples == 5 and r.source == "synthetic (opt shape)" for r in results)
