@@ -21,6 +21,8 @@ __all__ = ["CompileTarget", "OnnxRuntimeCPU", "Outputs", "Runtime", "select", "t
 
 def select(requested: RuntimeChoice, *, serving_backend: ServingBackend = ServingBackend.PYTHON,
            trt_options: TrtBuildOptions | None = None, cache_dir: Path | None = None) -> Runtime:
+    requested = RuntimeChoice.parse(requested, "--runtime", error=RuntimeUnavailableError)
+    serving_backend = ServingBackend.parse(serving_backend, "--serving-backend", error=RuntimeUnavailableError)
     if requested is RuntimeChoice.AUTO:
         requested = RuntimeChoice.TENSORRT if tensorrt_available() else RuntimeChoice.ONNXRUNTIME
         log.info("runtime: %s (auto)", requested)

@@ -125,29 +125,36 @@ class ModelSpec:
     def tolerance(self, precision: Precision) -> Tolerance:
         return self.tolerances.get(precision, DEFAULT_TOLERANCES[precision])
 
-    def check(self) -> ModelSpec:
-        what = f"model {self.name!r}"
+    def problems(self) -> list[tuple[str, str]]:
+        """Every inconsistency between the fields, as (key, what is wrong); empty when the spec is sound.
+        Keys are models.toml's (`inputs[0].shape`), so a manifest error can name `model[i].<key>`."""
+        found: list[tuple[str, str]] = []
         if (self.source is None) == (self.onnx is None):
-            raise ManifestError(f"{what}: give exactly one of 'source' (module:function) or 'onnx' (a file)")
+            found.append(("source", "give exactly one of source (module:function) or onnx (a file)"))
         if self.source is not None and not self.inputs:
-            raise ManifestError(f"{what}: a 'source' model needs 'inputs' (name, dtype, shape)")
+            found.append(("inputs", "a source model needs inputs (name, dtype, shape)"))
         if self.source is not None and ":" not in self.source:
-            raise ManifestError(f"{what}: source {self.source!r} is not of the form module:function")
-        for tensor in self.inputs:
+            found.append(("source", f"{self.source!r} is not of the form module:function"))
+        for i, tensor in enumerate(self.inputs):
+            key = f"inputs[{i}].shape"
             if tensor.shape and tensor.shape[0] != -1:
-                raise ManifestError(f"{what}: input {tensor.name!r}: shape[0] must be -1 (the batch axis)")
+                found.append((key, f"input {tensor.name!r}: shape[0] must be -1 (the batch axis)"))
             for dim in tensor.sample_shape:
                 if isinstance(dim, str) and dim not in self.dims:
-                    raise ManifestError(
-                        f"{what}: input {tensor.name!r}: dynamic dim {dim!r} has no range; "
-                        f"add dims.{dim} = [min, opt, max]"
-                    )
+                    found.append((key, f"input {tensor.name!r}: dynamic dim {dim!r} has no range; "
+                                       f"add dims.{dim} = [min, opt, max]"))
                 if isinstance(dim, int) and dim < 1:
-                    raise ManifestError(
-                        f"{what}: input {tensor.name!r}: non-batch dims must be >= 1 or a named range, got {dim}"
-                    )
+                    found.append((key, f"input {tensor.name!r}: non-batch dims must be >= 1 or a named range, "
+                                       f"got {dim}"))
         if Precision.INT8 in self.precisions and self.calibration is None:
-            raise ManifestError(f"{what}: precision int8 needs a [calibration] table")
+            found.append(("precisions", "int8 needs a [model.calibration] table"))
         if self.opset < 17:
-            raise ManifestError(f"{what}: opset must be >= 17, got {self.opset}")
+            found.append(("opset", f"must be >= 17, got {self.opset}"))
+        return found
+
+    def check(self) -> ModelSpec:
+        """The spec itself, or ManifestError listing every problem, one line each."""
+        found = self.problems()
+        if found:
+            raise ManifestError("\n".join(f"model {self.name!r}: {key}: {what}" for key, what in found))
         return self

@@ -8,12 +8,14 @@ from builder.errors import ManifestError
 from builder.spec.enums import Precision
 
 # Triton model names become folder names and URL path segments.
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]*$"
+NAME_RULE = "letters, digits, '_' and '-' (not first)"
+_NAME = re.compile(NAME_PATTERN)
 
 
 def check_model_name(name: object, what: str) -> str:
     if not isinstance(name, str) or not _NAME.match(name):
-        raise ManifestError(f"{what} {name!r}: expected letters, digits, '_' and '-' (not first)")
+        raise ManifestError(f"{what} {name!r}: expected {NAME_RULE}")
     return name
 
 

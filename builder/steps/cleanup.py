@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 from numpy.typing import NDArray
 
-from builder.runtimes.onnxruntime import run_file
+from builder.runtimes.onnxruntime import ORT_ERRORS, run_file
 from builder.steps import onnx_model
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,14 @@ def slim(path: Path, probe: Mapping[str, NDArray[Any]]) -> SlimReport:
     candidate = path.with_suffix(".slim.onnx")
     onnx.save(slimmed, str(candidate))
     reference = run_file(path, probe, 8)
-    result = run_file(candidate, probe, 8)
+    try:
+        result = run_file(candidate, probe, 8)
+    except ORT_ERRORS as exc:  # onnxslim wrote a graph ONNX Runtime rejects: keep the exported one
+        candidate.unlink()
+        log.warning("onnxslim's graph does not run under ONNX Runtime (%s); keeping the exported graph",
+                    str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else type(exc).__name__)
+        return SlimReport(applied=False, reason=f"slimmed graph does not run: {type(exc).__name__}",
+                          nodes_before=nodes_before)
     worst = max(float(np.max(np.abs(reference[k] - result[k]))) for k in reference)
     same = all(np.allclose(reference[k], result[k], atol=_ATOL, rtol=_RTOL) for k in reference)
     if not same:

@@ -81,6 +81,9 @@ def test_concurrency_mode_writes_the_documented_json_and_csv(
     assert result["server"]["compute_infer_us"] > 0 and result["server"]["avg_batch"] >= 1
     assert result["power"]["source"] == "none" and result["power"]["reason"]
     assert isinstance(result["stable"], bool) and 1 <= result["windows"] <= 4
+    assert result["stable"] or result["windows"] == 4  # a level stops early only when stable
+    assert len(result["window_seconds"]) == result["windows"] and min(result["window_seconds"]) >= 0.4
+    assert "late_sends" not in result and "request_rate" not in result  # open-loop figures only
     rows = list(csv.reader(out_csv.open()))
     assert rows[0] == CSV_COLUMNS and rows[1][0] == "4"
     assert float(rows[1][1]) == pytest.approx(result["throughput"], rel=1e-3)
@@ -108,7 +111,10 @@ def test_open_loop_holds_the_rate_and_counts_late_sends(
     (result,) = json.loads((tmp_path / "o.json").read_text())["results"]
     assert result["request_rate"] == 80 and result["distribution"] == distribution
     assert result["throughput"] == pytest.approx(80, rel=0.35)
-    assert result["late_sends"] >= 0 and result["errors"] == {}
+    # Late sends are counted among the summary's requests (every one succeeded).
+    assert result["errors"] == {} and type(result["late_sends"]) is int
+    assert 0 <= result["late_sends"] <= result["requests"]
+    assert result["requests"] == pytest.approx(80 * sum(result["window_seconds"][-3:]), rel=0.35)
 
 
 def test_real_input_data_from_npz(endpoints: Endpoints, quick_args: list[str], tmp_path: Path,

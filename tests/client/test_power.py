@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -65,15 +66,48 @@ def test_rapl_reads_package_domains_and_survives_wraparound(tmp_path: Path) -> N
     assert end.energy_j - start.energy_j == pytest.approx(0.2)
 
 
-def test_unreadable_sources_give_none_with_every_reason() -> None:
-    meter = open_meter(PowerSource.AUTO, "http://127.0.0.1:9/metrics")
-    if meter.source is PowerSource.NONE:  # a machine without a GPU and without readable RAPL
+def test_auto_source_gives_consistent_readings_or_none_with_every_reason() -> None:
+    """Whatever `auto` finds on this machine, its readings are consistent: a real meter's energy counter
+    rises while the machine runs and its power figures are positive; `none` names every source it tried."""
+    meter = open_meter(PowerSource.AUTO, "http://127.0.0.1:9/metrics")  # nothing listens there: triton fails
+    try:
+        first = meter.read()
+        time.sleep(0.5)
+        second = meter.read()
+    finally:
+        meter.close()
+    assert second.t > first.t
+    figures = window_power(meter, first, second, 100)
+    if meter.source is PowerSource.NONE:
         assert isinstance(meter, NoMeter) and meter.reason is not None
-        assert all(f"{name}:" in meter.reason for name in ("nvml", "triton", "rapl"))
+        # Tried in order nvml, triton, rapl; each failure is part of the reason.
+        positions = [meter.reason.find(f"{name}: ") for name in ("nvml", "triton", "rapl")]
+        assert positions[0] == 0 and positions[0] < positions[1] < positions[2], meter.reason
+        assert first.energy_j is None and second.energy_j is None
+        assert figures == PowerFigures(source=PowerSource.NONE, reason=meter.reason)
+        return
+    assert meter.source in (PowerSource.NVML, PowerSource.RAPL) and meter.reason is None
+    assert first.energy_j is not None and second.energy_j is not None
+    assert second.energy_j > first.energy_j  # a powered machine uses energy in half a second
+    assert figures.source is meter.source and figures.reason is None
+    assert figures.energy_j is not None and figures.energy_j == pytest.approx(second.energy_j - first.energy_j)
+    assert figures.avg_w is not None and figures.avg_w > 0
+    assert figures.j_per_infer == pytest.approx(figures.energy_j / 100)
+    assert figures.infer_per_j == pytest.approx(100 / figures.energy_j)
+    if meter.trace is not None:  # NVML samples instant power in the background
+        times = [t for t, _ in meter.trace.samples]
+        assert len(times) >= 2 and times == sorted(times)
+        assert all(watts > 0 for _, watts in meter.trace.samples)
+        assert figures.energy_j_from_samples is not None and figures.energy_j_from_samples > 0
+
+
+def test_a_source_asked_for_by_name_is_the_only_one_tried() -> None:
     disabled = open_meter(PowerSource.NONE, "")
     assert disabled.source is PowerSource.NONE and disabled.reason == "disabled by --power-source none"
-    triton = open_meter(PowerSource.TRITON, "http://127.0.0.1:9/metrics")  # only the source asked for
-    assert triton.source is PowerSource.NONE and triton.reason is not None and triton.reason.startswith("triton:")
+    triton = open_meter(PowerSource.TRITON, "http://127.0.0.1:9/metrics")
+    assert triton.source is PowerSource.NONE and triton.reason is not None
+    assert triton.reason.startswith("triton: cannot read http://127.0.0.1:9/metrics")
+    assert "nvml" not in triton.reason and "rapl" not in triton.reason
 
 
 def test_joules_per_inference_samples_and_cross_checks() -> None:

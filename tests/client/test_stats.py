@@ -57,12 +57,15 @@ def test_a_window_without_a_successful_request_has_no_latency() -> None:
     assert w.requests == 0 and w.throughput == 0 and w.latency_us is None and w.errors == {"unavailable": 1}
 
 
-def test_percentiles_match_numpy_and_are_ordered() -> None:
-    lat = np.random.default_rng(0).exponential(1000.0, size=1001).astype(np.int64) * 1000
-    s = latency_summary(lat)
+def test_percentiles_interpolate_linearly_between_order_statistics() -> None:
+    # Ten latencies (given in ns, out of order): 10, 20, ..., 90 µs and one 1000 µs outlier. The
+    # linear method puts percentile p at position h = (n - 1) p / 100 of the sorted values and
+    # interpolates: p50 at h = 4.5 lies between 50 and 60; p90 at h = 8.1 is 90 + 0.1 (1000 - 90).
+    us = [70, 10, 1000, 40, 20, 90, 30, 60, 50, 80]
+    s = latency_summary(np.array(us, dtype=np.int64) * 1000)
     assert s is not None
-    assert s.p50 == pytest.approx(np.percentile(lat / 1e3, 50))
-    assert s.p99 == pytest.approx(np.percentile(lat / 1e3, 99))
-    assert s.avg == pytest.approx(np.mean(lat / 1e3)) and s.max == pytest.approx(lat.max() / 1e3)
-    assert s.p50 <= s.p90 <= s.p95 <= s.p99 <= s.max
+    assert (s.avg, s.p50, s.p90, s.p95, s.p99, s.max) == pytest.approx((145.0, 55.0, 181.0, 590.5, 918.1, 1000.0))
+    # One latency: every percentile is that latency.
+    one = latency_summary(np.array([2_500], dtype=np.int64))
+    assert one == Latency(avg=2.5, p50=2.5, p90=2.5, p95=2.5, p99=2.5, max=2.5)
     assert latency_summary(np.array([], dtype=np.int64)) is None

@@ -97,9 +97,9 @@ def test_a_second_writer_fails_naming_the_holder_or_waits_for_it(tmp_path: Path)
     holder = subprocess.Popen([sys.executable, "-c", HOLD, str(repository), "2"], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
-        with pytest.raises(BuilderError, match=rf"being written by the build of holder \(pid {holder.pid}, "):
-            with repository_lock(repository, what="test", wait=False):
-                pass
+        busy = rf"being written by the build of holder \(pid {holder.pid}, "
+        with pytest.raises(BuilderError, match=busy), repository_lock(repository, what="test", wait=False):
+            pass
         started = time.monotonic()
         with repository_lock(repository, what="test", wait=True, timeout_s=30):
             waited = time.monotonic() - started
@@ -123,7 +123,7 @@ def test_two_builds_into_one_repository_at_once_both_land(tmp_path: Path, offset
     time.sleep(offset_s)
     second = build("second")
     for proc in (first, second):
-        out, err = proc.communicate(timeout=300)
+        _, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, err
     for name in ("first_fp32", "second_fp32"):
         assert (repository / name / "config.pbtxt").is_file() and (repository / name / "build.json").is_file()

@@ -11,6 +11,7 @@ from builder.pipeline import BuildOptions, build_all
 from builder.repository.triton_config import parse
 from builder.runtimes import select
 from builder.runtimes.tensorrt_plan import TrtBuildOptions
+from builder.spec import RuntimeChoice
 from tests.helpers.tiny_models import tiny_specs
 
 pytestmark = [pytest.mark.tensorrt, pytest.mark.gpu]
@@ -18,7 +19,8 @@ pytestmark = [pytest.mark.tensorrt, pytest.mark.gpu]
 
 def test_every_precision_builds_serializes_deserializes_and_matches(tmp_path: Path) -> None:
     mlp = tiny_specs(tmp_path)[0]
-    runtime = select("tensorrt", TrtBuildOptions(workspace_mib=512), tmp_path / "cache")
+    runtime = select(RuntimeChoice.TENSORRT, trt_options=TrtBuildOptions(workspace_mib=512),
+                     cache_dir=tmp_path / "cache")
     options = BuildOptions(repository=tmp_path / "repo", runtime=runtime, cache_dir=tmp_path / "cache")
     (result,) = build_all([mlp], options, tmp_path / "report.json", ["pytest"])
     assert [v.precision for v in result.variants] == ["fp32", "fp16", "int8"]

@@ -1,0 +1,163 @@
+"""client.engine against the real tiny Triton: what each window and summary reports is what the
+per-request records say; request-count windows close after N requests; the open loop keeps its own
+schedule (not the server's pace) and counts the sends that left late."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from numpy.typing import NDArray
+
+from client.engine import Distribution, LevelResult, LoadLevel, LoadRun, Measurement
+from client.inputs import InputData, build_payloads
+from client.power import NoMeter, PowerSource
+from client.protocol import Connection, Protocol
+from client.stats import LATE_NS, Records, Window
+from tests.helpers.servers import Endpoints
+
+MODEL = "mlp_fp32"
+
+
+def measure(url: str, level: LoadLevel, measurement: Measurement, *, batch: int = 1,
+            on_window: Callable[[int, Window], None] | None = None) -> tuple[LevelResult, Records]:
+    """One level on a fresh connection; the result and every request's record."""
+
+    async def go() -> tuple[LevelResult, Records]:
+        async with await Connection.open(Protocol.GRPC, url) as conn:
+            meta = await conn.model(MODEL)
+            payloads = [conn.prepare(MODEL, arrays) for arrays in build_payloads(meta, batch, InputData(), {})]
+            run = LoadRun(conn, model=MODEL, payloads=payloads, batch=batch, meter=NoMeter("not measured here"),
+                          measurement=measurement, on_window=on_window)
+            return await run.run(level), run.records
+
+    return asyncio.run(go())
+
+
+class Columns:
+    """The records as arrays, with the questions the tests ask of them."""
+
+    def __init__(self, records: Records) -> None:
+        self.scheduled = np.asarray(records.scheduled, dtype=np.int64)
+        self.sent = np.asarray(records.sent, dtype=np.int64)
+        self.done = np.asarray(records.done, dtype=np.int64)
+        self.ok = np.asarray([e is None for e in records.errors], dtype=bool)
+
+    def completed(self, start_ns: int, end_ns: int) -> NDArray[np.bool_]:
+        return (self.done >= start_ns) & (self.done < end_ns)
+
+    def late(self) -> NDArray[np.bool_]:
+        return (self.sent - self.scheduled) > LATE_NS
+
+    def in_flight_peak(self) -> int:
+        """The most requests ever between their send and their completion at the same time."""
+        events = sorted([(int(t), 1) for t in self.sent] + [(int(t), -1) for t in self.done],
+                        key=lambda e: (e[0], e[1]))  # a completion before a send at the same instant
+        return int(np.max(np.cumsum([d for _, d in events])))
+
+
+def schedule_gaps(cols: Columns) -> NDArray[np.int64]:
+    """Gaps between consecutive scheduled send times, leaving out the tail that may be unrecorded."""
+    gaps = np.diff(np.sort(cols.scheduled))
+    assert len(gaps) > 10
+    return gaps[:-3]
+
+
+def test_closed_loop_windows_and_summary_count_exactly_the_records(endpoints: Endpoints) -> None:
+    measurement = Measurement(measurement_ms=300, stability_percentage=0.001, max_trials=4, warmup_requests=5)
+    result, records = measure(endpoints.grpc, LoadLevel(concurrency=3), measurement, batch=2)
+    cols = Columns(records)
+    assert len(result.windows) == 4 and not result.stable  # a rule nothing meets: every trial runs
+    assert result.complete
+    # Warm-up requests completed before the first window and are in no window.
+    assert np.count_nonzero(cols.done < result.windows[0].start_ns) >= 5
+    for earlier, later in zip(result.windows, result.windows[1:], strict=False):
+        assert earlier.end_ns <= later.start_ns  # in order, never overlapping
+    for w in result.windows:
+        assert w.seconds >= 0.3
+        inside = cols.completed(w.start_ns, w.end_ns)
+        assert w.requests == np.count_nonzero(inside & cols.ok) > 0 and w.errors == {}
+        assert w.inferences == 2 * w.requests and w.throughput == pytest.approx(w.inferences / w.seconds)
+        assert w.latency_us is not None
+        assert w.latency_us.max == pytest.approx(np.max(cols.done[inside] - cols.scheduled[inside]) / 1e3)
+    # The summary is the last three windows' span: what completed in it, the gaps between windows included.
+    s, chosen = result.summary, result.windows[-3:]
+    assert (s.start_ns, s.end_ns) == (chosen[0].start_ns, chosen[-1].end_ns)
+    assert s.requests == np.count_nonzero(cols.completed(s.start_ns, s.end_ns) & cols.ok)
+    assert s.requests >= sum(w.requests for w in chosen)
+    assert s.inferences == 2 * s.requests and s.throughput == pytest.approx(s.inferences / s.seconds)
+    # A closed loop never has more than `concurrency` requests out at once.
+    assert cols.in_flight_peak() == 3
+    assert result.power.source is PowerSource.NONE and result.power.reason == "not measured here"
+
+
+def test_request_count_windows_close_after_n_requests(endpoints: Endpoints) -> None:
+    measurement = Measurement(request_count=40, stability_percentage=0.001, max_trials=3)  # 5 s windows otherwise
+    result, records = measure(endpoints.grpc, LoadLevel(concurrency=2), measurement)
+    cols = Columns(records)
+    assert len(result.windows) == 3
+    for w in result.windows:
+        inside = cols.completed(w.start_ns, w.end_ns)
+        assert w.requests == np.count_nonzero(inside & cols.ok) >= 40
+        assert w.seconds < 5.0  # closed by the count, not by measurement_ms
+        # It closed soon after its 40th completion (the engine looks every 5 ms), not at a later time.
+        fortieth = np.sort(cols.done[inside])[39]
+        assert (w.end_ns - fortieth) / 1e9 < 0.25
+
+
+def test_open_loop_keeps_its_schedule_at_the_rate(endpoints: Endpoints) -> None:
+    rate = 50.0
+    measurement = Measurement(measurement_ms=600, stability_percentage=0.001, max_trials=3)
+    result, records = measure(endpoints.grpc, LoadLevel(request_rate=rate), measurement)
+    cols = Columns(records)
+    s = result.summary
+    assert s.errors == {} and s.requests == pytest.approx(rate * s.seconds, rel=0.25)
+    # Sends are scheduled every 1/rate s from the start, whatever the server's pace (the last few
+    # may have been in flight when the level ended, and are not recorded).
+    np.testing.assert_allclose(schedule_gaps(cols), 1e9 / rate, atol=2)
+    for w in (*result.windows, s):
+        inside = cols.completed(w.start_ns, w.end_ns)
+        assert w.late_sends == np.count_nonzero(inside & cols.late())
+        assert w.latency_us is not None  # counted from the scheduled time, not the send time
+        assert w.latency_us.max == pytest.approx(np.max(cols.done[inside] - cols.scheduled[inside]) / 1e3)
+
+
+def test_poisson_arrivals_follow_the_seeded_exponential_gaps(endpoints: Endpoints) -> None:
+    rate = 50.0
+    measurement = Measurement(measurement_ms=500, stability_percentage=0.001, max_trials=2)
+    _, records = measure(endpoints.grpc, LoadLevel(request_rate=rate, distribution=Distribution.POISSON),
+                         measurement)
+    gaps = schedule_gaps(Columns(records))
+    expected = np.random.default_rng(0).exponential(1e9 / rate, size=len(gaps))  # the engine's seed
+    np.testing.assert_allclose(gaps, expected, atol=2)
+    assert 0.6 < gaps.mean() * rate / 1e9 < 1.4
+
+
+def test_a_stalled_client_counts_its_overdue_sends_as_late_and_charges_the_wait(endpoints: Endpoints) -> None:
+    rate, stall_s = 50.0, 0.3
+    stall: list[int] = []
+
+    def block_the_event_loop(index: int, window: Window) -> None:
+        if index == 1:  # the callback runs on the engine's loop: nothing is sent while it sleeps
+            stall.append(time.monotonic_ns())
+            time.sleep(stall_s)
+            stall.append(time.monotonic_ns())
+
+    measurement = Measurement(measurement_ms=500, stability_percentage=0.001, max_trials=3)
+    result, records = measure(endpoints.grpc, LoadLevel(request_rate=rate), measurement,
+                              on_window=block_the_event_loop)
+    cols = Columns(records)
+    overdue = (cols.scheduled >= stall[0]) & (cols.scheduled < stall[1] - 2 * LATE_NS)
+    assert np.count_nonzero(overdue) >= 0.8 * rate * stall_s
+    assert np.all(cols.sent[overdue] >= stall[1])  # they left only when the loop was free again
+    assert np.all(cols.late()[overdue])
+    second = result.windows[1]
+    inside = cols.completed(second.start_ns, second.end_ns)
+    assert np.all(inside[overdue])  # they completed in the window after the stall
+    assert second.late_sends == np.count_nonzero(inside & cols.late()) >= np.count_nonzero(overdue)
+    # Latency counts from the scheduled time: the first overdue request waited out nearly the whole stall.
+    assert second.latency_us is not None and second.latency_us.max >= (stall_s - 0.05) * 1e6
+    assert result.summary.late_sends >= second.late_sends
