@@ -48,6 +48,8 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--serving-backend", default="python",
                        help="python (bundled Triton + ONNX Runtime) | onnxruntime (NGC image's native backend)")
         p.add_argument("--force", action="store_true", help="rebuild even when inputs are unchanged")
+        p.add_argument("--no-wait", action="store_true",
+                       help="fail at once when another build or tune is writing the repository (default: wait)")
         trt = p.add_argument_group("TensorRT (with --runtime tensorrt, or auto where TensorRT and a GPU exist)")
         trt.add_argument("--trt-workspace-mib", type=int, default=4096, help="workspace memory-pool limit")
         trt.add_argument("--trt-optimization-level", type=int, default=3, help="builder optimization level 0-5")
@@ -79,7 +81,8 @@ def _parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", parents=[verbosity], help="run the bundled Triton server on the repository")
     serve.add_argument("--repository", type=Path, default=Path("model_repository"))
-    serve.add_argument("--state-dir", type=Path, default=Path(".run"), help="log, pid file, backend folder")
+    serve.add_argument("--state-dir", type=Path, default=Path(".run"),
+                       help="log, server record (tritonserver.json), backend folder")
     serve.add_argument("--http-port", type=int, default=8000)
     serve.add_argument("--grpc-port", type=int, default=8001)
     serve.add_argument("--metrics-port", type=int, default=8002)
@@ -106,6 +109,8 @@ def _parser() -> argparse.ArgumentParser:
     tune.add_argument("--plot", type=Path, default=None, help="PNG (default: reports/tune_NAME.png)")
     tune.add_argument("--dry-run", action="store_true", help="measure and report, do not write the winner")
     tune.add_argument("--no-compare", action="store_true", help="skip the side-by-side re-measurement")
+    tune.add_argument("--no-wait", action="store_true",
+                      help="fail at once when another build or tune is writing the repository (default: wait)")
 
     verify = sub.add_parser("verify", parents=[verbosity],
                             help="compare the server's gRPC and HTTP answers with ONNX Runtime")
@@ -114,6 +119,9 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("--http-url", default="localhost:8000")
     verify.add_argument("--grpc-url", default="localhost:8001")
     verify.add_argument("--samples", type=int, default=16, help="held-out samples per variant")
+
+    sub.add_parser("schema", parents=[verbosity],
+                   help="print models.toml's JSON Schema (for editors: trtbuild schema > models.schema.json)")
 
     stop = sub.add_parser("stop", parents=[verbosity], help="stop a server started with serve --background")
     stop.add_argument("--state-dir", type=Path, default=Path(".run"))
@@ -178,7 +186,7 @@ def _build(args: argparse.Namespace, specs: list[ModelSpec]) -> int:
                                                            "--trt-hardware-compatibility", error=ManifestError),
         cuda_graphs=args.trt_cuda_graphs, warmup=not args.no_trt_warmup,
     ).check()
-    options = BuildOptions(repository=args.repository, force=args.force,
+    options = BuildOptions(repository=args.repository, force=args.force, wait=not args.no_wait,
                            runtime=select(runtime_choice, serving_backend=serving_backend, trt_options=trt_options))
     report = args.report or args.repository / "build_report.json"
     results = build_all(specs, options, report, ["trtbuild", *sys.argv[1:]])
@@ -251,7 +259,7 @@ def _tune(args: argparse.Namespace) -> int:
     report = tune(args.repository, space, objective, search=search, concurrencies=concurrencies,
                   measurement_ms=args.measurement_interval,
                   default_variant=variants[0], report_path=report_path, plot_path=plot_path, write=not args.dry_run,
-                  compare=not args.no_compare, max_trials=args.max_trials)
+                  compare=not args.no_compare, max_trials=args.max_trials, wait=not args.no_wait)
     print(f"{'point':<58} {'infer/s':>8} {'p99 ms':>8} {'feasible':>8}")
     for entry in report.points:
         p99 = "-" if entry.p99_ms is None else f"{entry.p99_ms:.1f}"
@@ -273,28 +281,26 @@ def _tune(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from builder.serving.triton_server import Ports, TritonServer
 
+    # start() records the server in STATE_DIR/tritonserver.json, refuses while the recorded one runs,
+    # and cleans (with a warning line) the stubs and /dev/shm regions a dead one left behind.
     ports = Ports(args.http_port, args.grpc_port, args.metrics_port)
     server = TritonServer(args.repository, args.state_dir, ports)
-    pid_file = args.state_dir / "tritonserver.pid"
     if args.background:
         server.start(timeout=args.timeout, detach=True)
         assert server.process is not None
-        pid_file.write_text(f"{server.process.pid}\n")
         print(f"tritonserver ready: http :{ports.http}, grpc :{ports.grpc}, metrics :{ports.metrics} "
-              f"(pid {server.process.pid}, log {server.log_file})")
+              f"(pid {server.process.pid}, log {server.log_file}); `trtbuild stop` stops it")
         return 0
     server.start(timeout=args.timeout)
     assert server.process is not None
-    pid_file.write_text(f"{server.process.pid}\n")
     print(f"tritonserver ready: http :{ports.http}, grpc :{ports.grpc}, metrics :{ports.metrics}; "
           "Ctrl-C stops it")
     try:
         return server.process.wait()
     except KeyboardInterrupt:
-        server.stop()
         return 0
     finally:
-        pid_file.unlink(missing_ok=True)
+        server.stop()  # also when it exited by itself: removes the record, cleans stubs it left
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -302,6 +308,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(("builder", "client"), verbose=args.verbose, quiet=args.quiet)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
+        if args.command == "schema":
+            import json
+
+            from builder.spec.schema import json_schema
+
+            print(json.dumps(json_schema(), indent=2))
+            return 0
         if args.command == "engines":
             specs = load_manifest(args.manifest)
             if args.only:
@@ -324,20 +337,28 @@ def main(argv: Sequence[str] | None = None) -> int:
             results = verify_models(load_manifest(args.manifest), args.repository,
                                     {Protocol.GRPC: args.grpc_url, Protocol.HTTP: args.http_url}, args.samples)
             for r in results:
-                print(f"{r.variant:<28} {r.protocol:<5} {r.samples:>3} held-out samples  "
+                print(f"{r.variant:<28} {r.protocol:<5} {r.samples:>3} {r.source} samples  "
                       f"max |server - onnxruntime| = {r.max_abs_diff:.2e}  {'OK' if r.ok else 'MISMATCH'}")
             bad = [f"{r.variant} ({r.protocol})" for r in results if not r.ok]
             if bad:
                 raise BuilderError(f"server answers differ from ONNX Runtime for {', '.join(bad)}")
             return 0
         if args.command == "stop":
-            from builder.serving.triton_server import stop_pid
+            from builder.serving.triton_server import stop_recorded
 
-            stopped = stop_pid(args.state_dir / "tritonserver.pid")
-            print("tritonserver stopped" if stopped else "no tritonserver was running")
+            # Signals only the recorded pid, and only while it is this state folder's tritonserver.
+            result = stop_recorded(args.state_dir)
+            if result.pid is not None:
+                print(f"tritonserver stopped (pid {result.pid})")
+            elif result.exited is not None:
+                print(f"no tritonserver was running (recorded pid {result.exited} had exited)")
+            else:
+                print("no tritonserver was running")
             return 0
     except BuilderError as exc:
-        print(f"trtbuild: error: {exc}", file=sys.stderr)
+        # A message may hold several errors (every mistake of a models.toml): one prefixed line each.
+        for line in str(exc).splitlines() or [""]:
+            print(f"trtbuild: error: {line}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("trtbuild: interrupted", file=sys.stderr)

@@ -1,0 +1,241 @@
+"""The server's lifecycle in a state folder, against the real bundled tritonserver: the record, a
+second serve refused, stop signalling only our own server, recovery after SIGKILL (stubs, /dev/shm)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from builder.cli import main
+from builder.serving.triton_server import (
+    LEGACY_PID_FILE,
+    SHM_DIR,
+    SHM_REGION,
+    STATE_FILE,
+    STUB_NAME,
+    alive,
+    free_ports,
+    prepare_backends,
+    read_record,
+    start_ticks,
+)
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return [p.decode() for p in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:-1]]
+    except OSError:
+        return []
+
+
+def stubs_of(state: Path) -> dict[int, str]:
+    """Live python-backend stubs run from this state folder → their /dev/shm region (seen by the test itself)."""
+    python_dir = str(state.resolve() / "backends" / "python")
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and alive(int(entry.name)):
+            argv = _cmdline(int(entry.name))
+            if argv and Path(argv[0]).name == STUB_NAME and python_dir in argv:
+                found[int(entry.name)] = next(a for a in argv if SHM_REGION.fullmatch(a))
+    return found
+
+
+def serve_args(repository: Path, state: Path) -> list[str]:
+    http, grpc, metrics = free_ports(3)
+    return ["serve", "--background", "--repository", str(repository), "--state-dir", str(state),
+            "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--timeout", "120"]
+
+
+def error_lines(capsys: pytest.CaptureFixture[str]) -> list[str]:
+    return [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("trtbuild: error:")]
+
+
+@pytest.fixture
+def one_model(repo_copy: Path) -> Path:
+    """The tiny repository cut to one model: one stub, a short start."""
+    for child in repo_copy.iterdir():
+        if child.is_dir() and child.name != "mlp_fp32":
+            shutil.rmtree(child)
+    return repo_copy
+
+
+@pytest.fixture
+def state(tmp_path: Path) -> Iterator[Path]:
+    """A state folder whose server (if a test leaves one) is stopped afterwards."""
+    folder = tmp_path / "run"
+    yield folder
+    main(["-q", "stop", "--state-dir", str(folder)])
+
+
+def _kill_hard(pid: int) -> None:
+    """SIGKILL the server and leave it unreaped (it is this process's child: serve ran in-process).
+
+    Stubs poll their server's pid and exit about a second after it is reaped; but one can hang in
+    its exit path (seen here: a stub alive 16 min after "Non-graceful termination detected").
+    A zombie still answers that poll, so leaving the server unreaped holds its stubs running for
+    the test, deterministically; `alive()` counts a zombie as dead, as it should."""
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(pid)
+
+
+def _reap(pid: int) -> None:
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, 0)
+
+
+def test_serve_records_the_server_and_refuses_a_second_one(
+    one_model: Path, state: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    assert main(serve_args(one_model, state)) == 0
+    assert not any("cleaned up" in r.getMessage() for r in caplog.records)  # nothing to clean in a new folder
+    record = read_record(state)
+    assert record is not None and alive(record.pid)
+    assert record.start_ticks == start_ticks(record.pid)
+    on_disk = json.loads((state / STATE_FILE).read_text())
+    assert Path(on_disk["argv"][0]).name == "tritonserver"
+    assert on_disk["repository"] == str(one_model.resolve()) and on_disk["command"] and on_disk["started"]
+    capsys.readouterr()
+
+    assert main(serve_args(one_model, state)) == 1
+    lines = error_lines(capsys)
+    assert lines == [f"trtbuild: error: --state-dir {state}: a tritonserver started from here is already running "
+                     f"(pid {record.pid}, http :{record.ports['http']}); stop it with `trtbuild stop` first"]
+    assert alive(record.pid) and read_record(state) == record  # the first server is neither orphaned nor touched
+
+    assert main(["stop", "--state-dir", str(state)]) == 0
+    assert f"tritonserver stopped (pid {record.pid})" in capsys.readouterr().out
+    assert not alive(record.pid) and not (state / STATE_FILE).exists()
+    assert stubs_of(state) == {}
+    assert not any("cleaned up" in r.getMessage() for r in caplog.records)  # a normal stop leaves nothing
+
+
+def test_serve_after_sigkill_starts_cleanly_and_no_stub_survives(
+    one_model: Path, state: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    assert main(serve_args(one_model, state)) == 0
+    dead = read_record(state)
+    assert dead is not None
+    old = stubs_of(state)
+    assert old, "the python backend started no stub"
+    assert all((SHM_DIR / region).exists() for region in old.values())
+
+    _kill_hard(dead.pid)
+    time.sleep(1.0)
+    assert all(alive(pid) for pid in old), "the premise: SIGKILL of tritonserver leaves its stubs running"
+
+    caplog.clear()
+    assert main(serve_args(one_model, state)) == 0, error_lines(capsys)
+    assert not any(alive(pid) for pid in old)
+    assert not any((SHM_DIR / region).exists() for region in old.values())
+    cleaned = [r.getMessage() for r in caplog.records if "cleaned up after a dead tritonserver" in r.getMessage()]
+    assert len(cleaned) == 1
+    assert f"(pid {dead.pid})" in cleaned[0] and f"stopped {len(old)} python-backend stub(s)" in cleaned[0]
+    assert f"freed their {len(old)} shared-memory region(s) in {SHM_DIR}" in cleaned[0]
+
+    fresh = read_record(state)
+    assert fresh is not None and fresh.pid != dead.pid and alive(fresh.pid)
+    new = stubs_of(state)
+    assert new and not set(new) & set(old)
+    assert all(_cmdline(pid)[5] == str(fresh.pid) for pid in new)  # every stub now is the new server's
+    _reap(dead.pid)
+
+
+def test_stop_after_sigkill_cleans_the_stubs(
+    one_model: Path, state: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    assert main(serve_args(one_model, state)) == 0
+    dead = read_record(state)
+    assert dead is not None
+    old = stubs_of(state)
+    _kill_hard(dead.pid)
+    capsys.readouterr()
+    assert main(["stop", "--state-dir", str(state)]) == 0
+    assert f"no tritonserver was running (recorded pid {dead.pid} had exited)" in capsys.readouterr().out
+    assert not any(alive(pid) for pid in old) and stubs_of(state) == {}
+    assert not any((SHM_DIR / region).exists() for region in old.values())
+    assert any("cleaned up after a dead tritonserver" in r.getMessage() for r in caplog.records)
+    assert not (state / STATE_FILE).exists()
+    _reap(dead.pid)
+
+
+@pytest.fixture
+def sleeper() -> Iterator[subprocess.Popen[bytes]]:
+    proc = subprocess.Popen(["sleep", "60"])
+    yield proc
+    proc.kill()
+    proc.wait(timeout=10)
+
+
+@pytest.mark.parametrize("record", ["json", "json-recycled", "legacy-pid-file"])
+def test_stop_refuses_a_pid_that_is_not_our_tritonserver(
+    record: str, sleeper: subprocess.Popen[bytes], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    state = tmp_path / "run"
+    state.mkdir()
+    ticks = start_ticks(sleeper.pid)
+    assert ticks is not None
+    if record == "legacy-pid-file":
+        (state / LEGACY_PID_FILE).write_text(f"{sleeper.pid}\n")
+        source, why = state / LEGACY_PID_FILE, "is not a tritonserver (it runs `sleep 60`)"
+    else:
+        recorded = ticks - 1 if record == "json-recycled" else ticks
+        (state / STATE_FILE).write_text(json.dumps({"pid": sleeper.pid, "start_ticks": recorded}))
+        source = state / STATE_FILE
+        why = ("has exited; the pid now belongs to another process (`sleep 60`)" if record == "json-recycled"
+               else "is not a tritonserver (it runs `sleep 60`)")
+    assert main(["stop", "--state-dir", str(state)]) == 1
+    assert error_lines(capsys) == [f"trtbuild: error: pid {sleeper.pid} in {source} {why}: not signalled; "
+                                   "removed the stale record"]
+    time.sleep(0.2)
+    assert sleeper.poll() is None  # untouched
+    assert read_record(state) is None
+
+
+def test_stop_honours_the_previous_versions_pid_file(
+    one_model: Path, state: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(serve_args(one_model, state)) == 0
+    record = read_record(state)
+    assert record is not None
+    (state / STATE_FILE).unlink()
+    (state / LEGACY_PID_FILE).write_text(f"{record.pid}\n")
+    capsys.readouterr()
+    assert main(["stop", "--state-dir", str(state)]) == 0
+    assert f"tritonserver stopped (pid {record.pid})" in capsys.readouterr().out
+    assert not alive(record.pid) and not (state / LEGACY_PID_FILE).exists()
+
+
+def test_backends_are_prepared_by_rename_while_the_stub_file_runs(tmp_path: Path) -> None:
+    """Writing over a running executable fails with ETXTBSY; prepare_backends renames instead."""
+    state = tmp_path / "run"
+    python_dir = prepare_backends(state) / "python"
+    stub = python_dir / STUB_NAME
+    wanted = stub.read_bytes()
+    sleep = shutil.which("sleep")
+    assert sleep is not None
+    shutil.copy2(sleep, stub)  # a different executable at the stub's name, running
+    busy = subprocess.Popen([str(stub), "60"])
+    try:
+        time.sleep(0.2)
+        with pytest.raises(OSError, match="Text file busy"), stub.open("r+b"):
+            pass
+        assert prepare_backends(state) == python_dir.parent
+        assert stub.read_bytes() == wanted and os.access(stub, os.X_OK)
+        assert busy.poll() is None  # still running its (now unlinked) file
+        assert not [p for p in python_dir.iterdir() if p.name.endswith(".tmp")]
+    finally:
+        busy.kill()
+        busy.wait(timeout=10)
+
