@@ -119,6 +119,8 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("--http-url", default="localhost:8000")
     verify.add_argument("--grpc-url", default="localhost:8001")
     verify.add_argument("--samples", type=int, default=16, help="held-out samples per variant")
+    verify.add_argument("--save", type=Path, default=None, metavar="FILE.npz",
+                        help="write the samples sent and the outputs expected, for perfclient --validate")
 
     sub.add_parser("schema", parents=[verbosity],
                    help="print models.toml's JSON Schema (for editors: trtbuild schema > models.schema.json)")
@@ -303,6 +305,33 @@ def _serve(args: argparse.Namespace) -> int:
         server.stop()  # also when it exited by itself: removes the record, cleans stubs it left
 
 
+def _verify(args: argparse.Namespace) -> int:
+    from builder.serving.verify import check_models, expected_archive, npz_bytes
+    from client.files import write_atomic
+    from client.protocol import Protocol
+
+    if args.save is not None and args.save.suffix != ".npz":
+        raise ManifestError(f"--save {args.save}: expected a path ending in .npz")
+    checks = check_models(load_manifest(args.manifest), args.repository,
+                          {Protocol.GRPC: args.grpc_url, Protocol.HTTP: args.http_url}, args.samples)
+    results = [r for check in checks for r in check.results]
+    for r in results:
+        print(f"{r.variant:<28} {r.protocol:<5} {r.samples:>3} {r.source} samples  "
+              f"max |server - onnxruntime| = {r.max_abs_diff:.2e}  {'OK' if r.ok else 'MISMATCH'}")
+    if args.save is not None:
+        # Written also when answers differ: the file holds what the local run expects, not what the server said.
+        try:
+            write_atomic(args.save, npz_bytes(expected_archive(checks)))
+        except OSError as exc:
+            raise BuilderError(f"--save {args.save}: cannot write ({exc.strerror or exc})") from exc
+        print(f"saved inputs and expected outputs of {len(checks)} variants to {args.save} "
+              f"(perfclient --validate {args.save})")
+    bad = [f"{r.variant} ({r.protocol})" for r in results if not r.ok]
+    if bad:
+        raise BuilderError(f"server answers differ from ONNX Runtime for {', '.join(bad)}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     configure_logging(("builder", "client"), verbose=args.verbose, quiet=args.quiet)
@@ -331,18 +360,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "tune":
             return _tune(args)
         if args.command == "verify":
-            from builder.serving.verify import verify_models
-            from client.protocol import Protocol
-
-            results = verify_models(load_manifest(args.manifest), args.repository,
-                                    {Protocol.GRPC: args.grpc_url, Protocol.HTTP: args.http_url}, args.samples)
-            for r in results:
-                print(f"{r.variant:<28} {r.protocol:<5} {r.samples:>3} {r.source} samples  "
-                      f"max |server - onnxruntime| = {r.max_abs_diff:.2e}  {'OK' if r.ok else 'MISMATCH'}")
-            bad = [f"{r.variant} ({r.protocol})" for r in results if not r.ok]
-            if bad:
-                raise BuilderError(f"server answers differ from ONNX Runtime for {', '.join(bad)}")
-            return 0
+            return _verify(args)
         if args.command == "stop":
             from builder.serving.triton_server import stop_recorded
 

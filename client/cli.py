@@ -47,7 +47,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--distribution", default="constant",
                    help=f"open-loop arrivals: {' | '.join(Distribution.values())}")
     p.add_argument("-b", "--batch-size", type=int, default=1)
-    p.add_argument("--input-data", default="random", help="random | zero | FILE.npz | DIR of NAME.npy")
+    p.add_argument("--input-data", default=None, help="random | zero | FILE.npz | DIR of NAME.npy (default: random)")
+    p.add_argument("--validate", type=Path, default=None, metavar="FILE.npz",
+                   help="send the samples of `trtbuild verify --save FILE.npz` and check every answer against "
+                        "its expected outputs (mismatches count as errors)")
     p.add_argument("--shape", action="append", default=[], help="NAME:D1,D2 for dynamic dims (no batch dim)")
     p.add_argument("--measurement-interval", type=int, default=5000, help="window length in ms")
     p.add_argument("--request-count", type=int, default=0, help="close each window after N requests instead")
@@ -83,19 +86,26 @@ def _levels(args: argparse.Namespace) -> tuple[LoadLevel, ...]:
     return (LoadLevel(concurrency=args.concurrency if args.concurrency is not None else 1),)
 
 
+def _input_data(args: argparse.Namespace) -> InputData:
+    if args.validate is not None and args.input_data is not None:
+        raise PerfClientError(f"--validate {args.validate}: the inputs come from the file; drop --input-data")
+    return InputData.parse(args.input_data or "random")
+
+
 def parse_config(argv: Sequence[str] | None) -> CliConfig:
     """argv -> a validated CliConfig; PerfClientError naming the flag otherwise."""
     args = _parser().parse_args(argv)
     protocol = Protocol.parse(args.protocol, "-i", error=PerfClientError)
     session = SessionConfig(
         models=tuple(args.model), url=args.url or f"localhost:{protocol.default_port}", protocol=protocol,
-        levels=_levels(args), batch=args.batch_size, input_data=InputData.parse(args.input_data),
+        levels=_levels(args), batch=args.batch_size, input_data=_input_data(args),
         shapes=parse_shapes(args.shape),
         measurement=Measurement(measurement_ms=args.measurement_interval,
                                 stability_percentage=args.stability_percentage, max_trials=args.max_trials,
                                 warmup_requests=args.warmup, request_count=args.request_count),
         metrics_url=args.metrics_url,
         power_source=PowerSource.parse(args.power_source, "--power-source", error=PerfClientError),
+        validate=args.validate,
     )
     return CliConfig(session=session, json_path=args.json, csv_path=args.csv, plot_path=args.plot,
                      progress=not args.no_progress and not args.quiet, verbose=args.verbose, quiet=args.quiet)

@@ -22,6 +22,7 @@ from client.power import Meter, PowerFigures, PowerSource, Reading, window_power
 from client.protocol import Connection, Prepared, error_kind
 from client.server_stats import ServerBreakdown, ServerStats, server_breakdown
 from client.stats import Records, Window, is_stable, summarize
+from client.validate import MISMATCH, outputs_match
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +150,10 @@ class LoadRun:
         sent = time.monotonic_ns()
         error = None
         try:
-            await self.conn.send(request)
+            if request.expected is None:
+                await self.conn.send(request)  # the load path: sent as bytes, the answer never decoded
+            elif not outputs_match(await self.conn.infer(request), request.expected):
+                error = MISMATCH
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - every outcome is recorded, none raised

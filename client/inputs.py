@@ -97,7 +97,7 @@ def build_payloads(meta: ModelMeta, batch: int, source: InputData, overrides: Ma
                               f"(inputs: {', '.join(t.name for t in meta.inputs)})")
     if source.kind in (InputKind.RANDOM, InputKind.ZERO):
         return _synthetic(meta, batch, source.kind, overrides, seed)
-    return _from_samples(meta, batch, _load(source), str(source))
+    return from_samples(meta, batch, _load(source), str(source))
 
 
 def _load(source: InputData) -> dict[str, NDArray[Any]]:
@@ -144,32 +144,43 @@ def _synthetic(meta: ModelMeta, batch: int, kind: InputKind, overrides: Mapping[
     return payloads
 
 
-def _from_samples(meta: ModelMeta, batch: int, data: Mapping[str, NDArray[Any]],
-                  source: str) -> list[dict[str, NDArray[Any]]]:
+def sample_slices(meta: ModelMeta, batch: int, count: int) -> list[slice | int]:
+    """Which samples each payload holds, up to 8 payloads: consecutive runs of `batch` from the start
+    (one sample index each when the model does not batch). `--validate` slices expected outputs alike."""
+    slices: list[slice | int] = []
+    for start in range(0, max(count - batch + 1, 1), batch):
+        slices.append(slice(start, start + batch) if meta.max_batch_size else start)
+        if len(slices) >= _PAYLOADS:
+            break
+    return slices
+
+
+def from_samples(meta: ModelMeta, batch: int, data: Mapping[str, NDArray[Any]], source: str,
+                 flag: str = "--input-data") -> list[dict[str, NDArray[Any]]]:
+    """Payloads cut from real samples (leading sample axis), checked against the model's inputs;
+    errors name `flag` and `source`."""
     names = [t.name for t in meta.inputs]
     if sorted(data) != sorted(names):
-        raise PerfClientError(f"--input-data {source}: holds {sorted(data)}, model {meta.name} expects {sorted(names)}")
+        raise PerfClientError(f"{flag} {source}: holds {sorted(data)}, model {meta.name} expects {sorted(names)}")
     count = min(len(v) for v in data.values())
     payloads = []
-    for start in range(0, max(count - batch + 1, 1), batch):
+    for part in sample_slices(meta, batch, count):
         payload = {}
         for tensor in meta.inputs:
             array = data[tensor.name]
             if array.dtype != _dtype(meta, tensor.name, tensor.datatype):
-                raise PerfClientError(f"--input-data {source}: {tensor.name!r} is {array.dtype}, "
+                raise PerfClientError(f"{flag} {source}: {tensor.name!r} is {array.dtype}, "
                                       f"model expects {tensor.datatype}")
-            chunk = array[start : start + batch] if meta.max_batch_size else array[start]
+            chunk = array[part]
             if meta.max_batch_size and len(chunk) < batch:
-                raise PerfClientError(f"--input-data {source}: {tensor.name!r} has {len(array)} samples, "
+                raise PerfClientError(f"{flag} {source}: {tensor.name!r} has {len(array)} samples, "
                                       f"fewer than -b {batch}")
             sample_shape = chunk.shape[1:] if meta.max_batch_size else chunk.shape
             if len(sample_shape) != len(tensor.shape) or any(
                 d != -1 and d != s for d, s in zip(tensor.shape, sample_shape, strict=True)
             ):
-                raise PerfClientError(f"--input-data {source}: {tensor.name!r} samples are {list(sample_shape)}, "
+                raise PerfClientError(f"{flag} {source}: {tensor.name!r} samples are {list(sample_shape)}, "
                                       f"model expects {list(tensor.shape)}")
             payload[tensor.name] = np.ascontiguousarray(chunk)
         payloads.append(payload)
-        if len(payloads) >= _PAYLOADS:
-            break
     return payloads

@@ -3,7 +3,8 @@
 Control calls (liveness, metadata, config, statistics) go through tritonclient's public asyncio
 clients. The hot path does not: each payload is serialized once (client.wire) and sent as raw
 bytes, on a serializer-less `grpc.aio` channel or on our own aiohttp session, and the response is
-checked for an error but not decoded, as perf_analyzer does.
+checked for an error but not decoded, as perf_analyzer does. Only `infer` (used by `--validate`)
+decodes the outputs.
 """
 
 from __future__ import annotations
@@ -18,11 +19,21 @@ from urllib.parse import quote
 
 import aiohttp
 import grpc
+from numpy.typing import NDArray
 
 from client.choices import Choice
 from client.errors import PerfClientError
 from client.server_stats import ServerStats, parse_statistics
-from client.wire import GRPC_INFER_METHOD, grpc_infer_request, http_error_message, http_infer_request
+from client.wire import (
+    GRPC_INFER_METHOD,
+    HTTP_HEADER_LENGTH,
+    ResponseFormatError,
+    grpc_infer_outputs,
+    grpc_infer_request,
+    http_error_message,
+    http_infer_outputs,
+    http_infer_request,
+)
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +71,15 @@ class ModelMeta:
 
 @dataclass(frozen=True)
 class Prepared:
-    """A request serialized once and sent many times: the load loop does no per-request encoding."""
+    """A request serialized once and sent many times: the load loop does no per-request encoding.
+
+    `expected` (with `--validate`): the outputs every answer to it must match; None sends without decoding.
+    """
 
     model: str
     body: bytes
     headers: Mapping[str, str] = field(default_factory=dict)
+    expected: Mapping[str, NDArray[Any]] | None = None
 
 
 class HttpStatusError(Exception):
@@ -164,12 +179,13 @@ class Connection:
 
         return ModelMeta(name, max_batch, tensors(meta.get("inputs", [])), tensors(meta.get("outputs", [])))
 
-    def prepare(self, model: str, arrays: Mapping[str, Any]) -> Prepared:
+    def prepare(self, model: str, arrays: Mapping[str, Any],
+                expected: Mapping[str, NDArray[Any]] | None = None) -> Prepared:
         """Serialize one payload (input name -> array, full shape) in this connection's wire format."""
         if self.protocol is Protocol.GRPC:
-            return Prepared(model, grpc_infer_request(model, arrays))
+            return Prepared(model, grpc_infer_request(model, arrays), expected=expected)
         body, headers = http_infer_request(arrays)
-        return Prepared(model, body, headers)
+        return Prepared(model, body, headers, expected)
 
     async def send(self, prepared: Prepared) -> None:
         """Send a prepared request; raise on any error the server or the transport reports."""
@@ -181,6 +197,21 @@ class Connection:
             payload = await response.read()  # drain, so the connection goes back to the pool
             if response.status != 200:
                 raise HttpStatusError(response.status, payload)
+
+    async def infer(self, prepared: Prepared) -> dict[str, NDArray[Any]]:
+        """Send a prepared request and decode the outputs of the answer (ResponseFormatError if garbled)."""
+        if self.protocol is Protocol.GRPC:
+            return grpc_infer_outputs(await self._infer(prepared.body, timeout=self._timeout_s))
+        # The request asks for plain bytes (wire.http_infer_request); a compressed answer is refused below.
+        async with self._session.post(self._url(prepared.model), data=prepared.body,
+                                      headers=prepared.headers) as response:
+            payload = await response.read()
+            if response.status != 200:
+                raise HttpStatusError(response.status, payload)
+            encoding = response.headers.get("Content-Encoding", "identity")
+            if encoding != "identity":
+                raise ResponseFormatError(f"answer is {encoding}-encoded, though identity was asked for")
+            return http_infer_outputs(payload, response.headers.get(HTTP_HEADER_LENGTH))
 
     def _url(self, model: str) -> str:
         # Built once per model, not per request: the hot path only looks it up.
@@ -236,6 +267,8 @@ def error_kind(exc: BaseException) -> str:
         return _GRPC_KINDS.get(code, str(code.name).lower())
     if isinstance(exc, HttpStatusError):
         return _HTTP_KINDS.get(exc.status, f"http_{exc.status}")
+    if isinstance(exc, ResponseFormatError):  # with --validate: an answer that does not decode
+        return "bad_response"
     # aiohttp's ServerTimeoutError is also a connection error: test for the timeout first.
     if isinstance(exc, TimeoutError | asyncio.TimeoutError):
         return "timeout"

@@ -16,6 +16,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from numpy.typing import NDArray
@@ -27,6 +28,7 @@ from client.power import PowerFigures, PowerSource, open_cross_checks, open_mete
 from client.protocol import TRANSPORT_ERRORS, Connection, ModelMeta, Prepared, Protocol, describe
 from client.server_stats import ServerBreakdown
 from client.stats import Latency, Window
+from client.validate import Expected, load_expected, validated_payloads
 
 __all__ = [
     "Distribution", "InputData", "InputKind", "Latency", "LevelResult", "LoadLevel", "Measurement", "ModelResult",
@@ -48,6 +50,8 @@ class SessionConfig:
 
     `shapes` gives dims (without the batch dim) for inputs with dynamic dims, by input name.
     `metrics_url` defaults to Triton's metrics endpoint on the host of `url` (port 8002).
+    `validate`: a `trtbuild verify --save` file; each model's payloads are its stored samples and every
+    answer is checked against the stored outputs (a differing one counts as error kind "mismatch").
     """
 
     models: tuple[str, ...]
@@ -60,12 +64,15 @@ class SessionConfig:
     measurement: Measurement = field(default_factory=Measurement)
     metrics_url: str | None = None
     power_source: PowerSource = PowerSource.AUTO
+    validate: Path | None = None
 
     def __post_init__(self) -> None:
         # Plain strings ("http", "nvml") and lists work too: stored as the enum members and tuples.
         object.__setattr__(self, "models", tuple(self.models))
         object.__setattr__(self, "levels", tuple(self.levels))
         object.__setattr__(self, "shapes", dict(self.shapes))
+        if self.validate is not None:
+            object.__setattr__(self, "validate", Path(self.validate))
         object.__setattr__(self, "protocol", Protocol.parse(self.protocol, "-i", error=PerfClientError))
         object.__setattr__(self, "power_source",
                            PowerSource.parse(self.power_source, "--power-source", error=PerfClientError))
@@ -90,6 +97,12 @@ class SessionConfig:
         self.measurement.check()
         if self.metrics_url is not None and not self.metrics_url.startswith(("http://", "https://")):
             raise PerfClientError(f"--metrics-url {self.metrics_url!r}: expected http://HOST:PORT/metrics")
+        if self.validate is not None:
+            if Path(self.validate).suffix != ".npz":
+                raise PerfClientError(f"--validate {self.validate}: expected a .npz file from trtbuild verify --save")
+            if self.input_data != InputData() or self.shapes:
+                raise PerfClientError(f"--validate {self.validate}: the inputs come from the file; "
+                                      "drop --input-data and --shape")
 
     @property
     def metrics_endpoint(self) -> str:
@@ -157,15 +170,21 @@ async def _prepare(conn: Connection, config: SessionConfig) -> list[tuple[str, l
     unknown = sorted(set(config.shapes) - {t.name for meta in metas for t in meta.inputs})
     if unknown:
         raise PerfClientError(f"--shape {', '.join(unknown)}: not an input of {', '.join(config.models)}")
+    # Read and checked against every model before any request: a bad file fails here in one line.
+    expected = load_expected(config.validate, config.models) if config.validate is not None else None
     plans = []
     for meta in metas:
-        payloads = [conn.prepare(meta.name, arrays) for arrays in _payloads(meta, config)]
+        if expected is None:
+            payloads = [conn.prepare(meta.name, arrays) for arrays in _payloads(meta, config)]
+        else:
+            payloads = _validated(conn, meta, config, expected[meta.name])
+        plans.append((meta.name, payloads))
+    for name, payloads in plans:
         # One request first: wrong names, shapes or dtypes fail here with the server's reason.
         try:
             await conn.send(payloads[0])
         except TRANSPORT_ERRORS as exc:
-            raise PerfClientError(f"-m {meta.name}: the server rejected the request: {describe(exc)}") from exc
-        plans.append((meta.name, payloads))
+            raise PerfClientError(f"-m {name}: the server rejected the request: {describe(exc)}") from exc
     return plans
 
 
@@ -173,3 +192,8 @@ def _payloads(meta: ModelMeta, config: SessionConfig) -> list[dict[str, NDArray[
     names = {t.name for t in meta.inputs}
     shapes = {name: dims for name, dims in config.shapes.items() if name in names}
     return build_payloads(meta, config.batch, config.input_data, shapes)
+
+
+def _validated(conn: Connection, meta: ModelMeta, config: SessionConfig, expected: Expected) -> list[Prepared]:
+    pairs = validated_payloads(meta, config.batch, expected, str(config.validate))
+    return [conn.prepare(meta.name, arrays, outputs) for arrays, outputs in pairs]

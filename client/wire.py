@@ -2,7 +2,8 @@
 
 Only public pieces: the generated protobuf `tritonclient.grpc.service_pb2` for gRPC, and the KServe
 v2 binary-tensor extension for HTTP (a JSON header whose inputs carry `binary_data_size`, then the
-raw tensor bytes; the header's length goes in `Inference-Header-Content-Length`). The bytes equal
+raw tensor bytes; the header's length goes in `Inference-Header-Content-Length`); and the response
+decoders that only `--validate` uses (the load path never decodes). The request bytes equal
 what tritonclient's own (private) builders produce; tests/client/test_wire.py pins that, so an
 upgrade that changes either format fails there rather than on a server.
 """
@@ -14,10 +15,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+from google.protobuf.message import DecodeError
 from numpy.typing import NDArray
 from tritonclient.grpc import service_pb2
 
-from client.datatypes import triton_datatype
+from client.datatypes import numpy_dtype, triton_datatype
 
 # The gRPC method a raw (serializer-less) channel call targets.
 GRPC_INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
@@ -49,7 +51,8 @@ def grpc_infer_request(model: str, arrays: Mapping[str, NDArray[Any]]) -> bytes:
 def http_infer_request(arrays: Mapping[str, NDArray[Any]]) -> tuple[bytes, dict[str, str]]:
     """The body and headers of a binary-tensor HTTP request: JSON header, then each input's bytes.
 
-    `binary_data_output` asks for binary outputs, which the server encodes fastest and we never decode.
+    `binary_data_output` asks for binary outputs, which the server encodes fastest; only `--validate`
+    decodes them (`http_infer_outputs`).
     """
     raw = [_contiguous(array).tobytes() for array in arrays.values()]
     header = {
@@ -62,7 +65,9 @@ def http_infer_request(arrays: Mapping[str, NDArray[Any]]) -> tuple[bytes, dict[
     }
     # Compact, as tritonclient's rapidjson writes it; ASCII-escaped, so the length in bytes is unambiguous.
     text = json.dumps(header, separators=(",", ":")).encode("ascii")
-    return b"".join([text, *raw]), {HTTP_HEADER_LENGTH: str(len(text))}
+    # aiohttp offers gzip by default and Triton would then compress every answer: work perf_analyzer's
+    # client never asks of the server, so it must not be in what perfclient measures either.
+    return b"".join([text, *raw]), {HTTP_HEADER_LENGTH: str(len(text)), "Accept-Encoding": "identity"}
 
 
 def http_error_message(status: int, body: bytes) -> str:
@@ -74,3 +79,56 @@ def http_error_message(status: int, body: bytes) -> str:
     if isinstance(payload, dict) and isinstance(payload.get("error"), str):
         return f"HTTP {status}: {payload['error']}"
     return f"HTTP {status}: {body[:200].decode('utf-8', 'replace')}"
+
+
+class ResponseFormatError(ValueError):
+    """An inference response that does not parse as Triton's wire format (counted, never raised out of a run)."""
+
+
+def _tensor(name: str, datatype: str, shape: list[int], data: bytes) -> NDArray[Any]:
+    try:
+        dtype = numpy_dtype(datatype)
+    except KeyError:
+        raise ResponseFormatError(f"output {name!r}: datatype {datatype} is not supported") from None
+    try:
+        return np.frombuffer(data, dtype=dtype).reshape(shape)
+    except ValueError as exc:
+        raise ResponseFormatError(f"output {name!r}: {len(data)} bytes do not fit {datatype} {shape}") from exc
+
+
+def grpc_infer_outputs(body: bytes) -> dict[str, NDArray[Any]]:
+    """The outputs of a serialized ModelInferResponse (raw_output_contents, as Triton sends them)."""
+    response = service_pb2.ModelInferResponse()
+    try:
+        response.ParseFromString(body)
+    except DecodeError as exc:
+        raise ResponseFormatError(f"not a ModelInferResponse: {exc}") from exc
+    if len(response.raw_output_contents) != len(response.outputs):
+        raise ResponseFormatError(f"{len(response.outputs)} outputs but {len(response.raw_output_contents)} "
+                                  "raw contents")
+    return {out.name: _tensor(out.name, out.datatype, list(out.shape), data)
+            for out, data in zip(response.outputs, response.raw_output_contents, strict=True)}
+
+
+def http_infer_outputs(body: bytes, header_length: str | None) -> dict[str, NDArray[Any]]:
+    """The outputs of an HTTP response: a JSON header (`header_length` bytes, the whole body when None),
+    then each binary output's bytes in order (`binary_data_size`); JSON `data` lists are read too."""
+    try:
+        split = len(body) if header_length is None else int(header_length)
+        header = json.loads(body[:split])
+        outputs = header["outputs"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ResponseFormatError(f"not an inference response header: {exc}") from exc
+    arrays, offset = {}, split
+    for out in outputs:
+        name, datatype, shape = out["name"], out["datatype"], [int(d) for d in out["shape"]]
+        size = (out.get("parameters") or {}).get("binary_data_size")
+        if size is not None:
+            arrays[name] = _tensor(name, datatype, shape, body[offset : offset + int(size)])
+            offset += int(size)
+        else:
+            try:
+                arrays[name] = np.asarray(out["data"], dtype=numpy_dtype(datatype)).reshape(shape)
+            except (KeyError, ValueError) as exc:
+                raise ResponseFormatError(f"output {name!r}: no binary data and no readable data list") from exc
+    return arrays

@@ -1,10 +1,16 @@
 """Send real held-out inputs to the running server over gRPC and HTTP and compare each answer with
-ONNX Runtime running the same artifact locally."""
+the same artifact run locally under the runtime that built it.
+
+`expected_archive` turns what was sent and expected into the arrays of one .npz
+(`<variant>/input/<name>`, `<variant>/output/<name>`, leading sample axis) that
+`perfclient --validate` reads; the CLI writes it.
+"""
 
 from __future__ import annotations
 
+import io
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +47,16 @@ class VerifyResult:
     source: str = "held-out"  # what the samples are: held-out, held-out calibration, synthetic
 
 
+@dataclass(frozen=True)
+class VariantCheck:
+    """One variant's verification: the answers per protocol, the samples sent and the outputs expected."""
+
+    variant: str
+    results: tuple[VerifyResult, ...]
+    inputs: Mapping[str, NDArray[Any]]
+    expected: Mapping[str, NDArray[Any]]
+
+
 def _infer(
     protocol: Protocol, url: str, model: str, feed: dict[str, NDArray[Any]], outputs: list[str]
 ) -> dict[str, NDArray[Any]]:
@@ -65,8 +81,8 @@ def _infer(
         client.close()
 
 
-def verify_variant(repository: Path, name: str, samples: dict[str, NDArray[Any]], urls: Mapping[Protocol, str],
-                   batch: int = 4, source: str = "held-out") -> list[VerifyResult]:
+def check_variant(repository: Path, name: str, samples: dict[str, NDArray[Any]], urls: Mapping[Protocol, str],
+                  batch: int = 4, source: str = "held-out") -> VariantCheck:
     record = read_record(repository / name)
     if record is None:
         raise BuilderError(f"{repository / name}: no build record; run `make engines` first")
@@ -88,7 +104,29 @@ def verify_variant(repository: Path, name: str, samples: dict[str, NDArray[Any]]
                 worst = max(worst, float(np.max(np.abs(got[out].astype(np.float64) - want))))
                 ok = ok and bool(np.allclose(got[out], want, atol=ATOL, rtol=RTOL))
         results.append(VerifyResult(name, protocol, count, worst, ok, source))
-    return results
+    return VariantCheck(name, tuple(results), dict(samples), dict(expected))
+
+
+def verify_variant(repository: Path, name: str, samples: dict[str, NDArray[Any]], urls: Mapping[Protocol, str],
+                   batch: int = 4, source: str = "held-out") -> list[VerifyResult]:
+    return list(check_variant(repository, name, samples, urls, batch, source).results)
+
+
+def expected_archive(checks: Sequence[VariantCheck]) -> dict[str, NDArray[Any]]:
+    """The arrays of a `--save` file: `<variant>/input/<name>` and `<variant>/output/<name>`, samples on axis 0."""
+    arrays: dict[str, NDArray[Any]] = {}
+    for check in checks:
+        for kind, tensors in (("input", check.inputs), ("output", check.expected)):
+            for tensor, array in tensors.items():
+                arrays[f"{check.variant}/{kind}/{tensor}"] = np.ascontiguousarray(array)
+    return arrays
+
+
+def npz_bytes(arrays: Mapping[str, NDArray[Any]]) -> bytes:
+    """An uncompressed .npz of `arrays` in memory, for an atomic write."""
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    return buffer.getvalue()
 
 
 def _signature_inputs(spec: ModelSpec, repository: Path) -> tuple[TensorSpec, ...]:
@@ -119,14 +157,20 @@ def verification_samples(spec: ModelSpec, repository: Path, count: int) -> tuple
     return samples_mod.random_samples(inputs, dict(spec.dims), count, seed=1, integers=True), "synthetic (opt shape)"
 
 
-def verify_models(
+def check_models(
     specs: list[ModelSpec], repository: Path, urls: Mapping[Protocol, str], samples: int = 16
-) -> list[VerifyResult]:
-    results: list[VerifyResult] = []
+) -> list[VariantCheck]:
+    checks: list[VariantCheck] = []
     for spec in specs:
         chosen, source = verification_samples(spec, repository, samples)
         if source != "held-out":
             log.info("%s: no evaluation data in the manifest; verifying with %s samples", spec.name, source)
         for prec in spec.precisions:
-            results.extend(verify_variant(repository, variant_name(spec.name, prec), chosen, urls, source=source))
-    return results
+            checks.append(check_variant(repository, variant_name(spec.name, prec), chosen, urls, source=source))
+    return checks
+
+
+def verify_models(
+    specs: list[ModelSpec], repository: Path, urls: Mapping[Protocol, str], samples: int = 16
+) -> list[VerifyResult]:
+    return [r for check in check_models(specs, repository, urls, samples) for r in check.results]

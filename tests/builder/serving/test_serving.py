@@ -80,3 +80,81 @@ def test_a_model_without_evaluation_data_is_verified_with_synthetic_samples_and_
     assert {(r.variant, r.protocol) for r in results} == {
         (f"seq_{p}", proto) for p in ("fp32", "fp16") for proto in (Protocol.GRPC, Protocol.HTTP)}
     assert all(r.ok and r.samples == 5 and r.source == "synthetic (opt shape)" for r in results)
+
+
+def _mlp_manifest(tmp_path: Path, data: Path) -> Path:
+    """The tiny repository's `mlp` model as a models.toml (its ONNX and data live beside the repository)."""
+    path = tmp_path / "models.toml"
+    path.write_text(f'''
+[[model]]
+name = "mlp"
+onnx = "{data / 'mlp.onnx'}"
+precisions = ["fp32", "fp16", "int8"]
+batch = {{ min = 1, opt = 4, max = 8 }}
+
+[model.calibration]
+source = "{data / 'mlp_calib.npz'}"
+samples = 64
+
+[model.evaluation]
+source = "{data / 'mlp_eval.npz'}"
+samples = 32
+''')
+    return path
+
+
+def _verify_cli(triton: TritonServer, repository: Path, manifest: Path, *extra: str) -> list[str]:
+    return ["verify", "--manifest", str(manifest), "--repository", str(repository),
+            "--grpc-url", f"127.0.0.1:{triton.ports.grpc}", "--http-url", f"127.0.0.1:{triton.ports.http}", *extra]
+
+
+def test_verify_save_writes_the_samples_and_the_outputs_the_server_returns(
+    triton: TritonServer, tiny_repository: tuple[Path, list[ModelSpec]], tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import tritonclient.grpc as tc
+
+    from builder.cli import main
+
+    repository, _ = tiny_repository
+    saved = tmp_path / "out" / "expected.npz"
+    code = main(_verify_cli(triton, repository, _mlp_manifest(tmp_path, repository.parent),
+                            "--samples", "6", "--save", str(saved)))
+    assert code == 0, capsys.readouterr().err
+    assert f"to {saved}" in capsys.readouterr().out
+    variants = [f"mlp_{p}" for p in ("fp32", "fp16", "int8")]
+    with np.load(saved) as archive:
+        arrays = {k: archive[k] for k in archive.files}
+    assert set(arrays) == {f"{v}/{kind}" for v in variants for kind in ("input/x", "output/logits")}
+    evaluation = np.load(repository.parent / "mlp_eval.npz")["x"][:6]
+    client = tc.InferenceServerClient(url=f"127.0.0.1:{triton.ports.grpc}")
+    try:
+        for variant in variants:
+            sent, expected = arrays[f"{variant}/input/x"], arrays[f"{variant}/output/logits"]
+            assert np.array_equal(sent, evaluation)  # the held-out samples verify sent, leading sample axis
+            assert expected.shape == (6, 16) and expected.dtype == np.float32
+            item = tc.InferInput("x", list(sent.shape), "FP32")
+            item.set_data_from_numpy(sent)
+            answer = client.infer(variant, [item]).as_numpy("logits")
+            np.testing.assert_allclose(answer, expected, atol=1e-4, rtol=1e-3)
+        # The variants differ (int8 is not fp32): each entry is its own variant's run, not a copy.
+        assert not np.array_equal(arrays["mlp_int8/output/logits"], arrays["mlp_fp32/output/logits"])
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("target", ["expected.txt", "blocker/expected.npz"])
+def test_verify_save_to_a_bad_path_is_one_line(
+    target: str, triton: TritonServer, tiny_repository: tuple[Path, list[ModelSpec]], tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from builder.cli import main
+
+    repository, _ = tiny_repository
+    (tmp_path / "blocker").write_text("a file where the folder would go\n")
+    code = main(_verify_cli(triton, repository, _mlp_manifest(tmp_path, repository.parent),
+                            "--samples", "2", "--save", str(tmp_path / target)))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1
+    assert len(err) == 1 and err[0].startswith(f"trtbuild: error: --save {tmp_path / target}"), err
+    assert not (tmp_path / target).exists() and not list(tmp_path.glob("**/.expected*"))

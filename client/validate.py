@@ -1,0 +1,105 @@
+"""`--validate FILE.npz`: send the samples `trtbuild verify --save` stored and check every answer.
+
+The file holds `<model>/input/<name>` and `<model>/output/<name>` arrays with a leading sample axis:
+the samples sent and the outputs the local run (under the runtime that built the artifact) gave.
+Each payload is a slice of the samples, cut as `--input-data FILE.npz` cuts them, and carries the
+same slice of the expected outputs; an answer that differs counts as an error of kind `mismatch`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from client.datatypes import numpy_dtype
+from client.errors import PerfClientError
+from client.inputs import from_samples, sample_slices
+from client.protocol import ModelMeta
+
+# The tolerances of `trtbuild verify`, which wrote the file: the server batches requests differently
+# from the local run (dynamic batching, other batch sizes), which may pick other kernels and sum in
+# another order, so bit-equality is too strict; a wrong model, variant or input is far outside.
+ATOL = 1e-4
+RTOL = 1e-3
+# The error kind a validated answer that differs from the expected outputs is counted under.
+MISMATCH = "mismatch"
+
+FLAG = "--validate"
+
+
+@dataclass(frozen=True)
+class Expected:
+    """One model's part of a `--validate` file: the samples to send and the outputs they must give."""
+
+    inputs: Mapping[str, NDArray[Any]]
+    outputs: Mapping[str, NDArray[Any]]
+
+
+def load_expected(path: Path, models: Sequence[str]) -> dict[str, Expected]:
+    """Every model's inputs and expected outputs from `path`; PerfClientError naming --validate otherwise."""
+    if not path.is_file():
+        raise PerfClientError(f"{FLAG} {path}: file not found")
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            arrays = {key: archive[key] for key in archive.files}
+    except (OSError, ValueError) as exc:  # not a zip, a truncated one, or object arrays (pickles)
+        raise PerfClientError(f"{FLAG} {path}: not a readable .npz ({exc})") from exc
+    found = {}
+    for model in models:
+        parts: dict[str, dict[str, NDArray[Any]]] = {"input": {}, "output": {}}
+        for key, array in arrays.items():
+            owner, _, rest = key.partition("/")
+            kind, _, name = rest.partition("/")
+            if owner == model and kind in parts and name:
+                parts[kind][name] = array
+        if not parts["input"] or not parts["output"]:
+            held = sorted({key.partition("/")[0] for key in arrays})
+            raise PerfClientError(f"{FLAG} {path}: no {model}/input/* and {model}/output/* arrays "
+                                  f"(it holds models: {', '.join(held) or 'none'}); "
+                                  "write it with trtbuild verify --save")
+        found[model] = Expected(parts["input"], parts["output"])
+    return found
+
+
+def validated_payloads(meta: ModelMeta, batch: int, expected: Expected,
+                       source: str) -> list[tuple[dict[str, NDArray[Any]], dict[str, NDArray[Any]]]]:
+    """(inputs, expected outputs) per payload: the same sample slices of both, checked against the model."""
+    payloads = from_samples(meta, batch, expected.inputs, source, flag=FLAG)
+    names = sorted(t.name for t in meta.outputs)
+    if sorted(expected.outputs) != names:
+        raise PerfClientError(f"{FLAG} {source}: holds outputs {sorted(expected.outputs)}, model {meta.name} "
+                              f"returns {names}")
+    count = min(len(v) for v in expected.inputs.values())
+    for tensor in meta.outputs:
+        array = expected.outputs[tensor.name]
+        try:
+            dtype = numpy_dtype(tensor.datatype)
+        except KeyError:
+            raise PerfClientError(f"{FLAG} {source}: output {tensor.name!r} of {meta.name} is {tensor.datatype}, "
+                                  "which cannot be compared") from None
+        if array.dtype != dtype:
+            raise PerfClientError(f"{FLAG} {source}: output {tensor.name!r} is {array.dtype}, "
+                                  f"model returns {tensor.datatype}")
+        sample_shape = array.shape[1:]
+        if len(array) < count or len(sample_shape) != len(tensor.shape) or any(
+            d != -1 and d != s for d, s in zip(tensor.shape, sample_shape, strict=True)
+        ):
+            raise PerfClientError(f"{FLAG} {source}: output {tensor.name!r} is {list(array.shape)}, expected "
+                                  f"{count} samples of {list(tensor.shape)}")
+    slices = sample_slices(meta, batch, count)
+    return [(inputs, {name: np.ascontiguousarray(array[part]) for name, array in expected.outputs.items()})
+            for inputs, part in zip(payloads, slices, strict=True)]
+
+
+def outputs_match(got: Mapping[str, NDArray[Any]], expected: Mapping[str, NDArray[Any]]) -> bool:
+    """Every expected output present, of the same shape, and allclose (ATOL, RTOL)."""
+    for name, want in expected.items():
+        have = got.get(name)
+        if have is None or have.shape != want.shape or not np.allclose(have, want, atol=ATOL, rtol=RTOL):
+            return False
+    return True
