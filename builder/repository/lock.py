@@ -37,9 +37,12 @@ def _holder(path: Path) -> str:
 def repository_lock(repository: Path, *, what: str, wait: bool = True,
                     timeout_s: float | None = None) -> Iterator[None]:
     """Hold the repository's write lock; wait for the current holder (saying so) or fail at once."""
-    repository.mkdir(parents=True, exist_ok=True)
     path = repository / LOCK_FILE
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        repository.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise BuilderError(f"--repository {repository}: cannot create or lock it ({exc.strerror or exc})") from exc
     try:
         started = time.monotonic()
         announced = False

@@ -2,8 +2,8 @@
 
 Variants are built in a staging folder inside the repository (same filesystem, so renames are
 atomic) and swapped in only once every model of the run has passed; a failed run leaves every
-existing model exactly as it was. A staging folder belongs to the build that made it (its pid is
-in the name): another build never touches it, and only the leftovers of dead builds are removed.
+existing model exactly as it was. Staging lives only under the repository lock, so at the start of
+a build every staging or trash folder present was left by a build that died, and is removed.
 
 The swap exchanges the staged and the live folder in one `renameat2(RENAME_EXCHANGE)` call, so a
 reader (Triton polling the repository) never finds the model folder missing. Where the filesystem
@@ -17,7 +17,6 @@ import ctypes.util
 import errno
 import logging
 import os
-import re
 import shutil
 import tempfile
 from functools import cache
@@ -30,19 +29,8 @@ log = logging.getLogger(__name__)
 
 _STAGING_PREFIX = ".staging-"
 _TRASH_PREFIX = ".trash-"
-_OWNER = re.compile(r"^\.(?:staging|trash)-(\d+)-")
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, owned by someone else
-    return True
 
 
 @cache
@@ -69,6 +57,22 @@ def exchange(a: Path, b: Path) -> bool:
     raise OSError(code, f"exchanging {a} and {b}: {os.strerror(code)}")
 
 
+def leftovers(repository: Path) -> list[Path]:
+    """Staging and trash folders in the repository (Triton would try to load them as models)."""
+    return sorted(p for p in repository.iterdir() if p.is_dir() and p.name.startswith((_STAGING_PREFIX, _TRASH_PREFIX)))
+
+
+def clear_leftovers(repository: Path) -> list[Path]:
+    """Remove every staging and trash folder, whoever made it. Only under the repository lock: then no
+    other writer is running here, so each one is left by a build that died (this version's naming or
+    an older one's)."""
+    found = leftovers(repository)
+    for child in found:
+        log.info("removing %s, left by a build that is no longer running", child)
+        shutil.rmtree(child, ignore_errors=True)
+    return found
+
+
 class Staging:
     """A staging area for one build run: `dir(name)` gives a fresh folder, `commit()` swaps them in.
     Callers hold the repository lock (builder.repository.lock) around its whole life."""
@@ -86,12 +90,7 @@ class Staging:
         self._names: list[str] = []
 
     def _clear_leftovers(self) -> None:
-        """Remove staging and trash folders whose build died; a live build's are left alone."""
-        for child in self.repository.iterdir():
-            match = _OWNER.match(child.name)
-            if child.is_dir() and match and int(match.group(1)) != os.getpid() and not _alive(int(match.group(1))):
-                log.info("removing %s, left by a build that is no longer running", child)
-                shutil.rmtree(child, ignore_errors=True)
+        clear_leftovers(self.repository)
 
     def dir(self, name: str) -> Path:
         path = self.root / name

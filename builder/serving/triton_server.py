@@ -456,6 +456,24 @@ def clean_leftovers(state_dir: Path, timeout: float = 10.0, grace: float = 2.0) 
     return done
 
 
+def _clear_build_leftovers(repository: Path) -> None:
+    """Triton would try to load a dead build's staging folder as a model and refuse to start: remove
+    them while no build holds the repository lock; while one does, say so instead of failing later."""
+    from builder.errors import BuilderError
+    from builder.repository.lock import repository_lock
+    from builder.repository.staging import clear_leftovers, leftovers
+
+    if not leftovers(repository):
+        return
+    try:
+        with repository_lock(repository, what="serve", wait=False):
+            for path in clear_leftovers(repository):
+                log.warning("removed %s, left in the repository by a build that died", path)
+    except BuilderError as exc:
+        raise ServerError(f"--repository {repository}: a build is writing it right now; serve once it is done "
+                          f"({exc})") from exc
+
+
 class TritonServer:
     """A Triton process on loopback ports; `start()` returns once /v2/health/ready answers 200.
 
@@ -481,6 +499,7 @@ class TritonServer:
     def start(self, timeout: float = 120.0, detach: bool = False) -> None:
         if not self.repository.is_dir():
             raise ServerError(f"--repository {self.repository}: folder not found; run `make engines` first")
+        _clear_build_leftovers(self.repository)
         with _state_lock(self.state_dir):
             other = running(self.state_dir)
             if other is not None:
@@ -583,7 +602,7 @@ def stop_recorded(state_dir: Path, timeout: float = 30.0) -> Stopped:
         if record is None:
             return Stopped(None, clean_leftovers(state_dir))
         why = _mismatch(record.pid, record.start_ticks, state_dir)
-        if why == "has exited":
+        if why is not None and why.startswith("has exited"):  # ours is gone (its pid may serve another now)
             _forget(state_dir, record)
             return Stopped(None, clean_leftovers(state_dir), exited=record.pid)
         if why is not None:

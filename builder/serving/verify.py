@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 # The server batches requests differently from the local run, which may pick other kernels.
 ATOL = 1e-4
+REQUEST_TIMEOUT_S = 60.0  # one verify request; a server that takes longer is stuck
 RTOL = 1e-3
 
 
@@ -63,17 +64,23 @@ def _infer(
     client: Any
     if protocol is Protocol.GRPC:
         import tritonclient.grpc as tc
+
+        client = tc.InferenceServerClient(url=url)
+        call_options: dict[str, Any] = {"client_timeout": REQUEST_TIMEOUT_S}
     else:
         import tritonclient.http as tc
-    client = tc.InferenceServerClient(url=url)
+
+        client = tc.InferenceServerClient(url=url, connection_timeout=REQUEST_TIMEOUT_S,
+                                          network_timeout=REQUEST_TIMEOUT_S)
+        call_options = {}
+    inputs = []
+    for name, array in feed.items():
+        item = tc.InferInput(name, list(array.shape), triton_datatype(array.dtype))
+        item.set_data_from_numpy(array)
+        inputs.append(item)
+    requested = [tc.InferRequestedOutput(n) for n in outputs]
     try:
-        inputs = []
-        for name, array in feed.items():
-            item = tc.InferInput(name, list(array.shape), triton_datatype(array.dtype))
-            item.set_data_from_numpy(array)
-            inputs.append(item)
-        requested = [tc.InferRequestedOutput(n) for n in outputs]
-        result = client.infer(model, inputs, outputs=requested)
+        result = client.infer(model, inputs, outputs=requested, **call_options)
         return {n: result.as_numpy(n) for n in outputs}
     except (InferenceServerException, OSError) as exc:  # the server's answer, or no connection
         raise ServerError(f"{model}: {protocol} request to {url} failed: {str(exc).strip()[:200]}") from exc

@@ -66,13 +66,17 @@ TOOL_ERRORS: tuple[type[BaseException], ...] = (
 QUANTIZER_TIMEOUT_S = float(os.environ.get("TRTBUILD_QUANTIZER_TIMEOUT_S", "3600"))
 
 
-def failure_log(what: str, output: str, exc: BaseException | None) -> Path:
-    """Write a tool's captured output (and the exception's traceback) where the one-line error names it."""
+def failure_log(what: str, output: str, exc: BaseException | None) -> Path | str:
+    """Write a tool's captured output (and the exception's traceback) where the one-line error names it;
+    where no log can be written, say why instead (the tool's failure is the error to report)."""
     folder = default_cache_dir() / "logs"
-    folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{re.sub(r'[^A-Za-z0-9_.-]+', '_', what)}.log"
     trace = "".join(traceback.format_exception(exc)) if exc is not None else ""
-    path.write_text(f"{what}\n\n--- tool output ---\n{output}\n--- exception ---\n{trace}", encoding="utf-8")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"{what}\n\n--- tool output ---\n{output}\n--- exception ---\n{trace}", encoding="utf-8")
+    except OSError as error:
+        return f"not written: {error.strerror or error}"
     return path
 
 
@@ -131,7 +135,7 @@ def to_fp16(fp32_path: Path, out_path: Path) -> dict[str, object]:
             model = convert_to_mixed_precision(str(fp32_path), low_precision_type="fp16", keep_io_types=True)
         except TOOL_ERRORS as exc:
             record = failure_log(f"fp16 {fp32_path.name}", sink.getvalue(), exc)
-            raise BuilderError(f"{fp32_path}: FP16 conversion failed: {_first_line(exc)} (full output: {record})"
+            raise BuilderError(f"{fp32_path}: FP16 conversion failed: {_last_line(exc)} (full output: {record})"
                                ) from exc
     onnx.save(model, str(out_path))
     onnx_model.load(out_path)
@@ -195,7 +199,7 @@ def to_int8(
         except _INT8_ERRORS as exc:
             output = sink.getvalue() + (exc.output if isinstance(exc, QuantizerFailed) else "")
             record = failure_log(f"int8 {spec.recipe} {fp32_path.name}", output, exc)
-            raise BuilderError(f"{fp32_path}: INT8 calibration ({spec.recipe}) failed: {_first_line(exc)} "
+            raise BuilderError(f"{fp32_path}: INT8 calibration ({spec.recipe}) failed: {_last_line(exc)} "
                                f"(full output: {record})") from exc
         quantized = onnx_model.load(tmp_out)
         qdq = sum(1 for n in quantized.graph.node if n.op_type == "QuantizeLinear")
@@ -249,13 +253,24 @@ def _quantize_ort(fp32_path: Path, calibration: Mapping[str, NDArray[Any]], spec
         proc = subprocess.run([sys.executable, "-m", "builder.steps.precision", str(job)], capture_output=True,
                               text=True, timeout=QUANTIZER_TIMEOUT_S)
     except subprocess.TimeoutExpired as exc:
-        output = "\n".join(str(part) for part in (exc.stdout, exc.stderr) if part)
+        # TimeoutExpired carries bytes even with text=True.
+        output = "\n".join(part.decode("utf-8", "replace") if isinstance(part, bytes) else part
+                           for part in (exc.stdout, exc.stderr) if part)
         raise QuantizerFailed(f"the ONNX Runtime quantizer did not finish within {QUANTIZER_TIMEOUT_S:g} s "
                               "(TRTBUILD_QUANTIZER_TIMEOUT_S)", output) from exc
-    if proc.returncode != 0:
+    if proc.returncode == _TOOL_FAILED:
         lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
-        raise QuantizerFailed(lines[-1] if lines else f"quantizer exited with status {proc.returncode}",
-                              proc.stdout + proc.stderr)
+        raise QuantizerFailed(lines[-1] if lines else "the ONNX Runtime quantizer failed", proc.stdout + proc.stderr)
+    if proc.returncode != 0:  # anything else is a bug (ours or the tool's): keep the child's traceback
+        raise QuantizerCrashed(f"the quantizer subprocess exited with status {proc.returncode}:\n{proc.stderr}")
+
+
+# The quantizer subprocess exits with this status when the tool itself refused the model (TOOL_ERRORS).
+_TOOL_FAILED = 3
+
+
+class QuantizerCrashed(Exception):
+    """The quantizer subprocess died of something other than a tool error: a bug, with its traceback."""
 
 
 class QuantizerFailed(Exception):
@@ -269,7 +284,7 @@ class QuantizerFailed(Exception):
 _INT8_ERRORS: tuple[type[BaseException], ...] = (*TOOL_ERRORS, QuantizerFailed)
 
 
-def _first_line(exc: BaseException) -> str:
+def _last_line(exc: BaseException) -> str:
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
     # ANSI colour codes from ONNX Runtime's log lines have no place in a one-line message.
     return re.sub(r"\x1b\[[0-9;]*m", "", lines[-1] if lines else type(exc).__name__)[:300]
@@ -325,4 +340,9 @@ def _ort_quantize_worker(job_path: str) -> None:
 
 
 if __name__ == "__main__":
-    _ort_quantize_worker(sys.argv[1])
+    try:
+        _ort_quantize_worker(sys.argv[1])
+    except TOOL_ERRORS as exc:
+        traceback.print_exc()
+        print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        sys.exit(_TOOL_FAILED)

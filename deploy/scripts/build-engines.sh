@@ -16,5 +16,9 @@ echo "build-engines: cache key $key"
 # One builder per key at a time; the others wait and then find the build unchanged.
 flock "$cache/$key/.lock" trtbuild engines --manifest "$manifest" --repository "$repo" "$@"
 mkdir -p "$serve"
-cp -a "$repo/." "$serve/"
+# Model folders only: a dead build's .staging-*/.trash-* folder would make Triton fail to start, and
+# the lock file is the builder's business.
+for entry in "$repo"/*; do
+  if [ -d "$entry" ] || [ "$(basename "$entry")" = build_report.json ]; then cp -a "$entry" "$serve/"; fi
+done
 echo "build-engines: $(ls "$serve" | wc -l) entries ready in $serve"

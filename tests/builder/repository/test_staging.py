@@ -3,6 +3,7 @@ at a time, and another build's staging left alone."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -63,23 +64,21 @@ def _can_exchange(root: Path) -> bool:
     return exchange(root / "x", root / "y")
 
 
-def test_leftovers_of_dead_builds_go_and_a_live_builds_staging_stays(tmp_path: Path) -> None:
+def test_a_new_build_removes_every_leftover_staging_folder_old_names_included(tmp_path: Path) -> None:
     repository = tmp_path / "repo"
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
-    try:
-        repository.mkdir()
-        (repository / f".staging-{dead.pid}-abc" / "m").mkdir(parents=True)
-        (repository / f".trash-{dead.pid}-def").mkdir()
-        (repository / f".staging-{live.pid}-ghi" / "m").mkdir(parents=True)
-        staging = Staging(repository)
-        names = sorted(p.name for p in repository.iterdir())
-        assert names == sorted([f".staging-{live.pid}-ghi", staging.root.name])
-        staging.discard()
-    finally:
-        live.kill()
-        live.wait()
+    (repository / "m" / "1").mkdir(parents=True)
+    for leftover in (f".staging-{os.getpid()}-abc/m", ".staging-1-def", ".staging-k2j3h4", ".trash-m-123"):
+        (repository / leftover).mkdir(parents=True)
+    staging = Staging(repository)  # built under the repository lock: no other writer can be running
+    assert sorted(p.name for p in repository.iterdir()) == sorted(["m", staging.root.name])
+    staging.discard()
+
+
+def test_an_unusable_repository_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("not a folder")
+    with pytest.raises(BuilderError, match=r"--repository .*/file/repo: cannot create or lock it"), \
+            repository_lock(tmp_path / "file" / "repo", what="test"):
+        pass
 
 
 HOLD = """
@@ -109,7 +108,7 @@ def test_a_second_writer_fails_naming_the_holder_or_waits_for_it(tmp_path: Path)
         holder.wait()
 
 
-@pytest.mark.parametrize("offset_s", [0.0, 0.7, 2.0])
+@pytest.mark.parametrize("offset_s", [0.0, 0.3, 2.0])
 def test_two_builds_into_one_repository_at_once_both_land(tmp_path: Path, offset_s: float) -> None:
     onnx_path = mlp_onnx(tmp_path / "mlp.onnx")
     repository = tmp_path / "repo"
@@ -122,9 +121,13 @@ def test_two_builds_into_one_repository_at_once_both_land(tmp_path: Path, offset
     first = build("first")
     time.sleep(offset_s)
     second = build("second")
+    errors = []
     for proc in (first, second):
         _, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, err
+        errors.append(err)
+    if offset_s < 1:  # they overlapped: one of them waited for the other, and said so
+        assert any("waiting for the build of" in err for err in errors), errors
     for name in ("first_fp32", "second_fp32"):
         assert (repository / name / "config.pbtxt").is_file() and (repository / name / "build.json").is_file()
         assert (repository / name / "1" / "model.onnx").is_file()

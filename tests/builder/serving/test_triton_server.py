@@ -195,9 +195,13 @@ def test_stop_refuses_a_pid_that_is_not_our_tritonserver(
         source = state / STATE_FILE
         why = ("has exited; the pid now belongs to another process (`sleep 60`)" if record == "json-recycled"
                else "is not a tritonserver (it runs `sleep 60`)")
-    assert main(["stop", "--state-dir", str(state)]) == 1
-    assert error_lines(capsys) == [f"trtbuild: error: pid {sleeper.pid} in {source} {why}: not signalled; "
-                                   "removed the stale record"]
+    if record == "json-recycled":  # our server exited and its pid was reused: nothing of ours to stop
+        assert main(["stop", "--state-dir", str(state)]) == 0
+        assert f"recorded pid {sleeper.pid} had exited" in capsys.readouterr().out
+    else:
+        assert main(["stop", "--state-dir", str(state)]) == 1
+        assert error_lines(capsys) == [f"trtbuild: error: pid {sleeper.pid} in {source} {why}: not signalled; "
+                                       "removed the stale record"]
     time.sleep(0.2)
     assert sleeper.poll() is None  # untouched
     assert read_record(state) is None
@@ -239,3 +243,15 @@ def test_backends_are_prepared_by_rename_while_the_stub_file_runs(tmp_path: Path
         busy.kill()
         busy.wait(timeout=10)
 
+
+
+def test_serve_removes_a_dead_builds_staging_folder_that_triton_would_load(
+    one_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (one_model / ".staging-1-dead" / "mlp_fp32").mkdir(parents=True)  # as a killed build leaves it
+    state = tmp_path / "run-staging"
+    assert main(serve_args(one_model, state)) == 0
+    try:
+        assert not (one_model / ".staging-1-dead").exists()
+    finally:
+        assert main(["stop", "--state-dir", str(state)]) == 0
