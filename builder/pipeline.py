@@ -91,9 +91,7 @@ def _load_samples(spec: ModelSpec, sig: onnx_model.Signature) -> tuple[samples.S
                 f"model {spec.name!r}: calibration data has {count} samples; with no evaluation data "
                 "expected at least 8 (a quarter is held out for the accuracy check)"
             )
-        cut = count - count // 4
-        evaluation = samples.take(calibration, cut, count)
-        calibration = samples.take(calibration, 0, cut)
+        calibration, evaluation = samples.hold_out(calibration)
     else:
         evaluation = samples.random_samples(sig.inputs, dims, 16, seed=1)
     return evaluation, calibration

@@ -22,7 +22,7 @@ def _umask() -> int:
     return mask
 
 
-def _write(path: Path, fill: Callable[[BinaryIO], None]) -> None:
+def _write(path: Path, fill: Callable[[BinaryIO], None], *, stat_from: Path | None = None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -32,6 +32,8 @@ def _write(path: Path, fill: Callable[[BinaryIO], None]) -> None:
             fill(handle)
             handle.flush()
             os.fsync(handle.fileno())
+        if stat_from is not None:
+            shutil.copystat(stat_from, tmp)  # mode (an executable stays one) and times
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -48,14 +50,17 @@ def write_atomic(path: Path, data: bytes | str) -> None:
     _write(path, fill)
 
 
-def copy_atomic(source: Path, path: Path) -> None:
-    """Copy a file so that `path` appears whole or not at all (streamed: model files are large)."""
+def copy_atomic(source: Path, path: Path, *, keep_stat: bool = False) -> None:
+    """Copy a file so that `path` appears whole or not at all (streamed: model files are large).
+
+    The rename never writes into the old `path`, so it works even where a process executes it (writing
+    over a running executable fails with ETXTBSY). keep_stat: the copy gets source's mode and times."""
     with source.open("rb") as reader:
 
         def fill(handle: BinaryIO) -> None:
             shutil.copyfileobj(reader, handle, 1 << 20)
 
-        _write(path, fill)
+        _write(path, fill, stat_from=source if keep_stat else None)
 
 
 def write_json(path: Path, payload: object) -> None:

@@ -21,7 +21,7 @@ from client.errors import PerfClientError
 from client.inputs import from_samples, sample_slices
 from client.protocol import ModelMeta
 
-# The tolerances of `trtbuild verify`, which wrote the file: the server batches requests differently
+# The tolerances of `trtbuild verify` (which imports them) and of --validate: the server batches requests differently
 # from the local run (dynamic batching, other batch sizes), which may pick other kernels and sum in
 # another order, so bit-equality is too strict; a wrong model, variant or input is far outside.
 ATOL = 1e-4

@@ -68,7 +68,7 @@ def clear_leftovers(repository: Path) -> list[Path]:
     an older one's)."""
     found = leftovers(repository)
     for child in found:
-        log.info("removing %s, left by a build that is no longer running", child)
+        log.warning("removing %s, left by a build that died", child)
         shutil.rmtree(child, ignore_errors=True)
     return found
 

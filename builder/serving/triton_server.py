@@ -17,18 +17,15 @@ running for a long time): starting and stopping find, stop and clean them, and s
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import importlib.util
 import json
 import logging
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -37,9 +34,11 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from builder.errors import ServerError
+from builder.errors import BuilderError, ServerError
+from builder.repository.lock import LockBusy, exclusive, repository_lock
+from builder.repository.staging import clear_leftovers, leftovers
 from client.choices import Choice
-from client.files import write_json
+from client.files import copy_atomic, write_json
 
 log = logging.getLogger(__name__)
 
@@ -85,24 +84,14 @@ def library_dir() -> Path:
 
 
 def _install(source: Path, target: Path) -> None:
-    """Copy source to target by a temporary name and a rename, never by writing over target.
-
-    A stub of a running (or dead but lingering) server executes `target`: writing into it fails with
-    ETXTBSY, while a rename only unlinks the old name and the running process keeps its inode.
-    A target already equal in size and modification time (copy2 keeps it) is left alone."""
+    """Copy source to target by a temporary name and a rename, never by writing over target: a stub of a
+    running (or dead but lingering) server executes `target`, and writing into it fails with ETXTBSY.
+    A target already equal in size and modification time (the copy keeps them) is left alone."""
     with contextlib.suppress(OSError):
         have, want = target.stat(), source.stat()
         if have.st_size == want.st_size and have.st_mtime_ns == want.st_mtime_ns:
             return
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    os.close(fd)
-    try:
-        shutil.copy2(source, tmp)  # contents, mode (the stub's executable bit) and times
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    copy_atomic(source, target, keep_stat=True)
 
 
 def prepare_backends(state_dir: Path) -> Path:
@@ -249,12 +238,17 @@ def _backend_dir_of(pid: int, argv: list[str]) -> Path | None:
     return None
 
 
+def _exited(pid: int, ticks: int | None) -> bool:
+    """The process recorded as (pid, start ticks) is gone, even if its pid now names another one."""
+    return not alive(pid) or (ticks is not None and start_ticks(pid) != ticks)
+
+
 def _mismatch(pid: int, ticks: int | None, state_dir: Path) -> str | None:
     """None when pid is the live tritonserver of state_dir (started at `ticks` when known), else why not."""
     if not alive(pid):
         return "has exited"
     argv = _cmdline(pid)
-    if ticks is not None and start_ticks(pid) != ticks:
+    if _exited(pid, ticks):
         return f"has exited; the pid now belongs to another process (`{_shown(argv)}`)"
     if not _is_tritonserver(argv):
         return f"is not a tritonserver (it runs `{_shown(argv)}`)"
@@ -320,21 +314,12 @@ def _forget(state_dir: Path, record: ServerRecord | None = None) -> None:
 def _state_lock(state_dir: Path, timeout: float = 30.0) -> Iterator[None]:
     """One starter or stopper at a time per state folder (flock: released by the kernel if we die)."""
     state_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(state_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise ServerError(f"--state-dir {state_dir}: another trtbuild serve or stop held "
-                                      f"{LOCK_FILE} for {timeout:.0f} s") from None
-                time.sleep(0.1)
-        yield
-    finally:
-        os.close(fd)
+        with exclusive(state_dir / LOCK_FILE, wait_s=timeout, poll_s=0.1):
+            yield
+    except LockBusy:
+        raise ServerError(f"--state-dir {state_dir}: another trtbuild serve or stop held "
+                          f"{LOCK_FILE} for {timeout:.0f} s") from None
 
 
 def running(state_dir: Path) -> ServerRecord | None:
@@ -459,16 +444,11 @@ def clean_leftovers(state_dir: Path, timeout: float = 10.0, grace: float = 2.0) 
 def _clear_build_leftovers(repository: Path) -> None:
     """Triton would try to load a dead build's staging folder as a model and refuse to start: remove
     them while no build holds the repository lock; while one does, say so instead of failing later."""
-    from builder.errors import BuilderError
-    from builder.repository.lock import repository_lock
-    from builder.repository.staging import clear_leftovers, leftovers
-
     if not leftovers(repository):
         return
     try:
         with repository_lock(repository, what="serve", wait=False):
-            for path in clear_leftovers(repository):
-                log.warning("removed %s, left in the repository by a build that died", path)
+            clear_leftovers(repository)
     except BuilderError as exc:
         raise ServerError(f"--repository {repository}: a build is writing it right now; serve once it is done "
                           f"({exc})") from exc
@@ -601,10 +581,10 @@ def stop_recorded(state_dir: Path, timeout: float = 30.0) -> Stopped:
         record = read_record(state_dir)
         if record is None:
             return Stopped(None, clean_leftovers(state_dir))
-        why = _mismatch(record.pid, record.start_ticks, state_dir)
-        if why is not None and why.startswith("has exited"):  # ours is gone (its pid may serve another now)
+        if _exited(record.pid, record.start_ticks):  # ours is gone (its pid may serve another now)
             _forget(state_dir, record)
             return Stopped(None, clean_leftovers(state_dir), exited=record.pid)
+        why = _mismatch(record.pid, record.start_ticks, state_dir)
         if why is not None:
             _forget(state_dir, record)
             raise ServerError(f"pid {record.pid} in {state_dir / record.source} {why}: not signalled; "

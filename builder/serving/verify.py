@@ -29,13 +29,11 @@ from builder.steps import onnx_model
 from builder.steps import samples as samples_mod
 from client.datatypes import triton_datatype
 from client.protocol import Protocol
+from client.validate import ATOL, RTOL  # one pair of tolerances for verify and perfclient --validate
 
 log = logging.getLogger(__name__)
 
-# The server batches requests differently from the local run, which may pick other kernels.
-ATOL = 1e-4
 REQUEST_TIMEOUT_S = 60.0  # one verify request; a server that takes longer is stuck
-RTOL = 1e-3
 
 
 @dataclass(frozen=True)
@@ -156,10 +154,8 @@ def verification_samples(spec: ModelSpec, repository: Path, count: int) -> tuple
     if spec.evaluation is not None:
         return samples_mod.take(samples_mod.load(spec.evaluation, f"{what}: evaluation"), 0, count), "held-out"
     if spec.calibration is not None:
-        calibration = samples_mod.load(spec.calibration.data, f"{what}: calibration")
-        total = len(next(iter(calibration.values())))
-        start = total - total // 4
-        return samples_mod.take(calibration, start, min(total, start + count)), "held-out calibration"
+        _, held_out = samples_mod.hold_out(samples_mod.load(spec.calibration.data, f"{what}: calibration"))
+        return samples_mod.take(held_out, 0, count), "held-out calibration"
     inputs = _signature_inputs(spec, repository)
     return samples_mod.random_samples(inputs, dict(spec.dims), count, seed=1, integers=True), "synthetic (opt shape)"
 

@@ -13,6 +13,7 @@ import numpy as np
 import onnx
 from numpy.typing import NDArray
 
+from builder.errors import last_line
 from builder.runtimes.onnxruntime import ORT_ERRORS, run_file
 from builder.steps import onnx_model
 
@@ -54,7 +55,7 @@ def slim(path: Path, probe: Mapping[str, NDArray[Any]]) -> SlimReport:
     except ORT_ERRORS as exc:  # onnxslim wrote a graph ONNX Runtime rejects: keep the exported one
         candidate.unlink()
         log.warning("onnxslim's graph does not run under ONNX Runtime (%s); keeping the exported graph",
-                    str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else type(exc).__name__)
+                    last_line(exc, 200))
         return SlimReport(applied=False, reason=f"slimmed graph does not run: {type(exc).__name__}",
                           nodes_before=nodes_before)
     worst = max(float(np.max(np.abs(reference[k] - result[k]))) for k in reference)

@@ -30,7 +30,7 @@ import numpy as np
 import onnx
 from numpy.typing import NDArray
 
-from builder.errors import BuilderError
+from builder.errors import BuilderError, last_line
 from builder.runtimes.onnxruntime import ORT_ERRORS
 from builder.spec.enums import CalibrationMethod, Int8Recipe
 from builder.spec.model import CalibrationSpec
@@ -135,7 +135,7 @@ def to_fp16(fp32_path: Path, out_path: Path) -> dict[str, object]:
             model = convert_to_mixed_precision(str(fp32_path), low_precision_type="fp16", keep_io_types=True)
         except TOOL_ERRORS as exc:
             record = failure_log(f"fp16 {fp32_path.name}", sink.getvalue(), exc)
-            raise BuilderError(f"{fp32_path}: FP16 conversion failed: {_last_line(exc)} (full output: {record})"
+            raise BuilderError(f"{fp32_path}: FP16 conversion failed: {last_line(exc)} (full output: {record})"
                                ) from exc
     onnx.save(model, str(out_path))
     onnx_model.load(out_path)
@@ -199,7 +199,7 @@ def to_int8(
         except _INT8_ERRORS as exc:
             output = sink.getvalue() + (exc.output if isinstance(exc, QuantizerFailed) else "")
             record = failure_log(f"int8 {spec.recipe} {fp32_path.name}", output, exc)
-            raise BuilderError(f"{fp32_path}: INT8 calibration ({spec.recipe}) failed: {_last_line(exc)} "
+            raise BuilderError(f"{fp32_path}: INT8 calibration ({spec.recipe}) failed: {last_line(exc)} "
                                f"(full output: {record})") from exc
         quantized = onnx_model.load(tmp_out)
         qdq = sum(1 for n in quantized.graph.node if n.op_type == "QuantizeLinear")
@@ -282,12 +282,6 @@ class QuantizerFailed(Exception):
 
 
 _INT8_ERRORS: tuple[type[BaseException], ...] = (*TOOL_ERRORS, QuantizerFailed)
-
-
-def _last_line(exc: BaseException) -> str:
-    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    # ANSI colour codes from ONNX Runtime's log lines have no place in a one-line message.
-    return re.sub(r"\x1b\[[0-9;]*m", "", lines[-1] if lines else type(exc).__name__)[:300]
 
 
 def _ort_quantize_worker(job_path: str) -> None:

@@ -119,6 +119,14 @@ def take(samples: Mapping[str, NDArray[Any]], start: int, stop: int) -> Samples:
     return {k: v[start:stop] for k, v in samples.items()}
 
 
+def hold_out(calibration: Samples) -> tuple[Samples, Samples]:
+    """(calibration, held out): the last quarter of the samples is kept for the accuracy check and
+    never calibrated on. The build and verify both split this way."""
+    count = len(next(iter(calibration.values())))
+    cut = count - count // 4
+    return take(calibration, 0, cut), take(calibration, cut, count)
+
+
 def random_samples(inputs: tuple[TensorSpec, ...], dims: Mapping[str, DimRange], count: int, seed: int, *,
                    integers: bool = False) -> Samples:
     """Synthetic inputs at the opt size of dynamic dims. Floats only, unless `integers`: then integer

@@ -22,6 +22,7 @@ from builder.serving.triton_server import (
     SHM_REGION,
     STATE_FILE,
     STUB_NAME,
+    ServerRecord,
     alive,
     free_ports,
     prepare_backends,
@@ -121,17 +122,25 @@ def test_serve_records_the_server_and_refuses_a_second_one(
     assert not any("cleaned up" in r.getMessage() for r in caplog.records)  # a normal stop leaves nothing
 
 
-def test_serve_after_sigkill_starts_cleanly_and_no_stub_survives(
-    one_model: Path, state: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
-) -> None:
+@pytest.fixture
+def crashed(one_model: Path, state: Path) -> Iterator[tuple[ServerRecord, dict[int, str]]]:
+    """A server started by `trtbuild serve` and SIGKILLed: its record and the stubs it left running."""
     assert main(serve_args(one_model, state)) == 0
     dead = read_record(state)
     assert dead is not None
     old = stubs_of(state)
     assert old, "the python backend started no stub"
     assert all((SHM_DIR / region).exists() for region in old.values())
-
     _kill_hard(dead.pid)
+    yield dead, old
+    _reap(dead.pid)
+
+
+def test_serve_after_sigkill_starts_cleanly_and_no_stub_survives(
+    one_model: Path, state: Path, crashed: tuple[ServerRecord, dict[int, str]],
+    capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    dead, old = crashed
     time.sleep(1.0)
     assert all(alive(pid) for pid in old), "the premise: SIGKILL of tritonserver leaves its stubs running"
 
@@ -149,17 +158,13 @@ def test_serve_after_sigkill_starts_cleanly_and_no_stub_survives(
     new = stubs_of(state)
     assert new and not set(new) & set(old)
     assert all(_cmdline(pid)[5] == str(fresh.pid) for pid in new)  # every stub now is the new server's
-    _reap(dead.pid)
 
 
 def test_stop_after_sigkill_cleans_the_stubs(
-    one_model: Path, state: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+    state: Path, crashed: tuple[ServerRecord, dict[int, str]], capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture
 ) -> None:
-    assert main(serve_args(one_model, state)) == 0
-    dead = read_record(state)
-    assert dead is not None
-    old = stubs_of(state)
-    _kill_hard(dead.pid)
+    dead, old = crashed
     capsys.readouterr()
     assert main(["stop", "--state-dir", str(state)]) == 0
     assert f"no tritonserver was running (recorded pid {dead.pid} had exited)" in capsys.readouterr().out
@@ -167,7 +172,6 @@ def test_stop_after_sigkill_cleans_the_stubs(
     assert not any((SHM_DIR / region).exists() for region in old.values())
     assert any("cleaned up after a dead tritonserver" in r.getMessage() for r in caplog.records)
     assert not (state / STATE_FILE).exists()
-    _reap(dead.pid)
 
 
 @pytest.fixture
