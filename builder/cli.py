@@ -88,11 +88,21 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--metrics-port", type=int, default=8002)
     serve.add_argument("--background", action="store_true", help="return once /v2/health/ready answers 200")
     serve.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for readiness")
+    serve.add_argument("--model-control", default="none",
+                       help="none (load every model at start) | explicit (load on request: what "
+                            "`trtbuild tune --url` and Model Analyzer's remote mode need)")
 
     tune = sub.add_parser("tune", parents=[verbosity],
                           help="measure serving configurations and write the best into the repository")
     tune.add_argument("name", help="model name from models.toml (variants NAME_<precision>)")
     tune.add_argument("--repository", type=Path, default=Path("model_repository"))
+    tune.add_argument("--manifest", type=Path, default=Path("models.toml"),
+                      help="the winner is kept in tuned.toml beside it, which `trtbuild engines` layers over it")
+    tune.add_argument("--url", default=None, metavar="HOST:PORT",
+                      help="tune this running Triton (HTTP; started with explicit model control) instead of a "
+                           "private one; the winner is written to --repository and loaded on it")
+    tune.add_argument("--grpc-url", default=None, metavar="HOST:PORT", help="with --url (default: HOST:8001)")
+    tune.add_argument("--metrics-url", default=None, help="with --url (default: http://HOST:8002/metrics)")
     tune.add_argument("--precisions", default="fp32,fp16,int8", help="variants to consider")
     tune.add_argument("--max-batch", default="1,4,8,16", help="max_batch_size values")
     tune.add_argument("--queue-delay-us", default="off,0,1000,4000",
@@ -102,12 +112,15 @@ def _parser() -> argparse.ArgumentParser:
     tune.add_argument("--objective", default="throughput", help="throughput | p99 | infer_per_joule")
     tune.add_argument("--p99-budget-ms", type=float, default=None)
     tune.add_argument("--min-throughput", type=float, default=None)
-    tune.add_argument("--search", default="hill", help="hill | exhaustive")
+    tune.add_argument("--search", default="hill", help="hill | exhaustive | tpe (optuna, --trials points)")
+    tune.add_argument("--trials", type=int, default=12, help="with --search tpe: points measured at most")
+    tune.add_argument("--seed", type=int, default=0, help="with --search tpe: the sampler's seed")
     tune.add_argument("--measurement-interval", type=int, default=3000, help="ms per window")
     tune.add_argument("--max-trials", type=int, default=6, help="windows per measurement at most")
     tune.add_argument("--report", type=Path, default=None, help="JSON (default: reports/tune_NAME.json)")
     tune.add_argument("--plot", type=Path, default=None, help="PNG (default: reports/tune_NAME.png)")
-    tune.add_argument("--dry-run", action="store_true", help="measure and report, do not write the winner")
+    tune.add_argument("--dry-run", action="store_true",
+                      help="measure, report and show the change; write neither config.pbtxt nor tuned.toml")
     tune.add_argument("--no-compare", action="store_true", help="skip the side-by-side re-measurement")
     tune.add_argument("--no-wait", action="store_true",
                       help="fail at once when another build or tune is writing the repository (default: wait)")
@@ -190,6 +203,10 @@ def _build(args: argparse.Namespace, specs: list[ModelSpec]) -> int:
     ).check()
     options = BuildOptions(repository=args.repository, force=args.force, wait=not args.no_wait,
                            runtime=select(runtime_choice, serving_backend=serving_backend, trt_options=trt_options))
+    if args.command == "engines":  # `trtbuild tune`'s winners (tuned.toml beside the manifest) are kept
+        from builder.spec.tuned import load_tuned, tuned_path
+
+        options.tuned = load_tuned(tuned_path(args.manifest))
     report = args.report or args.repository / "build_report.json"
     results = build_all(specs, options, report, ["trtbuild", *sys.argv[1:]])
     for result in results:
@@ -236,8 +253,16 @@ def _positive(value: float, flag: str) -> float:
     return value
 
 
+def _host_port(value: str, flag: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ManifestError(f"{flag} {value!r}: expected HOST:PORT")
+    return host, int(port)
+
+
 def _tune(args: argparse.Namespace) -> int:
-    from builder.serving.tune import Goal, Objective, Search, Space, tune
+    from builder.serving.tune import Endpoints, Goal, Objective, Search, Space, tune
+    from builder.spec.tuned import tuned_path
 
     name = check_model_name(args.name, "tune NAME")
     precisions = parse_precisions(args.precisions, "--precisions")
@@ -251,6 +276,22 @@ def _tune(args: argparse.Namespace) -> int:
     if args.measurement_interval < 1 or args.max_trials < 1:
         raise ManifestError(f"--measurement-interval {args.measurement_interval} / --max-trials {args.max_trials}: "
                             "expected positive integers")
+    if args.trials < 1:
+        raise ManifestError(f"--trials {args.trials}: expected a positive integer")
+    attach = None
+    if args.url is not None:
+        host, _ = _host_port(args.url, "--url")
+        grpc = args.grpc_url or f"{host}:8001"
+        _host_port(grpc, "--grpc-url")
+        metrics = args.metrics_url or f"http://{host}:8002/metrics"
+        if not metrics.startswith(("http://", "https://")):
+            raise ManifestError(f"--metrics-url {metrics!r}: expected http://HOST:PORT/metrics")
+        attach = Endpoints(args.url, grpc, metrics)
+    elif args.grpc_url or args.metrics_url:
+        raise ManifestError("--grpc-url/--metrics-url: only with --url (a running server to tune)")
+    specs = {spec.name: spec for spec in load_manifest(args.manifest)}
+    if name not in specs:
+        raise ManifestError(f"tune {name}: not in {args.manifest} (models: {', '.join(specs)})")
     variants = tuple(variant_name(name, p) for p in precisions if (args.repository / variant_name(name, p)).is_dir())
     if not variants:
         raise ManifestError(f"tune {name}: no variant of it in {args.repository}; run `trtbuild engines` first")
@@ -258,35 +299,47 @@ def _tune(args: argparse.Namespace) -> int:
     objective = Objective(goal, budget, floor)
     report_path = args.report or Path("reports") / f"tune_{name}.json"
     plot_path = args.plot or Path("reports") / f"tune_{name}.png"
+    tuned_toml = tuned_path(args.manifest)
     report = tune(args.repository, space, objective, search=search, concurrencies=concurrencies,
                   measurement_ms=args.measurement_interval,
                   default_variant=variants[0], report_path=report_path, plot_path=plot_path, write=not args.dry_run,
-                  compare=not args.no_compare, max_trials=args.max_trials, wait=not args.no_wait)
+                  compare=not args.no_compare, max_trials=args.max_trials, wait=not args.no_wait,
+                  attach=attach, model=name, tuned_toml=tuned_toml, trials=args.trials, seed=args.seed)
     print(f"{'point':<58} {'infer/s':>8} {'p99 ms':>8} {'feasible':>8}")
     for entry in report.points:
         p99 = "-" if entry.p99_ms is None else f"{entry.p99_ms:.1f}"
-        print(f"{entry.label:<58} {entry.throughput:>8.1f} {p99:>8} {'yes' if entry.feasible else 'no':>8}")
-    print(f"{report.search} search: {report.measurements} measurements; Pareto front: {len(report.pareto)} points")
+        failure = f"  failed: {entry.failure}" if entry.failure else ""
+        print(f"{entry.label:<58} {entry.throughput:>8.1f} {p99:>8} {'yes' if entry.feasible else 'no':>8}{failure}")
+    failed = f", {report.failed} failed" if report.failed else ""
+    print(f"{report.search} search: {report.measurements} measurements{failed}; "
+          f"Pareto front: {len(report.pareto)} points")
     print(f"why: {report.why}")
     for row in report.comparison:
         p99 = "-" if row.p99_ms is None else f"{row.p99_ms:.1f}"
         print(f"side by side: {row.config:<20} {row.throughput:>8.1f} infer/s  p99 {p99:>7} ms  "
               f"{'meets' if row.feasible else 'misses'} the constraints  ({row.label})")
+    if args.dry_run:
+        for change in report.changes:
+            print(change, end="" if change.endswith("\n") else "\n")
     written = ""
     if report.winner is not None:
-        written = "not written (--dry-run)" if args.dry_run else f"written to {args.repository / report.winner.variant}"
+        where = f"{args.repository / report.winner.variant} and {tuned_toml}"
+        if attach is not None:
+            where += f", loaded on {attach.http}"
+        written = "not written (--dry-run; the change is shown above)" if args.dry_run else f"written to {where}"
     label = report.winner.label() if report.winner else "-"
     print(f"winner: {label} {written}; report {report_path}, plot {plot_path}")
     return 0
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from builder.serving.triton_server import Ports, TritonServer
+    from builder.serving.triton_server import ModelControl, Ports, TritonServer
 
     # start() records the server in STATE_DIR/tritonserver.json, refuses while the recorded one runs,
     # and cleans (with a warning line) the stubs and /dev/shm regions a dead one left behind.
     ports = Ports(args.http_port, args.grpc_port, args.metrics_port)
-    server = TritonServer(args.repository, args.state_dir, ports)
+    control = ModelControl.parse(args.model_control, "--model-control", error=ManifestError)
+    server = TritonServer(args.repository, args.state_dir, ports, model_control=control)
     if args.background:
         server.start(timeout=args.timeout, detach=True)
         assert server.process is not None

@@ -12,6 +12,7 @@ import logging
 import shutil
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -27,6 +28,7 @@ from builder.runtimes.onnxruntime import run_file
 from builder.spec.model import ModelSpec
 from builder.spec.names import variant_name
 from builder.spec.settings import default_cache_dir
+from builder.spec.tuned import TunedServing, layer
 from builder.steps import cleanup, onnx_model, precision, samples
 from builder.steps.cleanup import SlimReport
 from builder.steps.context import EVAL_BATCH, ModelContext, VariantContext
@@ -45,6 +47,8 @@ class BuildOptions:
     cache_dir: Path = field(default_factory=default_cache_dir)
     force: bool = False
     wait: bool = True  # for another writer of the repository to finish (False: fail at once)
+    # `trtbuild tune`'s settings by variant name (tuned.toml beside the manifest), layered over models.toml.
+    tuned: Mapping[str, TunedServing] = field(default_factory=dict)
 
 
 class ModelStatus(Choice):
@@ -175,6 +179,7 @@ def build_model(spec: ModelSpec, options: BuildOptions, staging: Staging) -> Mod
         key = _digest(inputs_record)
         if not options.force and _up_to_date(spec, options.repository, key):
             log.info("%s: inputs unchanged, nothing rebuilt", spec.name)
+            _layer_tuned(spec, options.repository, options.tuned)
             return ModelResult(spec.name, ModelStatus.UNCHANGED, key, [], seconds=time.perf_counter() - started)
         reasons = rebuild_reasons(spec, options.repository, inputs_record)
         for reason in reasons or ["--force"]:
@@ -192,7 +197,18 @@ def build_model(spec: ModelSpec, options: BuildOptions, staging: Staging) -> Mod
             build_variant(VariantContext(model, prec, options.runtime, staging.dir(variant_name(spec.name, prec))))
             for prec in spec.precisions
         ]
+        _layer_tuned(spec, staging.root, options.tuned)
     return ModelResult(spec.name, ModelStatus.BUILT, key, variants, slim_report, time.perf_counter() - started)
+
+
+def _layer_tuned(spec: ModelSpec, root: Path, tuned: Mapping[str, TunedServing]) -> None:
+    """Each variant's config serves its tuned settings where tuned.toml has some (else the manifest's)."""
+    for prec in spec.precisions:
+        name = variant_name(spec.name, prec)
+        if (root / name / "config.pbtxt").is_file():
+            line = layer(root / name, tuned.get(name))
+            if line is not None:
+                log.info("%s", line)
 
 
 def build_all(

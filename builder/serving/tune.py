@@ -1,6 +1,20 @@
+"""Auto-tuning: search the serving settings (variant, max batch, dynamic-batching delay, instances) of
+one model on a real Triton, measured through perfclient's library.
+
+The server is either a private one started here over a copy of the repository (explicit model
+control), or a running one the user names (`--url`, attach mode, as Model Analyzer's remote mode):
+each point is loaded with a config override through the repository API, measured, and the models
+are restored at the end. A point that fails to load, times out or completes no request is recorded
+as failed with its reason, and the search goes on.
+"""
+
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import io
 import itertools
+import json
 import logging
 import math
 import shutil
@@ -8,15 +22,20 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from builder.errors import BuilderError
+from google.protobuf import json_format
+
+from builder.errors import BuilderError, ServerError
 from builder.repository import triton_config
 from builder.repository.lock import repository_lock
 from builder.serving.triton_server import ModelControl, Ports, TritonServer, free_ports
+from builder.spec import tuned as tuned_file
+from builder.spec.tuned import TunedServing
 from client import session
 from client.choices import Choice
 from client.engine import LoadLevel, Measurement
@@ -35,6 +54,7 @@ class Goal(Choice):
 class Search(Choice):
     HILL = "hill"
     EXHAUSTIVE = "exhaustive"
+    TPE = "tpe"  # optuna's Tree-structured Parzen Estimator: a fixed budget of points, seeded
 
 
 @dataclass(frozen=True)
@@ -137,6 +157,20 @@ class Space:
                      tuple(sorted(set(self.queue_delays_us) | {point.queue_delay_us}, key=_delay_key)),
                      tuple(sorted(set(self.instances) | {point.instances})))
 
+    def bounded(self, limit: int) -> Space:
+        """This space without the max batch sizes over `limit` (what the engine or its TensorRT profile
+        takes); the limit itself stands in when every value was over it. A model built without batching
+        (max_batch_size 0) has one setting: no batch dim, no dynamic batching."""
+        if limit == 0:
+            log.info("tune: the model does not batch (max_batch_size 0): only instances are searched")
+            return replace(self, max_batch_sizes=(0,), queue_delays_us=(None,))
+        kept = tuple(b for b in self.max_batch_sizes if b <= limit)
+        dropped = sorted(set(self.max_batch_sizes) - set(kept))
+        if dropped:
+            log.info("tune: max batch %s left out: the engine takes batches of at most %d",
+                     ", ".join(map(str, dropped)), limit)
+        return replace(self, max_batch_sizes=kept or (limit,))
+
     def neighbours(self, point: Point) -> list[Point]:
         out = []
         axes: list[tuple[str, Sequence[Any]]] = [("variant", self.variants), ("max_batch_size", self.max_batch_sizes),
@@ -178,6 +212,50 @@ def hill_climb(space: Space, start: Point, measure: Measure, objective: Objectiv
         current = best_step
 
 
+def score(objective: Objective, results: Sequence[Result]) -> float:
+    """One number for a sampler to maximize: a feasible point's value, else far below every feasible
+    one and ordered by how far p99 is over (a point that completed nothing lowest)."""
+    feasible, value = objective.rank(results)
+    if feasible:
+        return value
+    over = -value  # the worst p99 in µs, infinite when a concurrency completed nothing
+    return -1e15 - (min(over, 1e12) if math.isfinite(over) else 1e12)
+
+
+def tpe(space: Space, start: Point, measure: Measure, objective: Objective, *, trials: int,
+        seed: int = 0) -> dict[Point, list[Result]]:
+    """optuna's TPE over the space's axes, starting from `start`: at most `trials` distinct points
+    measured. The same seed and the same measured values give the same sequence of points."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=min(5, trials))
+    study = optuna.create_study(direction="maximize", sampler=sampler)
+    study.enqueue_trial({"variant": space.variants.index(start.variant),
+                         "max_batch_size": space.max_batch_sizes.index(start.max_batch_size),
+                         "queue_delay_us": space.queue_delays_us.index(start.queue_delay_us),
+                         "instances": space.instances.index(start.instances)})
+    budget = min(trials, len(space.points()))
+    measured: dict[Point, list[Result]] = {}
+    asked = 0
+    # A sampler proposes measured points again; those are answered from what was measured (no new
+    # measurement), and a generous cap on proposals ends a search that keeps repeating itself.
+    while len(measured) < budget and asked < budget * 20:
+        asked += 1
+        trial = study.ask()
+        # Categorical over each axis's index: the values keep their types (None: batching off).
+        point = Point(space.variants[trial.suggest_categorical("variant", list(range(len(space.variants))))],
+                      space.max_batch_sizes[trial.suggest_categorical("max_batch_size",
+                                                                      list(range(len(space.max_batch_sizes))))],
+                      space.queue_delays_us[trial.suggest_categorical("queue_delay_us",
+                                                                      list(range(len(space.queue_delays_us))))],
+                      space.instances[trial.suggest_categorical("instances", list(range(len(space.instances))))])
+        if point not in measured:
+            measured[point] = measure(point)
+        study.tell(trial, score(objective, measured[point]))
+    return measured
+
+
 def best(measured: dict[Point, list[Result]], objective: Objective) -> Point | None:
     feasible = [p for p, r in measured.items() if objective.feasible(r)]
     return max(feasible, key=lambda p: objective.value(measured[p])) if feasible else None
@@ -192,54 +270,131 @@ def pareto(measured: dict[Point, list[Result]]) -> list[Point]:
     return sorted(front, key=Point.sort_key)
 
 
+def serving(point: Point) -> tuned_file.Serving:
+    return tuned_file.Serving(point.max_batch_size, point.queue_delay_us, point.instances)
+
+
 def apply(config_text: str, point: Point) -> str:
     """The variant's config with the point's serving settings, through Triton's schema."""
-    config = triton_config.parse(config_text)
-    config.max_batch_size = point.max_batch_size
-    config.instance_group[0].count = point.instances
-    if point.queue_delay_us is None:
-        config.ClearField("dynamic_batching")
-    else:
-        config.dynamic_batching.max_queue_delay_microseconds = point.queue_delay_us
-        del config.dynamic_batching.preferred_batch_size[:]
-        if point.max_batch_size > 1:
-            config.dynamic_batching.preferred_batch_size.append(point.max_batch_size)
-    return triton_config.to_text(config)
+    return tuned_file.configure(config_text, serving(point))
 
 
 def point_of(variant: str, config_text: str) -> Point:
-    config = triton_config.parse(config_text)
-    delay = int(config.dynamic_batching.max_queue_delay_microseconds) if config.HasField("dynamic_batching") else None
-    count = config.instance_group[0].count if config.instance_group else 1
-    return Point(variant, config.max_batch_size, delay, int(count))
+    s = tuned_file.serving_of(config_text)
+    return Point(variant, s.max_batch_size, s.queue_delay_us, s.instances)
 
 
-class TuneServer:
-    """A Triton server with explicit model control over a private copy of the variants."""
+# --- the server a tuning run measures -----------------------------------------------------------------
+class Rejected(ServerError):
+    """The server answered a repository request with an error (a model that does not load)."""
 
-    def __init__(self, repository: Path, variants: Sequence[str], concurrencies: Sequence[int],
-                 measurement_ms: int = 3000, max_trials: int = 6) -> None:
-        for variant in variants:
-            if not (repository / variant / "config.pbtxt").is_file():
-                raise BuilderError(f"tune: variant {variant} is not in {repository}; run `trtbuild engines` first")
+
+class Http:
+    """Triton's HTTP API for control requests: every failure is one line naming the URL."""
+
+    def __init__(self, base: str) -> None:
+        self.base = base.rstrip("/") if "://" in base else f"http://{base.rstrip('/')}"
+
+    def request(self, path: str, body: dict[str, Any] | None = None, *, timeout: float = 30.0) -> Any:
+        url = f"{self.base}{path}"
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(url, data=data, method="GET" if data is None else "POST",
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                payload = response.read()
+        except urllib.error.HTTPError as exc:
+            text = exc.read()[:600].decode("utf-8", "replace")
+            with contextlib.suppress(ValueError, AttributeError):  # Triton's {"error": "..."}
+                text = str(json.loads(text).get("error", text))
+            raise Rejected(f"{url}: HTTP {exc.code}: {text.strip()}") from exc
+        except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise ServerError(f"{url}: no answer ({reason or type(exc).__name__})") from exc
+        if not payload:
+            return None
+        try:
+            return json.loads(payload)
+        except ValueError:
+            return None
+
+    def live(self) -> bool:
+        try:
+            self.request("/v2/health/live", timeout=5.0)
+        except ServerError:
+            return False
+        return True
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """A running Triton: its HTTP (repository API), gRPC (measured) and metrics addresses."""
+
+    http: str  # HOST:PORT
+    grpc: str  # HOST:PORT
+    metrics: str | None = None  # http://HOST:PORT/metrics; None: the gRPC host's port 8002
+
+
+def _configs(repository: Path, variants: Sequence[str]) -> dict[str, str]:
+    texts = {}
+    for variant in variants:
+        path = repository / variant / "config.pbtxt"
+        if not path.is_file():
+            raise BuilderError(f"--precisions: variant {variant} is not in {repository}; "
+                               "run `trtbuild engines` first")
+        texts[variant] = path.read_text(encoding="utf-8")
+    return texts
+
+
+class Target:
+    """Loads a point's config on a server with explicit model control, and unloads it."""
+
+    endpoints: Endpoints
+    http: Http
+    originals: dict[str, str]  # each variant's config.pbtxt as the repository holds it
+
+    def load(self, point: Point) -> None:
+        raise NotImplementedError
+
+    def unload(self, variant: str) -> None:
+        self.http.request(f"/v2/repository/models/{variant}/unload", {}, timeout=120.0)
+
+    def where(self) -> str:
+        """Where to look when the server misbehaves."""
+        return f"the server at {self.endpoints.http}"
+
+    def apply(self, point: Point) -> None:
+        """Leave the server serving `point` (attach mode: the tuned config on the user's server)."""
+
+    def __enter__(self) -> Target:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+class LocalTarget(Target):
+    """A private Triton (explicit model control) over a temporary copy of the variants."""
+
+    def __init__(self, repository: Path, variants: Sequence[str]) -> None:
+        self.originals = _configs(repository, variants)  # before any folder exists: nothing to clean
         self.source = repository
-        self.variants = list(variants)
-        self.concurrencies = list(concurrencies)
-        self.measurement = Measurement(measurement_ms=measurement_ms, max_trials=max_trials, warmup_requests=20)
-        self.count = 0
         self.tmp: Path | None = None
         self.server: TritonServer | None = None
 
-    def __enter__(self) -> TuneServer:
+    def __enter__(self) -> LocalTarget:
         self.tmp = Path(tempfile.mkdtemp(prefix="trtbuild-tune-"))
         try:
             repo = self.tmp / "repository"
             repo.mkdir()
-            for variant in self.variants:
+            for variant in self.originals:
                 shutil.copytree(self.source / variant, repo / variant)
             http, grpc, metrics = free_ports(3)
             self.server = TritonServer(repo, self.tmp / "state", Ports(http, grpc, metrics),
                                        model_control=ModelControl.EXPLICIT)
+            self.endpoints = Endpoints(f"127.0.0.1:{http}", f"127.0.0.1:{grpc}",
+                                       f"http://127.0.0.1:{metrics}/metrics")
+            self.http = Http(self.endpoints.http)
             self.server.start(timeout=120)
         except BaseException:
             self.__exit__()
@@ -247,39 +402,131 @@ class TuneServer:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.server is not None:
-            self.server.stop()
-        if self.tmp is not None:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-
-    def _post(self, path: str) -> None:
-        assert self.server is not None, "use TuneServer as a context manager"
-        request = urllib.request.Request(f"http://127.0.0.1:{self.server.ports.http}{path}", data=b"{}",
-                                         method="POST")
         try:
-            with urllib.request.urlopen(request, timeout=120):
-                pass
-        except urllib.error.HTTPError as exc:
-            raise BuilderError(f"tune: {path} failed: {exc.read()[:300].decode('utf-8', 'replace')}") from exc
+            if self.server is not None:
+                self.server.stop()
+        finally:
+            if self.tmp is not None:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+            self.server = self.tmp = None
+
+    def load(self, point: Point) -> None:
+        assert self.tmp is not None, "use LocalTarget as a context manager"
+        write_atomic(self.tmp / "repository" / point.variant / "config.pbtxt",
+                     apply(self.originals[point.variant], point))
+        self.http.request(f"/v2/repository/models/{point.variant}/load", {}, timeout=300.0)
+
+    def where(self) -> str:
+        assert self.server is not None
+        return f"the tuning server's log ({self.server.log_tail(2)})"
+
+
+class RemoteTarget(Target):
+    """A running Triton started with explicit model control (attach mode): each point is loaded with a
+    config override; at the end each variant is restored (reloaded from its repository if it was
+    loaded before, unloaded if not), and `apply` leaves the winner loaded with its config."""
+
+    def __init__(self, endpoints: Endpoints, repository: Path, variants: Sequence[str]) -> None:
+        self.originals = _configs(repository, variants)
+        self.endpoints = endpoints
+        self.http = Http(endpoints.http)
+        self.loaded_before: set[str] = set()
+        self.touched: set[str] = set()
+        self.applied: str | None = None
+
+    def __enter__(self) -> RemoteTarget:
+        try:
+            self.http.request("/v2/health/ready", timeout=10.0)
+        except ServerError as exc:
+            raise ServerError(f"--url {self.endpoints.http}: Triton is not ready ({exc})") from exc
+        index = self.http.request("/v2/repository/index", {}, timeout=30.0) or []
+        self.loaded_before = {str(m.get("name")) for m in index if isinstance(m, dict) and m.get("state") == "READY"}
+        return self
+
+    def _load(self, variant: str, config_text: str | None) -> None:
+        body: dict[str, Any] = {}
+        if config_text is not None:
+            config = json_format.MessageToJson(triton_config.parse(config_text), preserving_proto_field_name=True)
+            body = {"parameters": {"config": config}}
+        try:
+            self.http.request(f"/v2/repository/models/{variant}/load", body, timeout=300.0)
+        except Rejected as exc:
+            if "not allowed" in str(exc):
+                raise ServerError(f"--url {self.endpoints.http}: the server does not load models on request; "
+                                  "start it with explicit model control (`trtbuild serve --model-control "
+                                  "explicit`, or tritonserver --model-control-mode=explicit)") from exc
+            raise
+
+    def load(self, point: Point) -> None:
+        self.touched.add(point.variant)
+        self._load(point.variant, apply(self.originals[point.variant], point))
+
+    def apply(self, point: Point) -> None:
+        self.touched.add(point.variant)
+        self._load(point.variant, apply(self.originals[point.variant], point))
+        self.applied = point.variant
+        log.info("tune: %s now serves %s", self.endpoints.http, point.label())
+
+    def __exit__(self, *exc: object) -> None:
+        for variant in sorted(self.touched - {self.applied}):
+            try:
+                if variant in self.loaded_before:
+                    self._load(variant, None)  # the repository's own config again
+                else:
+                    self.unload(variant)
+            except ServerError as error:
+                log.warning("tune: could not restore %s on %s: %s", variant, self.endpoints.http, error)
+
+
+class Tuner:
+    """Measures points on a target; a point that fails is recorded with its reason, not raised."""
+
+    def __init__(self, target: Target, concurrencies: Sequence[int], *, measurement_ms: int = 3000,
+                 max_trials: int = 6, point_timeout_s: float | None = None) -> None:
+        self.target = target
+        self.concurrencies = list(concurrencies)
+        self.measurement = Measurement(measurement_ms=measurement_ms, max_trials=max_trials, warmup_requests=20)
+        # Warm-up (at most a minute in perfclient), the windows, and slack, for each concurrency.
+        self.point_timeout_s = point_timeout_s or len(self.concurrencies) * (
+            60 + max_trials * measurement_ms / 1000 + 15) + 30
+        self.count = 0
+        self.failures: dict[Point, str] = {}
+        self.measured: dict[Point, list[Result]] = {}  # what the search measured (a run cut short reports it)
 
     def measure(self, point: Point) -> list[Result]:
-        assert self.server is not None and self.tmp is not None, "use TuneServer as a context manager"
-        ports = self.server.ports
-        original = (self.source / point.variant / "config.pbtxt").read_text()
-        write_atomic(self.tmp / "repository" / point.variant / "config.pbtxt", apply(original, point))
-        self._post(f"/v2/repository/models/{point.variant}/load")
+        self.measured[point] = self.remeasure(point)
+        return self.measured[point]
+
+    def _failed(self, point: Point, reason: str) -> list[Result]:
+        self.failures[point] = reason
+        log.warning("tune: %s failed: %s", point.label(), reason)
+        if not self.target.http.live():
+            raise ServerError(f"tune: the server stopped answering after {point.label()} ({reason}); "
+                              f"see {self.target.where()}")
+        return []
+
+    def remeasure(self, point: Point) -> list[Result]:
+        """Measure `point` (again) without recording it as a point of the search."""
+        self.count += 1
+        try:
+            self.target.load(point)
+        except Rejected as exc:
+            return self._failed(point, f"did not load: {exc}")
+        endpoints = self.target.endpoints
         config = session.SessionConfig(
-            models=(point.variant,), url=f"127.0.0.1:{ports.grpc}",
+            models=(point.variant,), url=endpoints.grpc,
             levels=tuple(LoadLevel(concurrency=c) for c in self.concurrencies), measurement=self.measurement,
-            metrics_url=f"http://127.0.0.1:{ports.metrics}/metrics",
+            metrics_url=endpoints.metrics,
         )
         try:
-            rows = session.run(config)
+            rows = asyncio.run(asyncio.wait_for(session.measure(config), self.point_timeout_s))
+        except asyncio.TimeoutError:
+            return self._failed(point, f"timed out after {self.point_timeout_s:.0f} s")
         except PerfClientError as exc:
-            raise BuilderError(f"tune: measuring {point.label()} failed: {exc}; server log: "
-                               f"{self.server.log_tail(3)}") from exc
+            return self._failed(point, f"measurement failed: {exc}")
         finally:
-            self._post(f"/v2/repository/models/{point.variant}/unload")
+            with contextlib.suppress(Rejected):  # a model that is already gone needs no unloading
+                self.target.unload(point.variant)
         results = []
         for concurrency, row in zip(self.concurrencies, rows, strict=True):
             summary = row.result.summary
@@ -290,11 +537,24 @@ class TuneServer:
                 infer_per_joule=row.result.power.infer_per_j, avg_batch=row.result.server.avg_batch,
                 stable=row.result.stable, errors=sum(summary.errors.values()),
             ))
-        self.count += 1
         log.info("tune: %s -> %s", point.label(), ", ".join(
             f"c={r.concurrency} {r.throughput:.1f}/s p99 "
             + (f"{r.p99_us / 1e3:.1f} ms" if r.p99_us is not None else "-") for r in results))
+        idle = [r.concurrency for r in results if not r.completed]
+        if idle:
+            self.failures[point] = f"completed no request at concurrency {', '.join(map(str, idle))}"
+            log.warning("tune: %s failed: %s", point.label(), self.failures[point])
+        elif any(r.errors for r in results):
+            self.failures[point] = f"{sum(r.errors for r in results)} requests failed"
         return results
+
+
+@contextlib.contextmanager
+def TuneServer(repository: Path, variants: Sequence[str], concurrencies: Sequence[int],
+               measurement_ms: int = 3000, max_trials: int = 6) -> Iterator[Tuner]:
+    """A private server over a copy of the variants and a tuner on it (bench scripts use this)."""
+    with LocalTarget(repository, variants) as target:
+        yield Tuner(target, concurrencies, measurement_ms=measurement_ms, max_trials=max_trials)
 
 
 @dataclass(frozen=True)
@@ -303,6 +563,7 @@ class MeasuredPoint:
     label: str
     feasible: bool
     results: list[Result]
+    failure: str | None = None  # why the point failed to load, timed out or completed nothing
 
     @property
     def throughput(self) -> float:
@@ -344,18 +605,10 @@ class TuneReport:
     why: str = ""
     comparison: list[Comparison] = field(default_factory=list)
     seconds: float = 0.0
-
-
-def write_winner(repository: Path, point: Point, *, wait: bool = True) -> Path:
-    """Replace the variant's config.pbtxt atomically under the repository lock, keeping the previous
-    one as a backup."""
-    with repository_lock(repository, what=f"tune's winner for {point.variant}", wait=wait):
-        target = repository / point.variant / "config.pbtxt"
-        original = target.read_text()
-        backup = target.with_name(f"config.pbtxt.bak-{time.strftime('%Y%m%d-%H%M%S')}")
-        shutil.copy2(target, backup)
-        write_atomic(target, apply(original, point))
-    return backup
+    failed: int = 0
+    attached: str | None = None  # the server's HTTP address in attach mode
+    changes: list[str] = field(default_factory=list)  # unified diffs of what was (or, dry run, would be) written
+    partial: str | None = None  # why the run stopped early, when it did
 
 
 def explain(winner: Point, measured: dict[Point, list[Result]], objective: Objective, default: Point) -> str:
@@ -364,14 +617,17 @@ def explain(winner: Point, measured: dict[Point, list[Result]], objective: Objec
              f"{sum(objective.feasible(r) for r in measured.values())} feasible of {len(measured)} measured points"]
     if default in measured and default != winner:
         d = measured[default]
-        parts.append(f"default {default.label()}: {_throughput(d):.1f}/s, p99 {_p99(d) / 1e3:.1f} ms"
+        p99 = _p99(d)
+        parts.append(f"default {default.label()}: {_throughput(d):.1f}/s, p99 "
+                     + (f"{p99 / 1e3:.1f} ms" if math.isfinite(p99) else "-")
                      + ("" if objective.feasible(d) else " (infeasible)"))
     parts.append(f"winner: {_throughput(w):.1f}/s, p99 {_p99(w) / 1e3:.1f} ms")
     return "; ".join(parts)
 
 
-def report_points(measured: dict[Point, list[Result]], objective: Objective) -> list[MeasuredPoint]:
-    return [MeasuredPoint(p, p.label(), objective.feasible(measured[p]), measured[p])
+def report_points(measured: dict[Point, list[Result]], objective: Objective,
+                  failures: dict[Point, str]) -> list[MeasuredPoint]:
+    return [MeasuredPoint(p, p.label(), objective.feasible(measured[p]), measured[p], failures.get(p))
             for p in sorted(measured, key=Point.sort_key)]
 
 
@@ -382,7 +638,7 @@ def plot(path: Path, measured: dict[Point, list[Result]], front: list[Point], wi
     import matplotlib.pyplot as plt
 
     shown = {p: rs for p, rs in measured.items() if math.isfinite(_p99(rs))}
-    energy = all(r.infer_per_joule is not None for rs in shown.values() for r in rs)
+    energy = bool(shown) and all(r.infer_per_joule is not None for rs in shown.values() for r in rs)
     fig, axes = plt.subplots(1, 2 if energy else 1, figsize=(12 if energy else 7, 4.5), squeeze=False)
     ax = axes[0][0]
     for p, rs in shown.items():
@@ -403,52 +659,132 @@ def plot(path: Path, measured: dict[Point, list[Result]], front: list[Point], wi
         ax2.set_ylabel("inferences per joule")
         ax2.grid(True, alpha=0.3)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, dpi=110, format="png")
     plt.close(fig)
+    write_atomic(path, buffer.getvalue())
+
+
+def tuned_entry(model: str, winner: Point, measured: list[Result], objective: Objective,
+                search: Search) -> TunedServing:
+    p99 = _p99(measured)
+    return TunedServing(model=model, variant=winner.variant, max_batch_size=winner.max_batch_size,
+                        queue_delay_us=winner.queue_delay_us, instances=winner.instances, measured={
+                            "objective": str(objective.goal), "search": str(search),
+                            "p99_budget_ms": None if objective.p99_budget_us is None else objective.p99_budget_us / 1e3,
+                            "min_throughput": objective.min_throughput,
+                            "throughput": round(_throughput(measured), 2),
+                            "p99_ms": round(p99 / 1e3, 3) if math.isfinite(p99) else None,
+                            "concurrency": [r.concurrency for r in measured],
+                            "tuned_at": datetime.now(timezone.utc).isoformat(timespec="seconds")})
+
+
+def write_winner(repository: Path, point: Point, *, wait: bool = True, tuned: TunedServing | None = None,
+                 tuned_toml: Path | None = None) -> Path:
+    """Replace the variant's config.pbtxt atomically under the repository lock, keeping the previous
+    one as a backup; record the settings in build.json and, given `tuned_toml`, as the model's entry
+    there (so `trtbuild engines` keeps them)."""
+    with repository_lock(repository, what=f"tune's winner for {point.variant}", wait=wait):
+        target = repository / point.variant / "config.pbtxt"
+        original = target.read_text()
+        backup = target.with_name(f"config.pbtxt.bak-{time.strftime('%Y%m%d-%H%M%S')}")
+        shutil.copy2(target, backup)
+        built = tuned_file.as_built(target.parent) or tuned_file.serving_of(original)
+        write_atomic(target, apply(original, point))
+        if tuned is not None:
+            tuned_file.record_tuned(target.parent, tuned, built)
+            if tuned_toml is not None:
+                tuned_file.save(tuned_toml, tuned)
+    return backup
+
+
+def planned_changes(repository: Path, point: Point, *, tuned: TunedServing | None,
+                    tuned_toml: Path | None) -> list[str]:
+    """Unified diffs of what writing the winner changes (shown by --dry-run)."""
+    target = repository / point.variant / "config.pbtxt"
+    before = target.read_text()
+    changes = [tuned_file.diff(target, before, apply(before, point))]
+    if tuned is not None and tuned_toml is not None:
+        changes.append(tuned_file.diff(tuned_toml, *tuned_file.render(tuned_toml, tuned)))
+    return [c for c in changes if c]
+
+
+def _search(search: Search, space: Space, default: Point, tuner: Tuner, objective: Objective, *, trials: int,
+            seed: int) -> dict[Point, list[Result]]:
+    if search is Search.EXHAUSTIVE:
+        return exhaustive(space, tuner.measure)
+    if search is Search.TPE:
+        return tpe(space, default, tuner.measure, objective, trials=trials, seed=seed)
+    return hill_climb(space, default, tuner.measure, objective)
 
 
 def tune(repository: Path, space: Space, objective: Objective, *, search: Search, concurrencies: Sequence[int],
          measurement_ms: int, default_variant: str, report_path: Path | None, plot_path: Path | None,
-         write: bool = True, compare: bool = True, max_trials: int = 6, wait: bool = True) -> TuneReport:
+         write: bool = True, compare: bool = True, max_trials: int = 6, wait: bool = True,
+         attach: Endpoints | None = None, model: str | None = None, tuned_toml: Path | None = None,
+         trials: int = 12, seed: int = 0, point_timeout_s: float | None = None) -> TuneReport:
+    """Search `space` for `objective`; write the winner (config.pbtxt, build.json, and `tuned_toml`'s
+    entry for `model`) unless `write` is False. With `attach`, measure on that running server and leave
+    it serving the winner."""
     started = time.perf_counter()
-    for variant in space.variants:
-        if not (repository / variant / "config.pbtxt").is_file():
-            raise BuilderError(f"tune: variant {variant} has no config.pbtxt in {repository}; "
-                               "run `trtbuild engines` first")
-    default = point_of(default_variant, (repository / default_variant / "config.pbtxt").read_text())
-    space = space.including(default)
-    with TuneServer(repository, space.variants, concurrencies, measurement_ms, max_trials) as server:
-        if search is Search.EXHAUSTIVE:
-            measured = exhaustive(space, server.measure)
-        else:
-            measured = hill_climb(space, default, server.measure, objective)
-        winner = best(measured, objective)
-        count = server.count
-        comparison: list[Comparison] = []
-        if compare and winner is not None:
-            # Side by side in one run: winner, the builder's default, and no dynamic batching.
-            candidates = {Contender.TUNED: winner, Contender.DEFAULT: default,
-                          Contender.NO_BATCHING: replace(default, queue_delay_us=None)}
-            for name, point in candidates.items():
-                rs = server.measure(point)
-                p99 = _p99(rs)
-                comparison.append(Comparison(name, point.label(), _throughput(rs),
-                                             p99 / 1e3 if math.isfinite(p99) else None, objective.feasible(rs)))
-    front = pareto(measured)
-    report = TuneReport(objective, space, search, count, winner, default, report_points(measured, objective),
-                        [p.label() for p in front],
-                        explain(winner, measured, objective, default) if winner else "no point met the constraints",
-                        comparison, round(time.perf_counter() - started, 1))
-    if report_path is not None:
-        write_json(report_path, asdict(report))
-    if plot_path is not None:
-        plot(plot_path, measured, front, winner)
+    configs = _configs(repository, space.variants)
+    default = point_of(default_variant, configs[default_variant])
+    limit = min(tuned_file.max_batch_limit(repository / v) for v in space.variants)
+    if search is not Search.EXHAUSTIVE:
+        space = space.including(default)  # where hill climbing and TPE start
+    space = space.bounded(limit)
+    target: Target = (LocalTarget(repository, space.variants) if attach is None
+                      else RemoteTarget(attach, repository, space.variants))
+    comparison: list[Comparison] = []
+    partial: str | None = None
+    count: int | None = None
+    winner: Point | None = None
+    changes: list[str] = []
+    with target:
+        tuner = Tuner(target, concurrencies, measurement_ms=measurement_ms, max_trials=max_trials,
+                      point_timeout_s=point_timeout_s)
+        measured = tuner.measured
+        try:
+            _search(search, space, default, tuner, objective, trials=trials, seed=seed)
+            winner = best(measured, objective)
+            count = tuner.count  # the search's measurements (the side-by-side ones come after)
+            if compare and winner is not None:
+                # Side by side in one run: winner, the builder's default, and no dynamic batching.
+                candidates = {Contender.TUNED: winner, Contender.DEFAULT: default,
+                              Contender.NO_BATCHING: replace(default, queue_delay_us=None)}
+                for name, point in candidates.items():
+                    rs = tuner.remeasure(point)
+                    p99 = _p99(rs)
+                    comparison.append(Comparison(name, point.label(), _throughput(rs),
+                                                 p99 / 1e3 if math.isfinite(p99) else None, objective.feasible(rs)))
+            if winner is not None:
+                entry = tuned_entry(model, winner, measured[winner], objective, search) if model else None
+                toml = tuned_toml if model else None
+                changes = planned_changes(repository, winner, tuned=entry, tuned_toml=toml)
+                if write:
+                    backup = write_winner(repository, winner, wait=wait, tuned=entry, tuned_toml=toml)
+                    log.info("tune: wrote %s (previous config kept as %s)%s",
+                             repository / winner.variant / "config.pbtxt", backup,
+                             f" and {toml}" if toml else "")
+                    target.apply(winner)
+        except ServerError as exc:
+            partial = str(exc)
+            raise
+        finally:
+            front = pareto(measured)
+            report = TuneReport(
+                objective, space, search, tuner.count if count is None else count, winner, default,
+                report_points(measured, objective, tuner.failures), [p.label() for p in front],
+                explain(winner, measured, objective, default) if winner else "no point met the constraints",
+                comparison, round(time.perf_counter() - started, 1), failed=len(tuner.failures),
+                attached=attach.http if attach else None, changes=changes, partial=partial)
+            if report_path is not None:
+                write_json(report_path, asdict(report))
+            if plot_path is not None:
+                plot(plot_path, measured, front, winner)
     if winner is None:
-        raise BuilderError(f"tune: none of the {len(measured)} measured points met the constraints "
+        failed = f", {len(tuner.failures)} failed" if tuner.failures else ""
+        raise BuilderError(f"tune: none of the {len(measured)} measured points{failed} met the constraints "
                            f"(p99 budget {objective.p99_budget_us}, min throughput {objective.min_throughput}); "
                            "the repository is unchanged")
-    if write:
-        backup = write_winner(repository, winner, wait=wait)
-        log.info("tune: wrote %s (previous config kept as %s)", repository / winner.variant / "config.pbtxt", backup)
     return report

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 
 from builder.errors import BuilderError
-from builder.repository.triton_config import parse
+from builder.repository.triton_config import parse, to_text
 from builder.serving.tune import (
     Goal,
     Objective,
@@ -22,6 +23,7 @@ from builder.serving.tune import (
     hill_climb,
     pareto,
     point_of,
+    tpe,
     tune,
 )
 from tests.helpers.files import snapshot
@@ -141,3 +143,80 @@ def test_p99_objective_averages_over_concurrencies_and_feasibility_takes_the_wor
                Result(point, 32, 900.0, 2e4, 4e4, None, 8.0, True, 0)]
     assert Objective(Goal.P99).value(results) == -2.1e4  # the mean of 2 ms and 40 ms p99
     assert not Objective(Goal.P99, p99_budget_us=3e4).feasible(results)  # 40 ms is over the budget
+
+
+def test_tpe_gives_the_same_points_under_the_same_seed_and_stays_within_its_budget() -> None:
+    start = Point("m_fp32", 1, OFF, 1)
+    objective = Objective(Goal.THROUGHPUT)
+
+    def sequence(seed: int) -> list[Point]:
+        return list(tpe(SPACE, start, cost_model, objective, trials=16, seed=seed))
+
+    first = sequence(3)
+    assert first == sequence(3)
+    assert first[0] == start and len(first) == 16 and len(set(first)) == 16
+    assert sequence(4) != first  # the seed, not a fixed list, decides
+    full = exhaustive(SPACE, cost_model)
+    found = tpe(SPACE, start, cost_model, objective, trials=16, seed=3)
+    best_full, best_tpe = best(full, objective), best(found, objective)
+    assert best_full is not None and best_tpe is not None
+    assert objective.value(found[best_tpe]) >= 0.95 * objective.value(full[best_full])
+
+
+def test_the_engines_max_batch_bounds_the_space() -> None:
+    bounded = SPACE.bounded(8)
+    assert bounded.max_batch_sizes == (1, 4, 8) and bounded.queue_delays_us == SPACE.queue_delays_us
+    assert SPACE.bounded(0).max_batch_sizes == (0,) and SPACE.bounded(0).queue_delays_us == (OFF,)
+    assert Space(("m",), (16, 32), (0,), (1,)).bounded(8).max_batch_sizes == (8,)
+
+
+def variant_copy(repository: Path, source: str, name: str) -> Path:
+    """Another model in the repository: `source`'s folder under a new name."""
+    target = repository / name
+    shutil.copytree(repository / source, target)
+    config = parse((target / "config.pbtxt").read_text())
+    config.name = name
+    (target / "config.pbtxt").write_text(to_text(config))
+    return target
+
+
+HUNG_MODEL = '''
+import time
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        time.sleep(20)  # far beyond the point's time limit in the test
+        return [pb_utils.InferenceResponse(output_tensors=[]) for _ in requests]
+'''
+
+
+def test_a_point_whose_model_fails_to_load_is_skipped_and_reported(repo_copy: Path, tmp_path: Path) -> None:
+    broken = variant_copy(repo_copy, "mlp_fp32", "mlp_broken")
+    (broken / "1" / "model.onnx").write_bytes(b"not an ONNX file")
+    space = Space(("mlp_broken", "mlp_fp32"), (8,), (0,), (1,))
+    report = tune(repo_copy, space, Objective(Goal.THROUGHPUT), search=Search.EXHAUSTIVE, concurrencies=[2],
+                  measurement_ms=300, default_variant="mlp_fp32", report_path=tmp_path / "t.json", plot_path=None,
+                  max_trials=2, compare=False)
+    assert report.winner == Point("mlp_fp32", 8, 0, 1)
+    assert report.measurements == 2 and report.failed == 1
+    failed = {entry.point.variant: entry.failure for entry in report.points if entry.failure}
+    assert list(failed) == ["mlp_broken"] and "did not load" in str(failed["mlp_broken"])
+    doc = json.loads((tmp_path / "t.json").read_text())
+    assert [p["failure"] is not None for p in doc["points"]] == [True, False]  # sorted: mlp_broken first
+
+
+def test_a_hung_point_is_recorded_as_timed_out_and_never_wins(repo_copy: Path, tmp_path: Path) -> None:
+    hung = variant_copy(repo_copy, "mlp_fp32", "mlp_hung")
+    (hung / "1" / "model.py").write_text(HUNG_MODEL)
+    space = Space(("mlp_hung", "mlp_fp32"), (8,), (0,), (1,))
+    # The p99 objective: a point with no completed request (no p99 at all) must not look fastest.
+    report = tune(repo_copy, space, Objective(Goal.P99), search=Search.EXHAUSTIVE, concurrencies=[1],
+                  measurement_ms=300, default_variant="mlp_hung", report_path=tmp_path / "t.json", plot_path=None,
+                  max_trials=2, compare=False, point_timeout_s=6)
+    assert report.winner is not None and report.winner.variant == "mlp_fp32"
+    entry = next(e for e in report.points if e.point.variant == "mlp_hung")
+    assert not entry.feasible and "timed out after 6 s" in str(entry.failure)
+    assert point_of("mlp_fp32", (repo_copy / "mlp_fp32" / "config.pbtxt").read_text()) == report.winner

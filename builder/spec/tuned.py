@@ -1,0 +1,264 @@
+"""tuned.toml: the serving settings `trtbuild tune` chose, layered by the builder over models.toml.
+
+Why a file of its own beside models.toml rather than an edit of `[model.serving]`: a tuned setting
+belongs to one variant on one machine (the INT8 variant's best batch on this CPU is not the FP32
+variant's, nor a GPU's), which `[model.serving]` (one table for all of a model's variants) cannot say;
+the file the user writes stays theirs, and the machine's choice can be reviewed, committed per host or
+deleted to go back, in one place. tomlkit keeps the file's comments and other entries when one is
+replaced.
+
+    [efficientnet_lite0]                  # one entry per model: the variant the tuner picked
+    variant = "efficientnet_lite0_int8"
+    max_batch_size = 8
+    dynamic_batching = true
+    max_queue_delay_us = 1000
+    instances = 2
+    [efficientnet_lite0.measured]         # provenance only (the builder ignores it)
+    objective = "throughput"
+    ...
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import logging
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomlkit
+
+from builder.errors import ManifestError
+from client.files import write_atomic
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+log = logging.getLogger(__name__)
+
+TUNED_FILE = "tuned.toml"
+HEADER = ("Serving settings chosen by `trtbuild tune`. `trtbuild engines` applies each entry to the variant\n"
+          "it names, over models.toml's [model.serving]. Delete an entry to go back to models.toml's settings.")
+_KEYS = {"variant", "max_batch_size", "dynamic_batching", "max_queue_delay_us", "instances", "measured"}
+
+
+@dataclass(frozen=True)
+class TunedServing:
+    model: str
+    variant: str
+    max_batch_size: int
+    queue_delay_us: int | None  # None: dynamic batching off
+    instances: int
+    measured: Mapping[str, Any] = field(default_factory=dict)  # provenance: objective, figures, when
+
+    def label(self) -> str:
+        batching = "off" if self.queue_delay_us is None else f"{self.queue_delay_us}us"
+        return f"mbs={self.max_batch_size} batching={batching} inst={self.instances}"
+
+
+def tuned_path(manifest: Path) -> Path:
+    return manifest.parent / TUNED_FILE
+
+
+def _positive_int(value: object, where: str, *, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ManifestError(f"{where}: expected an integer >= {low}, got {value!r}")
+    return value
+
+
+def load_tuned(path: Path) -> dict[str, TunedServing]:
+    """Entries by variant name; {} when the file does not exist. A bad entry: one ManifestError line."""
+    if not path.is_file():
+        return {}
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ManifestError(f"{path}: not valid TOML ({exc})") from exc
+    out: dict[str, TunedServing] = {}
+    for model, entry in raw.items():
+        where = f"{path}: [{model}]"
+        if not isinstance(entry, dict):
+            raise ManifestError(f"{where}: expected a table of serving settings")
+        unknown = sorted(set(entry) - _KEYS)
+        if unknown:
+            raise ManifestError(f"{where}: unknown key {unknown[0]!r} (expected {', '.join(sorted(_KEYS))})")
+        variant = entry.get("variant")
+        if not isinstance(variant, str) or not variant.startswith(f"{model}_"):
+            raise ManifestError(f"{where}.variant: expected a variant name {model}_<precision>, got {variant!r}")
+        batching = entry.get("dynamic_batching", True)
+        if not isinstance(batching, bool):
+            raise ManifestError(f"{where}.dynamic_batching: expected true or false, got {batching!r}")
+        delay = _positive_int(entry.get("max_queue_delay_us", 0), f"{where}.max_queue_delay_us", low=0)
+        measured = entry.get("measured", {})
+        out[variant] = TunedServing(
+            model=model, variant=variant,
+            max_batch_size=_positive_int(entry.get("max_batch_size"), f"{where}.max_batch_size", low=1),
+            queue_delay_us=delay if batching else None,
+            instances=_positive_int(entry.get("instances", 1), f"{where}.instances", low=1),
+            measured=measured if isinstance(measured, dict) else {},
+        )
+    return out
+
+
+def _entry(tuned: TunedServing) -> tomlkit.items.Table:
+    table = tomlkit.table()
+    table.add("variant", tuned.variant)
+    table.add("max_batch_size", tuned.max_batch_size)
+    table.add("dynamic_batching", tuned.queue_delay_us is not None)
+    table.add("max_queue_delay_us", tuned.queue_delay_us or 0)
+    table.add("instances", tuned.instances)
+    if tuned.measured:
+        measured = tomlkit.table()
+        for key, value in tuned.measured.items():
+            if value is not None:  # TOML has no null: an unmeasured figure is left out
+                measured.add(key, value)
+        table.add("measured", measured)
+    return table
+
+
+def render(path: Path, tuned: TunedServing) -> tuple[str, str]:
+    """(the file's text now, its text with `tuned` as its model's entry), comments and other entries kept."""
+    before = path.read_text(encoding="utf-8") if path.is_file() else ""
+    try:
+        doc = tomlkit.parse(before) if before else tomlkit.document()
+    except tomlkit.exceptions.ParseError as exc:
+        raise ManifestError(f"{path}: not valid TOML ({exc})") from exc
+    if not before:
+        for line in HEADER.splitlines():
+            doc.add(tomlkit.comment(line))
+    if tuned.model in doc:
+        doc[tuned.model] = _entry(tuned)
+    else:
+        doc.add(tuned.model, _entry(tuned))
+    return before, tomlkit.dumps(doc)
+
+
+def diff(path: Path, before: str, after: str) -> str:
+    return "".join(difflib.unified_diff(before.splitlines(keepends=True), after.splitlines(keepends=True),
+                                        fromfile=str(path), tofile=f"{path} (tuned)"))
+
+
+def save(path: Path, tuned: TunedServing) -> str:
+    """Write `tuned` as its model's entry (atomically); returns the unified diff of the change."""
+    before, after = render(path, tuned)
+    write_atomic(path, after)
+    return diff(path, before, after)
+
+
+# --- config.pbtxt and build.json of one model folder ---------------------------------------------------
+CONFIG = "config.pbtxt"
+RECORD = "build.json"
+
+
+@dataclass(frozen=True)
+class Serving:
+    """The serving settings the tuner searches, as one config.pbtxt holds them."""
+
+    max_batch_size: int
+    queue_delay_us: int | None  # None: dynamic batching off
+    instances: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"max_batch_size": self.max_batch_size, "dynamic_batching": self.queue_delay_us is not None,
+                "max_queue_delay_us": self.queue_delay_us or 0, "instances": self.instances}
+
+    @staticmethod
+    def from_json(data: Mapping[str, Any]) -> Serving:
+        return Serving(int(data["max_batch_size"]),
+                       int(data["max_queue_delay_us"]) if data.get("dynamic_batching", True) else None,
+                       int(data["instances"]))
+
+
+def serving_of(config_text: str) -> Serving:
+    from builder.repository import triton_config
+
+    config = triton_config.parse(config_text)
+    delay = int(config.dynamic_batching.max_queue_delay_microseconds) if config.HasField("dynamic_batching") else None
+    count = config.instance_group[0].count if config.instance_group else 1
+    return Serving(int(config.max_batch_size), delay, int(count))
+
+
+def configure(config_text: str, serving: Serving) -> str:
+    """The config with these serving settings, through Triton's schema."""
+    from builder.repository import triton_config
+
+    config = triton_config.parse(config_text)
+    config.max_batch_size = serving.max_batch_size
+    if not config.instance_group:
+        config.instance_group.add()
+    config.instance_group[0].count = serving.instances
+    if serving.queue_delay_us is None:
+        config.ClearField("dynamic_batching")
+    else:
+        config.dynamic_batching.max_queue_delay_microseconds = serving.queue_delay_us
+        del config.dynamic_batching.preferred_batch_size[:]
+        if serving.max_batch_size > 1:
+            config.dynamic_batching.preferred_batch_size.append(serving.max_batch_size)
+    return triton_config.to_text(config)
+
+
+def _record(model_dir: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads((model_dir / RECORD).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def as_built(model_dir: Path) -> Serving | None:
+    """The settings the builder wrote (before any tuning), from build.json; None for older builds."""
+    record = _record(model_dir)
+    try:
+        return Serving.from_json(record["serving_as_built"]) if record else None
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def max_batch_limit(model_dir: Path) -> int:
+    """The largest batch the folder's engine takes: as built (models.toml's batch max, clamped to the
+    engine's or TensorRT profile's), else the config's own max_batch_size."""
+    built = as_built(model_dir)
+    if built is not None:
+        return built.max_batch_size
+    return serving_of((model_dir / CONFIG).read_text(encoding="utf-8")).max_batch_size
+
+
+def record_tuned(model_dir: Path, tuned: TunedServing | None, built: Serving) -> None:
+    """build.json says what the builder wrote and which tuned settings replaced it (or none)."""
+    record = _record(model_dir) or {}
+    record["serving_as_built"] = built.to_json()
+    record["tuned"] = None if tuned is None else {
+        **Serving(tuned.max_batch_size, tuned.queue_delay_us, tuned.instances).to_json(),
+        "from": TUNED_FILE, "measured": dict(tuned.measured)}
+    write_atomic(model_dir / RECORD, json.dumps(record, indent=2, default=str) + "\n")
+
+
+def layer(model_dir: Path, tuned: TunedServing | None) -> str | None:
+    """Make the folder's config.pbtxt serve `tuned` (or, with None, what the builder wrote), atomically;
+    records both in build.json. Returns a line for the log when tuned settings are in force."""
+    config_path = model_dir / CONFIG
+    text = config_path.read_text(encoding="utf-8")
+    built = as_built(model_dir)
+    if built is None:
+        # A fresh build (or one from before tuned.toml): the config is the builder's own.
+        built = serving_of(text)
+    if tuned is None:
+        wanted = built
+    else:
+        mbs = tuned.max_batch_size
+        if mbs > built.max_batch_size:
+            log.warning("%s: tuned max_batch_size %d is over what the engine takes (%d); using %d",
+                        tuned.variant, mbs, built.max_batch_size, built.max_batch_size)
+            mbs = built.max_batch_size
+        wanted = Serving(mbs, tuned.queue_delay_us, tuned.instances)
+    if serving_of(text) != wanted:
+        write_atomic(config_path, configure(text, wanted))
+    record_tuned(model_dir, tuned, built)
+    if tuned is None:
+        return None
+    return f"{tuned.variant}: keeping the tuned settings from {TUNED_FILE} ({tuned.label()})"
