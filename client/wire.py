@@ -11,7 +11,8 @@ upgrade that changes either format fails there rather than on a server.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -31,10 +32,46 @@ def _contiguous(array: NDArray[Any]) -> NDArray[Any]:
     return np.ascontiguousarray(array)
 
 
-def grpc_infer_request(model: str, arrays: Mapping[str, NDArray[Any]]) -> bytes:
+@dataclass(frozen=True)
+class ShmRef:
+    """Where a tensor lies in a registered shared-memory region (`--shared-memory`)."""
+
+    region: str  # the name the region was registered under
+    byte_size: int
+    offset: int = 0
+
+
+@dataclass(frozen=True)
+class ShmLayout:
+    """A request whose tensors travel through shared memory: every input, and optionally each output."""
+
+    inputs: Mapping[str, ShmRef]
+    outputs: Mapping[str, ShmRef]
+
+
+def _shm_params(ref: ShmRef) -> dict[str, Any]:
+    # Triton's shared-memory extension: the same three parameters over gRPC and HTTP (offset 0 is omitted,
+    # as tritonclient omits it).
+    params: dict[str, Any] = {"shared_memory_region": ref.region, "shared_memory_byte_size": ref.byte_size}
+    if ref.offset:
+        params["shared_memory_offset"] = ref.offset
+    return params
+
+
+def _set_grpc_params(target: Any, params: Mapping[str, Any]) -> None:
+    for key, value in params.items():
+        if isinstance(value, str):
+            target[key].string_param = value
+        else:
+            target[key].int64_param = int(value)
+
+
+def grpc_infer_request(model: str, arrays: Mapping[str, NDArray[Any]], shm: ShmLayout | None = None) -> bytes:
     """A serialized ModelInferRequest: one input per array (name, datatype, shape) and its raw bytes.
 
-    No outputs are named, so the server returns every output (as tritonclient does by default).
+    No outputs are named, so the server returns every output (as tritonclient does by default). With
+    `shm`, the inputs name their region instead of carrying bytes, and the outputs in `shm.outputs` are
+    asked for into their regions.
     """
     request = service_pb2.ModelInferRequest()
     request.model_name = model
@@ -44,16 +81,38 @@ def grpc_infer_request(model: str, arrays: Mapping[str, NDArray[Any]]) -> bytes:
         tensor.name = name
         tensor.datatype = triton_datatype(data.dtype)
         tensor.shape.extend(int(d) for d in data.shape)
-        request.raw_input_contents.append(data.tobytes())
+        if shm is None:
+            request.raw_input_contents.append(data.tobytes())
+        else:
+            _set_grpc_params(tensor.parameters, _shm_params(shm.inputs[name]))
+    for name, ref in (shm.outputs.items() if shm is not None else ()):
+        output = request.outputs.add()
+        output.name = name
+        _set_grpc_params(output.parameters, _shm_params(ref))
     return bytes(request.SerializeToString())
 
 
-def http_infer_request(arrays: Mapping[str, NDArray[Any]]) -> tuple[bytes, dict[str, str]]:
+def http_infer_request(arrays: Mapping[str, NDArray[Any]],
+                       shm: ShmLayout | None = None) -> tuple[bytes, dict[str, str]]:
     """The body and headers of a binary-tensor HTTP request: JSON header, then each input's bytes.
 
     `binary_data_output` asks for binary outputs, which the server encodes fastest; only `--validate`
-    decodes them (`http_infer_outputs`).
+    decodes them (`http_infer_outputs`). With `shm`, the header alone: inputs (and the outputs named
+    in `shm.outputs`) refer to their shared-memory regions.
     """
+    if shm is not None:
+        outputs: Sequence[dict[str, Any]] = [{"name": name, "parameters": _shm_params(ref)}
+                                             for name, ref in shm.outputs.items()]
+        shm_header: dict[str, Any] = {
+            "inputs": [{"name": name, "shape": [int(d) for d in array.shape],
+                        "datatype": triton_datatype(array.dtype), "parameters": _shm_params(shm.inputs[name])}
+                       for name, array in arrays.items()],
+            "parameters": {"binary_data_output": True},
+        }
+        if outputs:
+            shm_header["outputs"] = list(outputs)
+        text = json.dumps(shm_header, separators=(",", ":")).encode("ascii")
+        return text, {HTTP_HEADER_LENGTH: str(len(text)), "Accept-Encoding": "identity"}
     raw = [_contiguous(array).tobytes() for array in arrays.values()]
     header = {
         "inputs": [

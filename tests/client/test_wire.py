@@ -14,7 +14,14 @@ import pytest
 from numpy.typing import NDArray
 from tritonclient.grpc import service_pb2
 
-from client.wire import HTTP_HEADER_LENGTH, grpc_infer_request, http_error_message, http_infer_request
+from client.wire import (
+    HTTP_HEADER_LENGTH,
+    ShmLayout,
+    ShmRef,
+    grpc_infer_request,
+    http_error_message,
+    http_infer_request,
+)
 
 RNG = np.random.default_rng(0)
 CASES: dict[str, dict[str, NDArray[Any]]] = {
@@ -103,3 +110,57 @@ def test_http_requests_ask_for_uncompressed_answers() -> None:
     # Triton gzips its answers when asked (aiohttp asks by default): work perf_analyzer never requests.
     _, headers = http_infer_request({"x": np.zeros((1, 4), np.float32)})
     assert headers["Accept-Encoding"] == "identity"
+
+
+SHM_ARRAYS = CASES["mixed dtypes"]
+SHM_LAYOUT = ShmLayout(
+    inputs={name: ShmRef(f"in_{name}", array.nbytes, offset=64 if name == "half" else 0)
+            for name, array in SHM_ARRAYS.items()},
+    outputs={"y": ShmRef("out_y", 4096), "z": ShmRef("out_z", 128, offset=16)},
+)
+
+
+def test_grpc_shared_memory_request_equals_tritonclients_own() -> None:
+    import tritonclient.grpc as grpcclient
+    from tritonclient.grpc._utils import _get_inference_request  # private: compared against here only
+
+    inputs = []
+    for name, array in SHM_ARRAYS.items():
+        item = grpcclient.InferInput(name, list(array.shape), _datatype(array))
+        ref = SHM_LAYOUT.inputs[name]
+        item.set_shared_memory(ref.region, ref.byte_size, ref.offset)
+        inputs.append(item)
+    outputs = []
+    for name, ref in SHM_LAYOUT.outputs.items():
+        output = grpcclient.InferRequestedOutput(name)
+        output.set_shared_memory(ref.region, ref.byte_size, ref.offset)
+        outputs.append(output)
+    theirs = _get_inference_request("m", inputs, "", "", outputs, 0, False, False, 0, None, None)
+    ours = service_pb2.ModelInferRequest.FromString(grpc_infer_request("m", SHM_ARRAYS, SHM_LAYOUT))
+    assert not ours.raw_input_contents  # no tensor bytes travel with the request
+    assert ours == theirs
+
+
+def test_http_shared_memory_request_equals_tritonclients_own() -> None:
+    import tritonclient.http as httpclient
+    from tritonclient.http._utils import _get_inference_request  # private: compared against here only
+
+    inputs = []
+    for name, array in SHM_ARRAYS.items():
+        item = httpclient.InferInput(name, list(array.shape), _datatype(array))
+        ref = SHM_LAYOUT.inputs[name]
+        item.set_shared_memory(ref.region, ref.byte_size, ref.offset)
+        inputs.append(item)
+    outputs = []
+    for name, ref in SHM_LAYOUT.outputs.items():
+        output = httpclient.InferRequestedOutput(name)
+        output.set_shared_memory(ref.region, ref.byte_size, ref.offset)
+        outputs.append(output)
+    body, _ = _get_inference_request(inputs, "", outputs, 0, False, False, 0, None, None)
+    ours, headers = http_infer_request(SHM_ARRAYS, SHM_LAYOUT)
+    assert int(headers[HTTP_HEADER_LENGTH]) == len(ours)  # the JSON header is the whole body
+    mine, theirs = json.loads(ours), json.loads(body)
+    # tritonclient asks for binary outputs per output; outputs in shared memory carry no data either way.
+    assert mine["inputs"] == theirs["inputs"]
+    assert [(o["name"], o["parameters"]) for o in mine["outputs"]] == \
+        [(o["name"], {k: v for k, v in o["parameters"].items() if k != "binary_data"}) for o in theirs["outputs"]]
