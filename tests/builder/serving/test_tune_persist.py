@@ -1,0 +1,94 @@
+"""Tuned settings survive a rebuild: `trtbuild tune` writes tuned.toml beside the manifest, and
+`trtbuild engines` (forced or not) layers it over models.toml and says so."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from builder.cli import main
+from builder.errors import ManifestError
+from builder.spec.tuned import Serving, load_tuned, serving_of
+from tests.helpers.files import snapshot
+from tests.helpers.tiny_models import mlp_onnx
+
+MANIFEST = '''# the user's own comment stays theirs
+[[model]]
+name = "mlp"
+onnx = "mlp.onnx"
+precisions = ["fp32"]
+batch = { min = 1, opt = 4, max = 8 }
+
+[model.serving]
+instances = 1
+max_queue_delay_us = 0
+'''
+
+TUNE = ["--precisions", "fp32", "--max-batch", "2,64", "--queue-delay-us", "500", "--instances", "2",
+        "--search", "exhaustive", "--concurrency", "2", "--measurement-interval", "300", "--max-trials", "2",
+        "--no-compare"]
+
+
+def served(repository: Path) -> Serving:
+    return serving_of((repository / "mlp_fp32" / "config.pbtxt").read_text())
+
+
+def test_tune_then_engines_force_keeps_the_tuned_settings(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> None:
+    mlp_onnx(tmp_path / "mlp.onnx")
+    manifest = tmp_path / "models.toml"
+    manifest.write_text(MANIFEST)
+    repository = tmp_path / "repository"
+    assert main(["engines", "--manifest", str(manifest), "--repository", str(repository)]) == 0
+    assert served(repository) == Serving(8, 0, 1)
+    files = ["--manifest", str(manifest), "--repository", str(repository), "--report", str(tmp_path / "t.json"),
+             "--plot", str(tmp_path / "t.png")]
+
+    # --dry-run: measured and shown, nothing written.
+    before = snapshot(repository)
+    capsys.readouterr()
+    assert main(["tune", "mlp", *files, *TUNE, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "+max_batch_size = 2" in out and "+max_batch_size: 2" in out and "not written (--dry-run" in out
+    assert snapshot(repository) == before and not (tmp_path / "tuned.toml").exists()
+
+    # The engine takes batches of at most 8: 64 is left out of the space.
+    assert main(["tune", "mlp", *files, *TUNE]) == 0
+    assert served(repository) == Serving(2, 500, 2)
+    assert json.loads((tmp_path / "t.json").read_text())["space"]["max_batch_sizes"] == [2]
+    tuned = load_tuned(tmp_path / "tuned.toml")
+    assert set(tuned) == {"mlp_fp32"} and tuned["mlp_fp32"].max_batch_size == 2
+    assert tuned["mlp_fp32"].measured["objective"] == "throughput"
+    assert manifest.read_text() == MANIFEST  # the user's file is theirs
+    record = json.loads((repository / "mlp_fp32" / "build.json").read_text())
+    assert record["tuned"]["max_batch_size"] == 2 and record["serving_as_built"]["max_batch_size"] == 8
+
+    caplog.set_level(logging.INFO, logger="builder")
+    assert main(["engines", "--manifest", str(manifest), "--repository", str(repository), "--force"]) == 0
+    assert served(repository) == Serving(2, 500, 2)
+    kept = [r.getMessage() for r in caplog.records if "keeping the tuned settings" in r.getMessage()]
+    assert kept == ["mlp_fp32: keeping the tuned settings from tuned.toml (mbs=2 batching=500us inst=2)"]
+    record = json.loads((repository / "mlp_fp32" / "build.json").read_text())
+    assert record["tuned"]["instances"] == 2 and record["serving_as_built"] == Serving(8, 0, 1).to_json()
+
+    # Without the entry, an unchanged build goes back to models.toml's settings.
+    (tmp_path / "tuned.toml").write_text("# emptied by hand\n")
+    assert main(["engines", "--manifest", str(manifest), "--repository", str(repository)]) == 0
+    assert served(repository) == Serving(8, 0, 1)
+    assert json.loads((repository / "mlp_fp32" / "build.json").read_text())["tuned"] is None
+
+
+def test_a_bad_tuned_file_is_one_line_naming_the_key(tmp_path: Path) -> None:
+    path = tmp_path / "tuned.toml"
+    path.write_text('[mlp]\nvariant = "mlp_fp32"\nmax_batch_size = 0\n')
+    with pytest.raises(ManifestError, match=r"tuned.toml: \[mlp\].max_batch_size: expected an integer >= 1, got 0"):
+        load_tuned(path)
+    path.write_text('[mlp]\nvariant = "other_fp32"\nmax_batch_size = 4\n')
+    with pytest.raises(ManifestError, match=r"\[mlp\].variant: expected a variant name mlp_<precision>"):
+        load_tuned(path)
+    path.write_text('[mlp]\nvariant = "mlp_fp32"\nmax_batch_size = 4\nmax_batch = 4\n')
+    with pytest.raises(ManifestError, match="unknown key 'max_batch'"):
+        load_tuned(path)
