@@ -1,8 +1,8 @@
 """The asynchronous load engine: closed loop (concurrency) and open loop (request rate), measured in
 windows until perf_analyzer's stability rule holds.
 
-Each request's scheduled time, send time, completion time and outcome is recorded rather than
-raised; statistics come from those records afterwards.
+Each request's outcome is counted (never raised) in the open window's tally as it completes;
+statistics are computed once per window from that tally (client.stats).
 """
 
 from __future__ import annotations
@@ -11,26 +11,35 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from client.choices import Choice
 from client.errors import PerfClientError
+from client.intervals import RequestIntervals
 from client.power import Meter, PowerFigures, PowerSource, Reading, window_power
 from client.protocol import Connection, Prepared, error_kind
 from client.server_stats import ServerBreakdown, ServerStats, server_breakdown
-from client.stats import Records, Window, is_stable, summarize
+from client.stats import Records, Tally, Window, close, is_stable, merge
 from client.validate import MISMATCH, outputs_match
 
 log = logging.getLogger(__name__)
 
-# How long a closed-loop worker waits after its request found the server unavailable: no spinning.
-_BACKOFF_S = 0.01
+# After a failed request a worker waits, doubling from the first to the last figure while failures
+# repeat (a dead or overloaded server is not hammered), and resets on success.
+_BACKOFF_FIRST_S = 0.01
+_BACKOFF_MAX_S = 0.5
 # Limits on waits that would otherwise hang on a stalled server.
 _WARMUP_LIMIT_S = 60.0
 _REQUEST_COUNT_LIMIT_S = 600.0
+# Open loop: at most this many requests in flight unless --max-inflight says otherwise; a send due
+# while the cap is reached is dropped and counted.
+DEFAULT_MAX_INFLIGHT = 1024
+# Error kinds that mean the server is gone (or going): windows that end a stopped level with them
+# are left out of its summary.
+_SERVER_GONE = frozenset({"unavailable", "unknown_model", "timeout", "cancelled"})
 
 
 class Distribution(Choice):
@@ -42,11 +51,15 @@ class Distribution(Choice):
 
 @dataclass(frozen=True)
 class LoadLevel:
-    """One load: `concurrency` requests in flight (closed loop) or `request_rate` per second (open loop)."""
+    """One load: `concurrency` requests in flight (closed loop) or `request_rate` per second (open
+    loop, at most `max_inflight` requests in flight: a send due beyond that is dropped and counted)."""
 
     concurrency: int | None = None
     request_rate: float | None = None
     distribution: Distribution = Distribution.CONSTANT
+    max_inflight: int = DEFAULT_MAX_INFLIGHT
+    # --request-intervals: the file's gaps replace `distribution`; `request_rate` is their mean rate.
+    intervals: RequestIntervals | None = None
 
     def __post_init__(self) -> None:
         # A plain string works too ("poisson"): the engine compares members.
@@ -58,6 +71,8 @@ class LoadLevel:
     def label(self) -> str:
         if self.concurrency is not None:
             return f"concurrency {self.concurrency}"
+        if self.intervals is not None:
+            return f"{self.intervals} ({self.request_rate:g} req/s)"
         return f"{self.request_rate:g} req/s ({self.distribution})"
 
     def check(self) -> None:
@@ -67,6 +82,8 @@ class LoadLevel:
             raise PerfClientError(f"--concurrency {self.concurrency}: expected a positive integer")
         if self.request_rate is not None and not self.request_rate > 0:
             raise PerfClientError(f"--request-rate {self.request_rate}: expected a positive rate")
+        if self.max_inflight < 1:
+            raise PerfClientError(f"--max-inflight {self.max_inflight}: expected a positive integer")
 
 
 @dataclass(frozen=True)
@@ -96,9 +113,10 @@ class Measurement:
 class LevelResult:
     """One load level on one model.
 
-    `summary` covers the last three windows (perf_analyzer's report), `server` and `power` the same
-    interval. `complete` is False for a level cut short (the server stopped): its figures cover the
-    windows measured before that.
+    `summary` merges the last three windows (perf_analyzer's report), `server` and `power` cover the
+    same interval. A level cut short (`complete` False: the server stopped, Ctrl-C, the run's
+    deadline; `stop_reason` says which) keeps the windows that completed before: its summary covers
+    the last three of those, and it is never `stable`.
     """
 
     level: LoadLevel
@@ -109,14 +127,47 @@ class LevelResult:
     power: PowerFigures
     power_trace: tuple[tuple[float, float], ...] = ()  # (monotonic s, W) instant-power samples
     complete: bool = True
+    stop_reason: str | None = None
+
+    @property
+    def failed(self) -> bool:
+        """No request completed successfully in the reported windows: a level to rank as failed, whatever
+        its other figures (its latencies are None)."""
+        return self.summary.requests == 0
 
 
-class ServerStopped(PerfClientError):
-    """The server stopped answering during a level; `result` holds the windows measured before."""
+class LevelStopped(PerfClientError):
+    """A level ended before its measurement did; `result` holds the windows measured before (None when
+    no window completed)."""
 
-    def __init__(self, message: str, result: LevelResult) -> None:
+    def __init__(self, message: str, result: LevelResult | None) -> None:
         super().__init__(message)
         self.result = result
+
+
+class ServerStopped(LevelStopped):
+    """The server stopped answering during a level."""
+
+
+class Interrupted(LevelStopped):
+    """The run was stopped from outside (Ctrl-C, its deadline) during a level."""
+
+
+class Abort:
+    """A stop request from outside a level (a signal handler, a deadline timer), with its reason."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self.reason: str | None = None
+
+    def set(self, reason: str) -> None:
+        if self.reason is None:
+            self.reason = reason
+        self.event.set()
+
+    @property
+    def is_set(self) -> bool:
+        return self.event.is_set()
 
 
 WindowFn = Callable[[int, Window], None]  # (1-based window index, window) as each window closes
@@ -126,11 +177,17 @@ _Snapshot = tuple[ServerStats | None, list[Reading]]
 
 
 class LoadRun:
-    """Drives one load level on an open connection."""
+    """Drives one load level on an open connection.
+
+    Requests add their outcome to the open window's Tally as they complete; at a boundary the tally is
+    swapped for a new one and the server's counters and the meters are read: the meters in a worker
+    thread, the counters asynchronously, so neither delays a send or a completion timestamp. Windows
+    are contiguous: the next one starts at the instant the previous one ended, while those reads run.
+    """
 
     def __init__(self, conn: Connection, *, model: str, payloads: Sequence[Prepared], batch: int, meter: Meter,
                  measurement: Measurement, on_window: WindowFn | None = None,
-                 cross_checks: Sequence[Meter] = ()) -> None:
+                 cross_checks: Sequence[Meter] = (), abort: Abort | None = None, keep_records: bool = False) -> None:
         self.conn = conn
         self.model = model
         self.payloads = list(payloads)
@@ -139,121 +196,230 @@ class LoadRun:
         self.cross_checks = list(cross_checks)
         self.m = measurement
         self.on_window = on_window
-        self.records = Records()
+        self.abort = abort if abort is not None else Abort()
+        self.records: Records | None = Records() if keep_records else None
+        self._tally = Tally()
         self._stop = asyncio.Event()
-        self._tasks: set[asyncio.Task[str | None]] = set()
+        self._enough = asyncio.Event()  # request-count windows: the open tally reached the count
+        self._target = 0
+        self._tasks: set[asyncio.Task[None]] = set()
         self._count = 0
 
-    async def _send(self, scheduled: int) -> str | None:
-        request = self.payloads[self._count % len(self.payloads)]
-        self._count += 1
-        sent = time.monotonic_ns()
-        error = None
+    def _done(self, scheduled: int, sent: int, error: str | None) -> None:
+        """Count one completed request in the open window (same loop step as its timestamp: no race)."""
+        done = time.monotonic_ns()
+        tally = self._tally
+        if error is None:
+            tally.ok(done - scheduled)
+        else:
+            tally.failed(error)
+        if self.records is not None:
+            self.records.add(scheduled, sent, done, error)
+        if self._target and tally.completed >= self._target:
+            self._enough.set()
+
+    async def _request(self, request: Prepared) -> str | None:
+        """Send one request; its error kind, or None when it succeeded."""
         try:
             if request.expected is None:
                 await self.conn.send(request)  # the load path: sent as bytes, the answer never decoded
             elif not outputs_match(await self.conn.infer(request), request.expected):
-                error = MISMATCH
+                return MISMATCH
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - every outcome is recorded, none raised
-            error = error_kind(exc)
-        self.records.add(scheduled, sent, time.monotonic_ns(), error)
-        return error
+            return error_kind(exc)
+        return None
 
-    async def _closed_loop_worker(self) -> None:
+    async def _closed_loop_worker(self, first: int) -> None:
+        payloads, n, index, backoff = self.payloads, len(self.payloads), first, 0.0
         while not self._stop.is_set():
-            if await self._send(time.monotonic_ns()) == "unavailable":
-                await asyncio.sleep(_BACKOFF_S)
+            request = payloads[index % n]
+            index += 1
+            sent = time.monotonic_ns()
+            error = await self._request(request)
+            self._done(sent, sent, error)
+            if error is None or error == MISMATCH:  # the server answered: no back-off
+                backoff = 0.0
+            else:
+                backoff = min(max(2 * backoff, _BACKOFF_FIRST_S), _BACKOFF_MAX_S)
+                await asyncio.sleep(backoff)
 
-    async def _open_loop(self, rate: float, distribution: Distribution) -> None:
-        rng = np.random.default_rng(0)
-        mean_ns = 1e9 / rate
+    async def _scheduled_send(self, scheduled: int, late_ns: float) -> None:
+        request = self.payloads[self._count % len(self.payloads)]
+        self._count += 1
+        sent = time.monotonic_ns()
+        lag = sent - scheduled
+        self._tally.lag(lag, late=lag >= late_ns)
+        self._done(scheduled, sent, await self._request(request))
+
+    def _gaps_ns(self, level: LoadLevel) -> Iterator[float]:
+        """Open-loop inter-arrival gaps in ns (seeded: the same schedule every run)."""
+        assert level.request_rate is not None  # LoadLevel holds exactly one of the two
+        if level.intervals is not None:
+            yield from level.intervals.gaps_ns()
+        mean_ns = 1e9 / level.request_rate
+        if level.distribution is Distribution.POISSON:
+            rng = np.random.default_rng(0)
+            while True:
+                yield float(rng.exponential(mean_ns))
+        while True:
+            yield mean_ns
+
+    async def _open_loop(self, level: LoadLevel) -> None:
+        assert level.request_rate is not None
+        # Late: left a whole mean inter-arrival gap after its time, i.e. the client fell a send behind
+        # its schedule (sub-millisecond event-loop jitter is not lateness; the lag is in the latency anyway).
+        late_ns = 1e9 / level.request_rate
         next_t = float(time.monotonic_ns())
-        while not self._stop.is_set():
+        for gap in self._gaps_ns(level):
+            if self._stop.is_set():
+                break
             wait = (next_t - time.monotonic_ns()) / 1e9
             if wait > 0:
                 await asyncio.sleep(wait)
-            task = asyncio.create_task(self._send(int(next_t)))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-            next_t += rng.exponential(mean_ns) if distribution is Distribution.POISSON else mean_ns
+            if len(self._tasks) >= level.max_inflight:
+                self._tally.dropped += 1
+            else:
+                task = asyncio.create_task(self._scheduled_send(int(next_t), late_ns))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+            next_t += gap
 
     async def run(self, level: LoadLevel) -> LevelResult:
-        """Measure `level`; ServerStopped (with what was measured) if the server stops answering."""
+        """Measure `level`; LevelStopped (with what was measured) if the server stops or the run is aborted."""
         if level.concurrency is not None:
-            drivers = [asyncio.create_task(self._closed_loop_worker()) for _ in range(level.concurrency)]
+            step = max(len(self.payloads) // level.concurrency, 1)  # workers start on different payloads
+            drivers = [asyncio.create_task(self._closed_loop_worker(i * step)) for i in range(level.concurrency)]
         else:
-            assert level.request_rate is not None  # LoadLevel holds exactly one of the two
-            drivers = [asyncio.create_task(self._open_loop(level.request_rate, level.distribution))]
+            drivers = [asyncio.create_task(self._open_loop(level))]
         trace = self.meter.trace
         trace_start = len(trace.samples) if trace is not None else 0
         windows: list[Window] = []
-        snapshots: list[_Snapshot] = []
-        stable, stopped = False, False
+        snapshots: list[asyncio.Task[_Snapshot]] = []
+        stable, stop_reason = False, None
         try:
             await self._warm_up()
-            snapshots.append(await self._snapshot())
-            while len(windows) < self.m.max_trials:
-                windows.append(await self._window(snapshots))
-                log.debug("%s %s window %d: %d requests in %.2f s, errors %s", self.model, level.label,
-                          len(windows), windows[-1].requests, windows[-1].seconds, windows[-1].errors or "none")
-                if self.on_window:
-                    self.on_window(len(windows), windows[-1])
-                if windows[-1].requests == 0 and windows[-1].errors and not await self.conn.live():
-                    stopped = True
+            start = self._boundary(snapshots)
+            self._tally = Tally()  # warm-up requests are in no window
+            while len(windows) < self.m.max_trials and stop_reason is None:
+                aborted = await self._wait_window(start)
+                end = self._boundary(snapshots)
+                tally, self._tally = self._tally, Tally()  # no await since `end`: nothing slipped in between
+                if aborted:  # the open window is incomplete: left out
+                    stop_reason = self.abort.reason
                     break
-                if is_stable(windows, self.m.stability_percentage):
+                window = close(tally, start, end, self.batch)
+                (stats0, power0), (stats1, power1) = await snapshots[-2], await snapshots[-1]
+                window = dataclasses.replace(window, server=server_breakdown(stats0, stats1),
+                                             power=self._power(power0, power1, window.inferences))
+                windows.append(window)
+                log.debug("%s %s window %d: %d requests in %.2f s, errors %s", self.model, level.label,
+                          len(windows), window.requests, window.seconds, window.errors or "none")
+                if self.on_window:
+                    self.on_window(len(windows), window)
+                if window.requests == 0 and window.errors and not await self.conn.live():
+                    stop_reason = f"-u {self.conn.url}: the server stopped answering during {level.label}"
+                elif is_stable(windows, self.m.stability_percentage):
                     stable = True
                     break
+                start = end
         finally:
             self._stop.set()
             for task in [*drivers, *self._tasks]:
                 task.cancel()
             await asyncio.gather(*drivers, *self._tasks, return_exceptions=True)
-        result = self._result(level, windows, snapshots, stable=stable, complete=not stopped,
-                              power_trace=tuple(trace.samples[trace_start:]) if trace is not None else ())
-        if stopped:
-            raise ServerStopped(f"-u {self.conn.url}: the server stopped answering during {level.label}", result)
-        return result
+        power_trace = tuple(trace.samples[trace_start:]) if trace is not None else ()
+        if stop_reason is None:
+            return await self._result(level, windows, snapshots, stable=stable, power_trace=power_trace)
+        for unused in snapshots[len(windows) + 1:]:
+            unused.cancel()  # the aborted window's end reading
+        if self.abort.is_set:
+            kept = windows
+        else:
+            answered = [(await snapshots[i + 1])[0] is not None for i in range(len(windows))]
+            kept = _completed_windows(windows, answered)
+        result = (await self._result(level, kept, snapshots, stable=False, power_trace=power_trace,
+                                     stop_reason=stop_reason) if kept else None)
+        if self.abort.is_set:
+            raise Interrupted(f"{stop_reason} during {self.model} {level.label}", result)
+        raise ServerStopped(stop_reason, result)
+
+    def _boundary(self, snapshots: list[asyncio.Task[_Snapshot]]) -> int:
+        """A window boundary now: start the reads at this instant (they finish in the background)."""
+        now = time.monotonic_ns()
+        snapshots.append(asyncio.create_task(self._snapshot()))
+        return now
+
+    async def _wait_window(self, start: int) -> bool:
+        """Until the window starting at `start` closes; True if the run was aborted meanwhile."""
+        aborted = asyncio.create_task(self.abort.event.wait())
+        try:
+            if self.m.request_count > 0:
+                self._enough.clear()
+                self._target = self.m.request_count
+                if self._tally.completed >= self._target:
+                    self._enough.set()
+                enough = asyncio.create_task(self._enough.wait())
+                await asyncio.wait({aborted, enough}, timeout=_REQUEST_COUNT_LIMIT_S,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                enough.cancel()
+            else:
+                remaining = (start + self.m.measurement_ms * 1_000_000 - time.monotonic_ns()) / 1e9
+                if remaining > 0:
+                    await asyncio.wait({aborted}, timeout=remaining)
+            return self.abort.is_set
+        finally:
+            aborted.cancel()
 
     async def _warm_up(self) -> None:
         deadline = time.monotonic() + _WARMUP_LIMIT_S
-        while len(self.records) < self.m.warmup_requests and time.monotonic() < deadline:
+        while (self._tally.completed < self.m.warmup_requests and time.monotonic() < deadline
+               and not self.abort.is_set):
             await asyncio.sleep(0.01)
 
+    def _read_meters(self) -> list[Reading]:
+        """Every meter at this instant (runs in a worker thread: a meter may block on I/O)."""
+        readings = []
+        for meter in (self.meter, *self.cross_checks):
+            try:
+                readings.append(meter.read())
+            except Exception as exc:  # noqa: BLE001 - a failed read leaves this window's energy None
+                log.debug("%s reading failed: %s", meter.source, exc)
+                readings.append(Reading(time.monotonic(), None))
+        return readings
+
     async def _snapshot(self) -> _Snapshot:
-        return await self.conn.statistics(self.model), [self.meter.read(), *(m.read() for m in self.cross_checks)]
+        if self.meter.source is PowerSource.NONE and not self.cross_checks:
+            return await self.conn.statistics(self.model), self._read_meters()
+        stats, readings = await asyncio.gather(self.conn.statistics(self.model), asyncio.to_thread(self._read_meters))
+        return stats, readings
 
     def _power(self, before: list[Reading], after: list[Reading], inferences: int) -> PowerFigures:
         cross: list[tuple[PowerSource, Reading, Reading]] = [
             (m.source, b, a) for m, b, a in zip(self.cross_checks, before[1:], after[1:], strict=True)]
         return window_power(self.meter, before[0], after[0], inferences, cross)
 
-    async def _window(self, snapshots: list[_Snapshot]) -> Window:
-        start = time.monotonic_ns()
-        first = len(self.records)
-        if self.m.request_count > 0:
-            limit = time.monotonic() + _REQUEST_COUNT_LIMIT_S
-            while len(self.records) - first < self.m.request_count and time.monotonic() < limit:
-                await asyncio.sleep(0.005)
-        else:
-            await asyncio.sleep(self.m.measurement_ms / 1000)
-        end = time.monotonic_ns()
-        snapshots.append(await self._snapshot())
-        window = summarize(self.records, start, end, self.batch)
-        (stats0, power0), (stats1, power1) = snapshots[-2], snapshots[-1]
-        return dataclasses.replace(window, server=server_breakdown(stats0, stats1),
-                                   power=self._power(power0, power1, window.inferences))
-
-    def _result(self, level: LoadLevel, windows: list[Window], snapshots: list[_Snapshot], *, stable: bool,
-                complete: bool, power_trace: tuple[tuple[float, float], ...]) -> LevelResult:
-        # Like perf_analyzer, report the last three windows (the stable ones when stable).
+    async def _result(self, level: LoadLevel, windows: list[Window], snapshots: list[asyncio.Task[_Snapshot]], *,
+                      stable: bool, power_trace: tuple[tuple[float, float], ...],
+                      stop_reason: str | None = None) -> LevelResult:
+        # Like perf_analyzer, report the last three windows merged (the stable ones when stable).
         chosen = windows[-3:]
-        first_index = len(windows) - len(chosen)
-        summary = summarize(self.records, chosen[0].start_ns, chosen[-1].end_ns, self.batch)
-        (stats0, power0), (stats1, power1) = snapshots[first_index], snapshots[-1]
+        first = len(windows) - len(chosen)
+        summary = merge(chosen, self.batch)
+        stats0, power0 = await snapshots[first]
+        stats1, power1 = await snapshots[len(windows)]
         return LevelResult(level=level, windows=tuple(windows), summary=summary, stable=stable,
                            server=server_breakdown(stats0, stats1),
                            power=self._power(power0, power1, summary.inferences), power_trace=power_trace,
-                           complete=complete)
+                           complete=stop_reason is None, stop_reason=stop_reason)
+
+
+def _completed_windows(windows: list[Window], answered: list[bool]) -> list[Window]:
+    """A stopped level's windows without the trailing ones the server's end spoiled: no success, errors
+    that say the server was gone, or a server that no longer answered for its counters at their end."""
+    kept = len(windows)
+    while kept and (windows[kept - 1].requests == 0 or _SERVER_GONE & windows[kept - 1].errors.keys()
+                    or not answered[kept - 1]):
+        kept -= 1
+    return windows[:kept]

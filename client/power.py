@@ -35,7 +35,7 @@ class PowerSource(Choice):
 
 @dataclass(frozen=True)
 class Reading:
-    t: float  # time.monotonic()
+    t: float  # time.monotonic() when the counter was read (the call's start: what a window boundary aligns to)
     energy_j: float | None  # cumulative, summed over devices
 
 
@@ -113,8 +113,9 @@ class NvmlMeter:
                 log.debug("NVML power sample failed: %s", exc)
 
     def read(self) -> Reading:
+        t = time.monotonic()
         energy = sum(self._nvml.nvmlDeviceGetTotalEnergyConsumption(h) for h in self.handles) / 1000.0
-        return Reading(time.monotonic(), energy)
+        return Reading(t, energy)
 
     def close(self) -> None:
         self._stop.set()
@@ -144,12 +145,14 @@ class TritonMetricsMeter:
             raise RuntimeError(f"{url} has no nv_energy_consumption (no GPU metrics)")
 
     def read(self) -> Reading:
+        """Blocking HTTP: the load engine calls it from a worker thread, never on its event loop."""
+        t = time.monotonic()
         try:
             with urllib.request.urlopen(self.url, timeout=2) as response:
                 text = response.read().decode("utf-8", "replace")
         except (urllib.error.URLError, OSError) as exc:
             raise RuntimeError(f"cannot read {self.url}: {exc}") from exc
-        return Reading(time.monotonic(), parse_triton_energy(text))
+        return Reading(t, parse_triton_energy(text))
 
     def close(self) -> None:
         pass
@@ -181,12 +184,13 @@ class RaplMeter:
         return [int((d / "energy_uj").read_text()) for d in self.domains]
 
     def read(self) -> Reading:
+        t = time.monotonic()
         now = self._raw()
         for i, (prev, cur) in enumerate(zip(self._last, now, strict=True)):
             delta = cur - prev if cur >= prev else cur + self._ranges[i] - prev  # counter wrapped
             self._total += delta / 1e6
         self._last = now
-        return Reading(time.monotonic(), self._total)
+        return Reading(t, self._total)
 
     def close(self) -> None:
         pass

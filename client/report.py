@@ -63,18 +63,24 @@ def result_dict(result: LevelResult) -> dict[str, Any]:
     else:
         out["request_rate"] = result.level.request_rate
         out["distribution"] = str(result.level.distribution)
-        out["late_sends"] = s.late_sends
+        out["max_inflight"] = result.level.max_inflight
+        out["late_sends"] = s.late_sends  # left a whole mean inter-arrival gap after their scheduled time
+        out["dropped_sends"] = s.dropped_sends  # not sent: --max-inflight requests were already out
+        out["max_send_lag_us"] = s.max_send_lag_us
     out.update({
         "throughput": s.throughput,
         "latency_us": latency_dict(s.latency_us),
         "requests": s.requests,
         "errors": dict(s.errors),
         "stable": result.stable,
+        "partial": not result.complete,
         "windows": len(result.windows),
         "window_seconds": [round(w.seconds, 3) for w in result.windows],
         "server": server_dict(result.server),
         "power": power_dict(result.power),
     })
+    if result.stop_reason is not None:
+        out["stop_reason"] = result.stop_reason
     return out
 
 
@@ -101,42 +107,52 @@ def write_json(path: Path, docs: Sequence[dict[str, Any]]) -> None:
 
 
 def _us(value: float | None) -> int | str:
-    return round(value) if value is not None else ""
+    # perf_analyzer writes whole microseconds, truncated (ns / 1000 in integer arithmetic).
+    return int(value) if value is not None else ""
 
 
 def write_csv(path: Path, results: Sequence[LevelResult]) -> None:
-    """perf_analyzer's verbose CSV; a figure that was not measured is an empty cell."""
+    """perf_analyzer's verbose CSV, rows in increasing throughput as it sorts them; a figure that was
+    not measured is an empty cell."""
     handle = io.StringIO()
     writer = csv.writer(handle)
     open_loop = any(r.level.concurrency is None for r in results)
     writer.writerow(["Request Rate" if open_loop else "Concurrency", *CSV_COLUMNS[1:]])
-    for r in results:
+    for r in sorted(results, key=lambda r: r.summary.throughput):
         lat, srv = r.summary.latency_us, r.server
         total = srv.total_us
         network = max(lat.avg - total, 0.0) if lat is not None and total is not None else None
         load = r.level.concurrency if r.level.concurrency is not None else r.level.request_rate
-        # Client send/recv are not timed apart from the whole request: they stay 0, and the
-        # network column holds what the server's own times do not explain.
+        # Client send/recv (and gRPC's request/response marshalling, response wait) are not timed
+        # apart from the whole request: empty, and the network column holds what the server's own
+        # times do not explain (perf_analyzer subtracts its client send/recv there too).
         writer.writerow([
-            load, round(r.summary.throughput, 3), 0, _us(network), _us(srv.queue_us), _us(srv.compute_input_us),
-            _us(srv.compute_infer_us), _us(srv.compute_output_us), 0,
+            load, round(r.summary.throughput, 3), "", _us(network), _us(srv.queue_us), _us(srv.compute_input_us),
+            _us(srv.compute_infer_us), _us(srv.compute_output_us), "",
             *(_us(getattr(lat, k)) if lat is not None else "" for k in ("p50", "p90", "p95", "p99", "avg")),
-            0, 0,
+            "", "",
         ])
     files.write_atomic(path, handle.getvalue())
 
 
+MISSING = "–"  # a figure that was not measured, in the table
+
+
 def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
+    return MISSING if value is None else format(value, spec)
 
 
 def _ms(latency: Latency | None, key: str) -> float | None:
     return getattr(latency, key) / 1e3 if latency is not None else None
 
 
+def _stable(result: LevelResult) -> str:
+    return "partial" if not result.complete else "yes" if result.stable else "no"
+
+
 def table(rows: Sequence[ModelResult]) -> str:
     head = f"{'model':<28} {'load':>18} {'infer/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'avg W':>7} " \
-           f"{'J/infer':>9} {'stable':>6} {'batch':>5} {'errors':>6}"
+           f"{'J/infer':>9} {'stable':>7} {'batch':>5} {'errors':>6}"
     lines = [head, "-" * len(head)]
     for row in rows:
         r = row.result
@@ -144,7 +160,7 @@ def table(rows: Sequence[ModelResult]) -> str:
             f"{row.model:<28} {r.level.label:>18} {r.summary.throughput:>9.1f} "
             f"{_fmt(_ms(r.summary.latency_us, 'p50'), '.2f'):>8} {_fmt(_ms(r.summary.latency_us, 'p99'), '.2f'):>8} "
             f"{_fmt(r.power.avg_w, '.1f'):>7} {_fmt(r.power.j_per_infer, '.4f'):>9} "
-            f"{'yes' if r.stable else 'no':>6} {_fmt(r.server.avg_batch, '.1f'):>5} {sum(r.summary.errors.values()):>6}"
+            f"{_stable(r):>7} {_fmt(r.server.avg_batch, '.1f'):>5} {sum(r.summary.errors.values()):>6}"
         )
     sources = dict.fromkeys(str(row.result.power.source) for row in rows)
     reasons = sorted({row.result.power.reason for row in rows if row.result.power.reason})

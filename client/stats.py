@@ -1,7 +1,14 @@
-"""Per-request records → window summaries, and perf_analyzer's stability rule."""
+"""Per-window statistics accumulated as requests complete, and perf_analyzer's definitions.
+
+The load engine adds each outcome to the open window's `Tally` (O(1) per request); at a window
+boundary the tally is swapped for a fresh one and summarized once. Nothing ever rescans the whole
+run. A summary over several windows merges their latency arrays exactly, as perf_analyzer's
+`MergePerfStatusReports` does, so worker processes' windows merge the same way.
+"""
 
 from __future__ import annotations
 
+from array import array
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -15,10 +22,13 @@ from client.server_stats import ServerBreakdown
 if TYPE_CHECKING:
     from client.power import PowerFigures
 
+PERCENTILES = (50, 90, 95, 99)
+
 
 @dataclass
 class Records:
-    """Columns of per-request outcomes (nanoseconds, monotonic clock); filled by the load engine."""
+    """Every request's timestamps (ns, monotonic) and outcome: an optional trace a LoadRun keeps when
+    asked (`keep_records=True`), for checking its windows against; the statistics never read it."""
 
     scheduled: list[int] = field(default_factory=list)
     sent: list[int] = field(default_factory=list)
@@ -35,9 +45,39 @@ class Records:
         return len(self.done)
 
 
+class Tally:
+    """One window's outcomes as they arrive: successful latencies, errors by kind, send lag."""
+
+    __slots__ = ("dropped", "errors", "late", "latencies", "max_lag_ns")
+
+    def __init__(self) -> None:
+        self.latencies = array("q")  # ns, successful requests only
+        self.errors: Counter[str] = Counter()
+        self.late = 0
+        self.dropped = 0
+        self.max_lag_ns: int | None = None  # open loop only
+
+    def ok(self, latency_ns: int) -> None:
+        self.latencies.append(latency_ns)
+
+    def failed(self, kind: str) -> None:
+        self.errors[kind] += 1
+
+    def lag(self, lag_ns: int, *, late: bool) -> None:
+        """An open-loop send that left `lag_ns` after its scheduled time."""
+        if self.max_lag_ns is None or lag_ns > self.max_lag_ns:
+            self.max_lag_ns = lag_ns
+        if late:
+            self.late += 1
+
+    @property
+    def completed(self) -> int:
+        return len(self.latencies) + sum(self.errors.values())
+
+
 @dataclass(frozen=True)
 class Latency:
-    """Request latency in µs, counted from the scheduled send time."""
+    """Request latency in µs (closed loop: from the send; open loop: from the scheduled send time)."""
 
     avg: float
     p50: float
@@ -52,7 +92,8 @@ class Window:
     """What the client saw in one interval; the engine adds the server's and the meter's view of it.
 
     `latency_us` is None when no request succeeded; `server` and `power` are None for a summary
-    computed from the records alone (a LevelResult carries those over its summary separately).
+    computed from the client's figures alone (a LevelResult carries those over its summary separately).
+    `max_send_lag_us` is None in closed loop (sends are not scheduled there).
     """
 
     start_ns: int
@@ -65,58 +106,74 @@ class Window:
     late_sends: int = 0
     server: ServerBreakdown | None = None
     power: PowerFigures | None = None
+    dropped_sends: int = 0
+    max_send_lag_us: float | None = None
+    # Sorted successful latencies (ns): what summaries over several windows merge.
+    latencies_ns: NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64), repr=False, compare=False)
 
     @property
     def seconds(self) -> float:
         return (self.end_ns - self.start_ns) / 1e9
 
 
-# A send counts as late when it left this long after its scheduled time (open loop).
-LATE_NS = 1_000_000
+def nearest_rank(sorted_ns: NDArray[Any], percentile: int) -> int:
+    """perf_analyzer's percentile: the sorted value at index (p/100)·(n−1) + 0.5, truncated."""
+    index = int((percentile / 100.0) * (len(sorted_ns) - 1) + 0.5)
+    return int(sorted_ns[index])
 
 
-def latency_summary(latencies_ns: NDArray[Any]) -> Latency | None:
-    if latencies_ns.size == 0:
+def latency_summary(sorted_ns: NDArray[Any]) -> Latency | None:
+    """avg, nearest-rank p50/p90/p95/p99 and max (µs) of sorted latencies in ns; None when empty."""
+    if sorted_ns.size == 0:
         return None
-    us = latencies_ns / 1e3
-    p50, p90, p95, p99 = (float(v) for v in np.percentile(us, [50, 90, 95, 99], method="linear"))
-    return Latency(avg=float(np.mean(us)), p50=p50, p90=p90, p95=p95, p99=p99, max=float(np.max(us)))
+    p50, p90, p95, p99 = (nearest_rank(sorted_ns, p) / 1e3 for p in PERCENTILES)
+    return Latency(avg=float(np.mean(sorted_ns)) / 1e3, p50=p50, p90=p90, p95=p95, p99=p99,
+                   max=float(sorted_ns[-1]) / 1e3)
 
 
-def summarize(records: Records, start_ns: int, end_ns: int, batch: int) -> Window:
-    """Requests that completed in [start_ns, end_ns); latency counts from the scheduled send time."""
-    done = np.asarray(records.done, dtype=np.int64)
-    scheduled = np.asarray(records.scheduled, dtype=np.int64)
-    sent = np.asarray(records.sent, dtype=np.int64)
-    in_window = (done >= start_ns) & (done < end_ns)
-    failed = np.asarray([e is not None for e in records.errors], dtype=bool)
-    errors = [e for e, keep in zip(records.errors, in_window, strict=True) if keep and e is not None]
-    ok = in_window & ~failed
-    requests = int(np.count_nonzero(ok))
+def close(tally: Tally, start_ns: int, end_ns: int, batch: int) -> Window:
+    """A window's summary from its tally: requests that completed in [start_ns, end_ns)."""
+    latencies = np.sort(np.frombuffer(tally.latencies, dtype=np.int64)) if tally.latencies else np.zeros(0, np.int64)
+    requests = int(latencies.size)
     seconds = max(end_ns - start_ns, 1) / 1e9
     return Window(
-        start_ns=start_ns,
-        end_ns=end_ns,
-        requests=requests,
-        inferences=requests * batch,
-        throughput=requests * batch / seconds,
-        latency_us=latency_summary(done[ok] - scheduled[ok]),
-        errors=dict(Counter(errors)),
-        late_sends=int(np.count_nonzero((sent[in_window] - scheduled[in_window]) > LATE_NS)),
+        start_ns=start_ns, end_ns=end_ns, requests=requests, inferences=requests * batch,
+        throughput=requests * batch / seconds, latency_us=latency_summary(latencies), errors=dict(tally.errors),
+        late_sends=tally.late, dropped_sends=tally.dropped,
+        max_send_lag_us=tally.max_lag_ns / 1e3 if tally.max_lag_ns is not None else None, latencies_ns=latencies,
+    )
+
+
+def merge(windows: Sequence[Window], batch: int) -> Window:
+    """One summary over consecutive windows: latencies pooled and re-sorted, counts summed, throughput
+    over their summed durations (perf_analyzer's merged report). Windows must not be empty."""
+    if not windows:
+        raise ValueError("merge() needs at least one window")
+    latencies = np.sort(np.concatenate([w.latencies_ns for w in windows]))
+    requests = int(latencies.size)
+    seconds = max(sum(w.end_ns - w.start_ns for w in windows), 1) / 1e9
+    errors: Counter[str] = Counter()
+    for w in windows:
+        errors.update(w.errors)
+    lags = [w.max_send_lag_us for w in windows if w.max_send_lag_us is not None]
+    return Window(
+        start_ns=windows[0].start_ns, end_ns=windows[-1].end_ns, requests=requests, inferences=requests * batch,
+        throughput=requests * batch / seconds, latency_us=latency_summary(latencies), errors=dict(errors),
+        late_sends=sum(w.late_sends for w in windows), dropped_sends=sum(w.dropped_sends for w in windows),
+        max_send_lag_us=max(lags) if lags else None, latencies_ns=latencies,
     )
 
 
 def is_stable(windows: Sequence[Window], percentage: float, count: int = 3) -> bool:
-    """perf_analyzer's rule: the last `count` windows' throughput and average latency all lie
-    within ±percentage % of their mean, and none is empty."""
+    """perf_analyzer's rule: over the last `count` windows, none empty, max/min of throughput and of
+    average latency each at most 1 + percentage/100."""
     if len(windows) < count:
         return False
     last = windows[-count:]
-    latencies = [w.latency_us.avg for w in last if w.latency_us is not None]
-    if any(w.requests == 0 for w in last) or len(latencies) < count:
+    if any(w.requests == 0 or w.latency_us is None for w in last):
         return False
-    for values in ([w.throughput for w in last], latencies):
-        mean = sum(values) / len(values)
-        if mean <= 0 or any(abs(v - mean) > mean * percentage / 100 for v in values):
+    bound = 1 + percentage / 100
+    for values in ([w.throughput for w in last], [w.latency_us.avg for w in last if w.latency_us is not None]):
+        if min(values) <= 0 or max(values) / min(values) > bound:
             return False
     return True
