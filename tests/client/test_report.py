@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from client.power import PowerFigures, PowerSource
 from client.report import CSV_COLUMNS, documents, power_dict, result_dict, table, write_csv, write_json
 from client.server_stats import ServerBreakdown
 from client.session import ModelResult, SessionConfig
-from client.stats import Latency, Window
+from client.stats import Latency, Tally, Window, close, merge
 
 LATENCY = Latency(avg=1100.0, p50=1000.0, p90=1500.0, p95=1700.0, p99=2500.0, max=4000.0)
 SERVER = ServerBreakdown(requests=300, queue_us=100.0, compute_input_us=10.0, compute_infer_us=700.0,
@@ -32,8 +33,9 @@ def level_result(level: LoadLevel, power: PowerFigures = NVML, server: ServerBre
 
 def test_closed_loop_json_keeps_the_documented_keys() -> None:
     doc = result_dict(level_result(LoadLevel(concurrency=8)))
-    assert list(doc) == ["concurrency", "throughput", "latency_us", "requests", "errors", "stable", "windows",
-                         "window_seconds", "server", "power"]
+    assert list(doc) == ["concurrency", "throughput", "latency_us", "requests", "errors", "stable", "partial",
+                         "windows", "window_seconds", "server", "power"]
+    assert doc["partial"] is False
     assert doc["latency_us"] == {"avg": 1100.0, "p50": 1000.0, "p90": 1500.0, "p95": 1700.0, "p99": 2500.0,
                                  "max": 4000.0}
     assert doc["server"] == {"queue_us": 100.0, "compute_input_us": 10.0, "compute_infer_us": 700.0,
@@ -48,6 +50,7 @@ def test_open_loop_json_and_missing_figures() -> None:
     doc = result_dict(level_result(LoadLevel(request_rate=50.0, distribution=Distribution.POISSON), power=NONE,
                                    server=ServerBreakdown(requests=0), latency=None))
     assert (doc["request_rate"], doc["distribution"], doc["late_sends"]) == (50.0, "poisson", 3)
+    assert (doc["dropped_sends"], doc["max_send_lag_us"], doc["max_inflight"]) == (0, None, 1024)
     assert doc["power"] == {"source": "none", "reason": "nvml: no GPU"}
     assert doc["latency_us"] is None and doc["server"]["queue_us"] is None and doc["server"]["avg_batch"] is None
     assert power_dict(PowerFigures(source=PowerSource.NVML, energy_j=1.0, avg_w=2.0,
@@ -83,15 +86,43 @@ def test_csv_has_perf_analyzers_verbose_columns(tmp_path: Path) -> None:
         "100", "1000", "2500", "1100")
     unmeasured = dict(zip(header, missing, strict=True))
     assert unmeasured["Server Queue"] == "" and unmeasured["Network+Server Send/Recv"] == ""
+    # Client send/recv are not timed apart: empty cells, never a made-up 0.
+    assert all(row[k] == "" for k in ("Client Send", "Client Recv", "request/response", "response wait"))
     write_csv(tmp_path / "o.csv", [level_result(LoadLevel(request_rate=5.0))])
     assert next(csv.reader((tmp_path / "o.csv").open()))[0] == "Request Rate"
 
 
-@pytest.mark.parametrize(("power", "expected"), [(NVML, "150.0"), (NONE, "-")])
+def test_csv_rows_go_by_throughput_as_perf_analyzers_do(tmp_path: Path) -> None:
+    def at(concurrency: int, throughput: float) -> LevelResult:
+        r = level_result(LoadLevel(concurrency=concurrency))
+        return dataclasses.replace(r, summary=dataclasses.replace(r.summary, throughput=throughput))
+
+    write_csv(tmp_path / "r.csv", [at(1, 300.0), at(2, 100.0), at(4, 200.0)])
+    rows = list(csv.DictReader((tmp_path / "r.csv").open(newline="")))
+    assert [(r["Concurrency"], r["Inferences/Second"]) for r in rows] == [("2", "100.0"), ("4", "200.0"),
+                                                                          ("1", "300.0")]
+
+
+def test_a_partial_level_with_an_empty_window_reports_nulls_not_zeros(tmp_path: Path) -> None:
+    empty = close(Tally(), 0, 10**9, batch=1)
+    result = LevelResult(level=LoadLevel(concurrency=2), windows=(empty,), summary=merge([empty], 1), stable=False,
+                         server=ServerBreakdown(), power=NONE, complete=False, stop_reason="interrupted (Ctrl-C)")
+    assert result.failed
+    doc = result_dict(result)
+    assert doc["latency_us"] is None and doc["throughput"] == 0 and doc["requests"] == 0
+    assert (doc["partial"], doc["stable"], doc["stop_reason"]) == (True, False, "interrupted (Ctrl-C)")
+    write_csv(tmp_path / "e.csv", [result])
+    (row,) = csv.DictReader((tmp_path / "e.csv").open(newline=""))
+    assert all(row[k] == "" for k in ("p50 latency", "p99 latency", "Avg latency", "Server Queue"))
+    line = table([ModelResult("mlp", result)]).splitlines()[2].split()
+    assert line[4:6] == ["–", "–"] and "partial" in line
+
+
+@pytest.mark.parametrize(("power", "expected"), [(NVML, "150.0"), (NONE, "–")])
 def test_table_shows_missing_figures_as_a_dash(power: PowerFigures, expected: str) -> None:
     text = table([ModelResult("mlp", level_result(LoadLevel(concurrency=2), power=power,
                                                    server=ServerBreakdown(requests=0)))])
     line = text.splitlines()[2].split()
     assert line[0] == "mlp" and line[3] == "200.0" and line[6] == expected
-    assert line[-2] == "-"  # batch: nothing executed
+    assert line[-2] == "–"  # batch: nothing executed
     assert text.splitlines()[-1] == ("power source: nvml" if power is NVML else "power source: none (nvml: no GPU)")
