@@ -170,6 +170,25 @@ class Abort:
         return self.event.is_set()
 
 
+class Together:
+    """Levels measured at the same time on one loop (--simultaneous): a completion counter they share,
+    and a hold that keeps every level's load on until the last of them is measured, so each one's
+    windows see the others' load throughout."""
+
+    def __init__(self) -> None:
+        self.inferences = 0  # successful inferences of every level, as they complete
+        self.release = asyncio.Event()
+
+    async def hold_until_all_measured(self, abort: Abort) -> None:
+        released = asyncio.create_task(self.release.wait())
+        aborted = asyncio.create_task(abort.event.wait())
+        try:
+            await asyncio.wait({released, aborted}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            released.cancel()
+            aborted.cancel()
+
+
 WindowFn = Callable[[int, Window], None]  # (1-based window index, window) as each window closes
 
 # One snapshot per window boundary: the server's counters and every meter's reading.
@@ -187,7 +206,8 @@ class LoadRun:
 
     def __init__(self, conn: Connection, *, model: str, payloads: Sequence[Prepared], batch: int, meter: Meter,
                  measurement: Measurement, on_window: WindowFn | None = None,
-                 cross_checks: Sequence[Meter] = (), abort: Abort | None = None, keep_records: bool = False) -> None:
+                 cross_checks: Sequence[Meter] = (), abort: Abort | None = None, keep_records: bool = False,
+                 together: Together | None = None) -> None:
         self.conn = conn
         self.model = model
         self.payloads = list(payloads)
@@ -204,6 +224,9 @@ class LoadRun:
         self._target = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self._count = 0
+        self.together = together
+        self.started = asyncio.Event()  # the first window opened
+        self.measured = asyncio.Event()  # the last window closed (or the level stopped)
 
     def _done(self, scheduled: int, sent: int, error: str | None) -> None:
         """Count one completed request in the open window (same loop step as its timestamp: no race)."""
@@ -211,6 +234,8 @@ class LoadRun:
         tally = self._tally
         if error is None:
             tally.ok(done - scheduled)
+            if self.together is not None:
+                self.together.inferences += self.batch
         else:
             tally.failed(error)
         if self.records is not None:
@@ -302,6 +327,7 @@ class LoadRun:
             await self._warm_up()
             start = self._boundary(snapshots)
             self._tally = Tally()  # warm-up requests are in no window
+            self.started.set()
             while len(windows) < self.m.max_trials and stop_reason is None:
                 aborted = await self._wait_window(start)
                 end = self._boundary(snapshots)
@@ -324,7 +350,12 @@ class LoadRun:
                     stable = True
                     break
                 start = end
+            self.measured.set()
+            if self.together is not None and stop_reason is None:
+                await self.together.hold_until_all_measured(self.abort)
         finally:
+            self.started.set()  # also when the level ended before its first window: nobody waits forever
+            self.measured.set()
             self._stop.set()
             for task in [*drivers, *self._tasks]:
                 task.cancel()
