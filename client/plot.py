@@ -1,24 +1,34 @@
-"""PNG plots: latency (p50, p99) against throughput per model; power over time where sampled."""
+"""Plots: latency (p50, p99) against throughput per model; power over time where sampled.
+
+`plot` writes both side by side as one PNG (`--plot`); `latency_figure` and `power_figure` render each
+alone, as PNG or SVG bytes, for the HTML report (`--html`).
+"""
 
 from __future__ import annotations
 
 import io
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from client.files import write_atomic
 from client.session import ModelResult
 
 
-def plot(path: Path, rows: Sequence[ModelResult]) -> None:
-    import matplotlib  # imported here: only --plot pays for matplotlib
+def _pyplot() -> Any:
+    import matplotlib  # imported here: only --plot and --html pay for matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    traces = [row for row in rows if row.result.power_trace]
-    fig, axes = plt.subplots(1, 2 if traces else 1, figsize=(12 if traces else 7, 4.5), squeeze=False)
-    ax = axes[0][0]
+    return plt
+
+
+def _traced(rows: Sequence[ModelResult]) -> list[ModelResult]:
+    return [row for row in rows if row.result.power_trace]
+
+
+def _draw_latency(ax: Any, rows: Sequence[ModelResult]) -> None:
     for model in dict.fromkeys(row.model for row in rows):
         points = [(row.result.summary.throughput, row.result.summary.latency_us) for row in rows
                   if row.model == model and row.result.summary.latency_us is not None]
@@ -30,19 +40,51 @@ def plot(path: Path, rows: Sequence[ModelResult]) -> None:
     ax.set_title("latency vs throughput")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
-    if traces:
-        ax2 = axes[0][1]
-        for row in traces:
-            trace = row.result.power_trace
-            t0 = trace[0][0]
-            ax2.plot([t - t0 for t, _ in trace], [w for _, w in trace], label=f"{row.model} {row.result.level.label}")
-        ax2.set_xlabel("seconds")
-        ax2.set_ylabel("watts")
-        ax2.set_title("power over time")
-        ax2.grid(True, alpha=0.3)
-        ax2.legend(fontsize=7)
+
+
+def _draw_power(ax: Any, traces: Sequence[ModelResult]) -> None:
+    for row in traces:
+        trace = row.result.power_trace
+        t0 = trace[0][0]
+        ax.plot([t - t0 for t, _ in trace], [w for _, w in trace], label=f"{row.model} {row.result.level.label}")
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("watts")
+    ax.set_title("power over time")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+
+
+def _render(fig: Any, fmt: str) -> bytes:
+    plt = _pyplot()
     fig.tight_layout()
     image = io.BytesIO()
-    fig.savefig(image, format="png", dpi=110)
+    # SVG: no creation date in the metadata, so the same run renders the same bytes.
+    fig.savefig(image, format=fmt, dpi=110, metadata={"Date": None} if fmt == "svg" else None)
     plt.close(fig)
-    write_atomic(path, image.getvalue())
+    return image.getvalue()
+
+
+def latency_figure(rows: Sequence[ModelResult], fmt: str = "png") -> bytes:
+    """Latency vs throughput alone, as `fmt` ("png" or "svg") bytes."""
+    fig, ax = _pyplot().subplots(figsize=(7, 4.5))
+    _draw_latency(ax, rows)
+    return _render(fig, fmt)
+
+
+def power_figure(rows: Sequence[ModelResult], fmt: str = "png") -> bytes | None:
+    """Power over time alone; None when no row sampled power."""
+    traces = _traced(rows)
+    if not traces:
+        return None
+    fig, ax = _pyplot().subplots(figsize=(7, 4.5))
+    _draw_power(ax, traces)
+    return _render(fig, fmt)
+
+
+def plot(path: Path, rows: Sequence[ModelResult]) -> None:
+    traces = _traced(rows)
+    fig, axes = _pyplot().subplots(1, 2 if traces else 1, figsize=(12 if traces else 7, 4.5), squeeze=False)
+    _draw_latency(axes[0][0], rows)
+    if traces:
+        _draw_power(axes[0][1], traces)
+    write_atomic(path, _render(fig, "png"))
