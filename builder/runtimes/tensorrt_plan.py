@@ -10,7 +10,8 @@ from typing import Any
 
 from builder.errors import ManifestError
 from builder.spec.dtypes import to_triton_config
-from builder.spec.model import DimRange, TensorSpec
+from builder.spec.model import TensorSpec
+from builder.spec.shapes import ModelShapes
 from client.choices import Choice
 
 
@@ -49,34 +50,22 @@ class TrtBuildOptions:
 
 @dataclass(frozen=True)
 class ProfileShapes:
-    """min/opt/max shape of every input, batch axis included."""
+    """min/opt/max shape of every input (the batch axis first for a batching model)."""
 
     shapes: Mapping[str, tuple[Shape, Shape, Shape]]
+    batching: bool = True
 
     @property
-    def max_batch(self) -> int:
+    def max_batch(self) -> int | None:
+        """The largest batch the profile takes; None for a model that does not batch (max_batch_size 0)."""
+        if not self.batching:
+            return None
         return min(s[2][0] for s in self.shapes.values())
 
 
-def profile_shapes(inputs: tuple[TensorSpec, ...], batch: DimRange, dims: Mapping[str, DimRange]) -> ProfileShapes:
-    """One optimization profile: the batch range on axis 0, named dims from their ranges."""
-    shapes = {}
-    for tensor in inputs:
-        if not tensor.shape or tensor.shape[0] != -1:
-            raise ManifestError(f"input {tensor.name!r}: expected a dynamic batch axis first, got {list(tensor.shape)}")
-        per_level: list[list[int]] = [[batch.min], [batch.opt], [batch.max]]
-        for dim in tensor.sample_shape:
-            if isinstance(dim, str):
-                if dim not in dims:
-                    raise ManifestError(f"input {tensor.name!r}: dynamic dim {dim!r} has no range for the profile")
-                rng = dims[dim]
-                for level, value in zip(per_level, (rng.min, rng.opt, rng.max), strict=True):
-                    level.append(value)
-            else:
-                for level in per_level:
-                    level.append(dim)
-        shapes[tensor.name] = (tuple(per_level[0]), tuple(per_level[1]), tuple(per_level[2]))
-    return ProfileShapes(shapes)
+def profile_shapes(shapes: ModelShapes) -> ProfileShapes:
+    """One optimization profile: every input's resolved min/opt/max shape, as the user gave it."""
+    return ProfileShapes(shapes.profile(), shapes.batching)
 
 
 def compute_capability_tag(major: int, minor: int) -> str:
@@ -164,6 +153,14 @@ def stale_reasons(present: PlanMetadata | None, wanted: PlanMetadata) -> list[st
 
 def warmup_inputs(inputs: tuple[TensorSpec, ...], profile: ProfileShapes) -> list[dict[str, Any]]:
     """model_warmup entries (random data at the profile's opt shape) for config.pbtxt."""
+    if not profile.batching:
+        # max_batch_size 0: dims are whole shapes and the batch size is 1.
+        return [{
+            "name": "warmup_opt",
+            "batch_size": 1,
+            "inputs": {t.name: {"data_type": to_triton_config(t.dtype), "dims": _warmup_dims(profile.shapes[t.name][1]),
+                                "random_data": True} for t in inputs},
+        }]
     opt_batch = min(s[1][0] for s in profile.shapes.values())
     return [{
         "name": f"warmup_batch_{opt_batch}",
@@ -174,3 +171,7 @@ def warmup_inputs(inputs: tuple[TensorSpec, ...], profile: ProfileShapes) -> lis
             for t in inputs
         },
     }]
+
+
+def _warmup_dims(shape: Shape) -> list[int]:
+    return list(shape) or [1]  # a scalar is sent as [1] (config.pbtxt reshapes it to [])

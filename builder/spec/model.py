@@ -8,28 +8,14 @@ from pathlib import Path
 
 from builder.errors import ManifestError
 from builder.spec.enums import CalibrationMethod, Int8Recipe, Precision, Task
-
-
-@dataclass(frozen=True)
-class DimRange:
-    """min/opt/max of one dynamic dimension (the batch, or e.g. a sequence length)."""
-
-    min: int
-    opt: int
-    max: int
-
-    def check(self, what: str) -> DimRange:
-        if not (1 <= self.min <= self.opt <= self.max):
-            raise ManifestError(
-                f"{what}: expected 1 <= min <= opt <= max, got min={self.min} opt={self.opt} max={self.max}"
-            )
-        return self
+from builder.spec.shapes import DimRange as DimRange
+from builder.spec.shapes import ShapeRange, ValueRange
 
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """An input or output: name, numpy dtype name and shape; shape[0] is the batch axis (-1),
-    other dims are sizes or the names of dynamic dims."""
+    """An input or output: name, numpy dtype name and shape. Dims are sizes, names of dynamic dims, or
+    -1 (dynamic, unnamed); in models.toml shape[0] is the batch axis (-1)."""
 
     name: str
     dtype: str
@@ -112,6 +98,10 @@ class ModelSpec:
     tolerances: Mapping[Precision, Tolerance] = field(default_factory=dict)
     serving: ServingSpec = ServingSpec()
     opset: int = 17
+    shapes: Mapping[str, ShapeRange] = field(default_factory=dict)  # per input, full shape (trtexec style)
+    input_ranges: Mapping[str, ValueRange] = field(default_factory=dict)  # values of synthetic samples
+    no_batch: bool = False  # serve with max_batch_size 0 even where axis 0 could batch
+    batch_given: bool = True  # False: `batch` is a default the shapes' axis 0 may replace
 
     def __post_init__(self) -> None:
         # Library callers may pass plain strings; store the members (a wrong value fails here, named).
@@ -146,6 +136,11 @@ class ModelSpec:
                 if isinstance(dim, int) and dim < 1:
                     found.append((key, f"input {tensor.name!r}: non-batch dims must be >= 1 or a named range, "
                                        f"got {dim}"))
+        declared = [t.name for t in self.inputs]
+        for key, names in (("shapes", self.shapes), ("input_ranges", self.input_ranges)):
+            for name in names:
+                if declared and name not in declared:
+                    found.append((f"{key}.{name}", f"no input {name!r} in inputs ({', '.join(declared)})"))
         if Precision.INT8 in self.precisions and self.calibration is None:
             found.append(("precisions", "int8 needs a [model.calibration] table"))
         if self.opset < 17:

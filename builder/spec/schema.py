@@ -148,6 +148,52 @@ class InputTable(_Table):
         return value
 
 
+class ShapeTable(_Table):
+    """min/opt/max of one input's whole shape (the batch first for batching models); a missing min or
+    max is the opt, as in trtexec. Also written as one list: a fixed shape."""
+
+    model_config = ConfigDict(title="shape range")
+    min: list[Count] | None = None
+    opt: list[Count]
+    max: list[Count] | None = None
+
+    @model_validator(mode="after")
+    def _ordered(self) -> ShapeTable:
+        low, high = self.min or self.opt, self.max or self.opt
+        if not len(low) == len(self.opt) == len(high):
+            raise PydanticCustomError(_OWN + "shape_rank", "expected min, opt and max of the same rank")
+        if not all(a <= b <= c for a, b, c in zip(low, self.opt, high, strict=True)):
+            raise PydanticCustomError(_OWN + "shape_order", "expected min <= opt <= max on every axis")
+        return self
+
+
+def _shape_range_input(value: Any) -> Any:
+    if isinstance(value, list):
+        return {"opt": value}
+    if isinstance(value, dict):
+        return value
+    raise PydanticCustomError(_OWN + "shape_range", "expected [D, D, …] (fixed) or { min = […], opt = […], max = […] }")
+
+
+class _ShapeListOrTable:
+    def __get_pydantic_json_schema__(self, schema: CoreSchema, handler: GetJsonSchemaHandler) -> JsonSchemaValue:
+        return {"anyOf": [{"type": "array", "items": {"type": "integer", "minimum": 1}}, handler(schema)]}
+
+
+ShapeRangeValue = Annotated[ShapeTable, BeforeValidator(_shape_range_input), _ShapeListOrTable()]
+
+
+def _value_range_input(value: Any) -> Any:
+    if isinstance(value, list) and len(value) == 2 and all(isinstance(v, int) and not isinstance(v, bool)
+                                                          for v in value) and value[0] <= value[1]:
+        return value
+    raise PydanticCustomError(_OWN + "value_range", "expected [LOW, HIGH] integers with LOW <= HIGH")
+
+
+ValueRangeValue = Annotated[list[int], BeforeValidator(_value_range_input),
+                            Field(min_length=2, max_length=2)]
+
+
 class DataTable(_Table):
     """Samples from `module:function(count, seed)` or an .npz keyed by input name."""
 
@@ -212,8 +258,15 @@ class ModelTable(_Table):
     task: TaskName = Task.GENERIC
     inputs: list[InputTable] = []
     outputs: list[NonEmpty] = []
-    batch: Annotated[DimRangeValue, Field(description="batch sizes the engines take: min, opt, max")]
+    batch: Annotated[DimRangeValue | None,
+                     Field(description="batch sizes the engines take: min, opt, max (default: the shapes' "
+                                       "axis 0, else [1, 8, 16])")] = None
     dims: Annotated[dict[str, DimRangeValue], Field(description="range of every named non-batch dim")] = {}
+    shapes: Annotated[dict[str, ShapeRangeValue],
+                      Field(description="per input: its whole shape's min/opt/max (batch first), trtexec style")] = {}
+    input_ranges: Annotated[dict[str, ValueRangeValue],
+                            Field(description="per input: [LOW, HIGH] of synthetic integer values")] = {}
+    no_batch: Annotated[bool, Field(description="serve with max_batch_size 0 and full shapes")] = False
     precisions: Annotated[list[PrecisionName], Field(min_length=1, description="variants to build")] = [
         Precision.FP32]
     calibration: CalibrationTable | None = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,12 +12,13 @@ from google.protobuf.message import DecodeError
 
 from builder.errors import ManifestError, OnnxModelError
 from builder.spec.dtypes import from_onnx
-from builder.spec.model import DimRange, TensorSpec
+from builder.spec.model import TensorSpec
+from builder.spec.shapes import Level, ModelShapes, format_shape
 
 
 @dataclass(frozen=True)
 class Signature:
-    """Graph inputs and outputs; shape[0] is the batch axis (-1), named dims are dynamic."""
+    """Graph inputs and outputs: sizes, names of dynamic dims, or -1 for unnamed dynamic dims."""
 
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
@@ -66,45 +68,30 @@ def infer_shapes(model: onnx.ModelProto, what: str) -> onnx.ModelProto:
 def signature(model: onnx.ModelProto, what: str) -> Signature:
     initializers = {init.name for init in model.graph.initializer}
     inputs = tuple(
-        _tensor(v, f"{what}: input {v.name!r}") for v in model.graph.input if v.name not in initializers
+        _tensor(v, f"{what}: input {v.name!r}", is_input=True) for v in model.graph.input if v.name not in initializers
     )
-    outputs = tuple(_tensor(v, f"{what}: output {v.name!r}") for v in model.graph.output)
+    outputs = tuple(_tensor(v, f"{what}: output {v.name!r}", is_input=False) for v in model.graph.output)
     if not inputs:
         raise OnnxModelError(f"{what}: the graph has no inputs")
     return Signature(inputs, outputs)
 
 
-def _tensor(value: onnx.ValueInfoProto, what: str) -> TensorSpec:
+def _tensor(value: onnx.ValueInfoProto, what: str, *, is_input: bool) -> TensorSpec:
     tensor_type = value.type.tensor_type
     if not value.type.HasField("tensor_type"):
         raise OnnxModelError(f"{what}: only tensor inputs and outputs are supported")
     dtype = from_onnx(tensor_type.elem_type, what)
+    if is_input and not tensor_type.HasField("shape"):
+        raise OnnxModelError(f"{what}: the graph gives no shape (not even a rank); expected a shaped tensor")
     dims: list[int | str] = []
-    for index, dim in enumerate(tensor_type.shape.dim):
+    for dim in tensor_type.shape.dim:
         if dim.HasField("dim_value") and dim.dim_value > 0:
             dims.append(int(dim.dim_value))
         else:
-            dims.append(-1 if index == 0 else (dim.dim_param or f"{value.name}_dim{index}"))
+            # Names are kept as the graph has them (`?` twice, `p2o.DynamicDimension.1`): the per-input
+            # shapes, not the names, are what tell dims apart.
+            dims.append(dim.dim_param or -1)
     return TensorSpec(name=value.name, dtype=dtype, shape=tuple(dims))
-
-
-def check_batchable(sig: Signature, dims: dict[str, DimRange] | None, what: str) -> None:
-    """Every input needs a dynamic batch axis; every other dynamic dim needs a range."""
-    ranges = dims or {}
-    for tensor in sig.inputs:
-        if not tensor.shape:
-            raise ManifestError(f"{what}: input {tensor.name!r} is a scalar; expected a batch axis first")
-        if tensor.shape[0] != -1:
-            raise ManifestError(
-                f"{what}: input {tensor.name!r} has a fixed first dim {tensor.shape[0]}; "
-                "expected a dynamic batch axis (export with dynamic_axes={name: {0: 'batch'}})"
-            )
-        for dim in tensor.sample_shape:
-            if isinstance(dim, str) and dim not in ranges:
-                raise ManifestError(
-                    f"{what}: input {tensor.name!r} has dynamic dim {dim!r} without a range; "
-                    f"expected --dim {dim}=MIN:OPT:MAX (or dims.{dim} in models.toml)"
-                )
 
 
 def check_manifest_inputs(sig: Signature, declared: tuple[TensorSpec, ...], what: str) -> None:
@@ -120,3 +107,46 @@ def check_manifest_inputs(sig: Signature, declared: tuple[TensorSpec, ...], what
                 f"{what}: input {want.name!r} declared {want.dtype}{list(want.shape)}, "
                 f"ONNX has {have.dtype}{list(have.shape)}"
             )
+
+
+def check_runs_at_levels(path: Path, inputs: tuple[TensorSpec, ...], shapes: ModelShapes, what: str) -> None:
+    """Run the FP32 graph at the min, opt and max shapes (batch included) on synthetic data, so a range
+    the graph cannot take (a stride that does not divide, a Concat of mismatched maps) fails here, in one
+    line naming the shapes, instead of inside a later tool."""
+    from builder.errors import last_line
+    from builder.runtimes.onnxruntime import ORT_ERRORS, run_file
+    from builder.steps.samples import synthetic
+
+    for level in Level:
+        at = {name: r.at(level) for name, r in shapes.inputs.items()}
+        batch = at[inputs[0].name][0] if shapes.batching else None
+        feed = synthetic(inputs, shapes, batch or 1, seed=7, level=level, integers=True)
+        try:
+            run_file(path, feed, batch)
+        except ORT_ERRORS as exc:
+            given = ",".join(f"{name}:{format_shape(shape)}" for name, shape in at.items())
+            raise OnnxModelError(f"{what}: the FP32 model does not run at the {level} shapes ({given}): "
+                                 f"{last_line(exc, 200)}") from exc
+
+
+# protobuf cannot serialize one message over 2 GB: larger models keep their weights in a data file.
+_PROTOBUF_LIMIT = 2**31 - 1
+
+
+def copy_model(source: Path, target: Path) -> None:
+    """The model at `source` written to `target` with its external data (if any) loaded and written
+    again: inline when the whole fits in one protobuf, else into `target.name + '.data'` beside it."""
+    if not _has_external_data(source):
+        shutil.copyfile(source, target)
+        return
+    model = load(source)
+    if model.ByteSize() < _PROTOBUF_LIMIT:
+        onnx.save(model, str(target))
+    else:
+        onnx.save(model, str(target), save_as_external_data=True, all_tensors_to_one_file=True,
+                  location=target.name + ".data")
+
+
+def _has_external_data(path: Path) -> bool:
+    model = onnx.load(str(path), load_external_data=False)
+    return any(onnx.external_data_helper.uses_external_data(t) for t in model.graph.initializer)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import zipfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +13,8 @@ import numpy as np
 from numpy.typing import NDArray
 
 from builder.errors import DataError, ManifestError
-from builder.spec.model import DataSpec, DimRange, TensorSpec
+from builder.spec.model import DataSpec, TensorSpec
+from builder.spec.shapes import Level, ModelShapes, ValueRange
 
 Samples = dict[str, NDArray[Any]]
 SampleFn = Callable[[int, int], Samples]
@@ -62,10 +63,11 @@ def load(spec: DataSpec, what: str) -> Samples:
 def validate(
     samples: Mapping[str, NDArray[Any]],
     inputs: tuple[TensorSpec, ...],
-    dims: Mapping[str, DimRange],
+    shapes: ModelShapes,
     what: str,
 ) -> int:
-    """Check names, dtypes and shapes against the model's inputs; return the sample count."""
+    """Check names, dtypes and shapes against the model's inputs; return the sample count. Arrays hold
+    one sample per leading index: a batch element for a batching model, a whole input otherwise."""
     expected = [t.name for t in inputs]
     missing = [n for n in expected if n not in samples]
     extra = sorted(set(samples) - set(expected))
@@ -80,25 +82,17 @@ def validate(
         array = samples[tensor.name]
         if array.dtype != np.dtype(tensor.dtype):
             raise DataError(f"{what}: input {tensor.name!r} has dtype {array.dtype}, expected {tensor.dtype}")
-        want = (-1, *tensor.sample_shape)
-        if array.ndim != len(want):
-            raise DataError(
-                f"{what}: input {tensor.name!r} has shape {list(array.shape)}, expected "
-                f"[samples, {', '.join(str(d) for d in want[1:])}]"
-            )
-        for axis, (have, dim) in enumerate(zip(array.shape[1:], want[1:], strict=True), start=1):
-            if isinstance(dim, int) and have != dim:
-                raise DataError(
-                    f"{what}: input {tensor.name!r} axis {axis} is {have}, expected {dim} "
-                    f"(shape {list(array.shape)})"
-                )
-            if isinstance(dim, str):
-                rng = dims[dim]
-                if not rng.min <= have <= rng.max:
-                    raise DataError(
-                        f"{what}: input {tensor.name!r} axis {axis} ({dim}) is {have}, "
-                        f"expected {rng.min}..{rng.max}"
-                    )
+        one = shapes.sample_range(tensor.name)
+        wanted = ", ".join(str(lo) if lo == hi else f"{lo}..{hi}" for lo, hi in zip(one.min, one.max, strict=True))
+        layout = "one sample per leading index, each a whole input" if not shapes.batching else "samples first"
+        if array.ndim != len(one.min) + 1:
+            raise DataError(f"{what}: input {tensor.name!r} has shape {list(array.shape)}, expected "
+                            f"[samples{', ' if wanted else ''}{wanted}] ({layout})")
+        for axis, (have, low, high) in enumerate(zip(array.shape[1:], one.min, one.max, strict=True), start=1):
+            if not low <= have <= high:
+                raise DataError(f"{what}: input {tensor.name!r} axis {axis} is {have}, expected "
+                                f"{low if low == high else f'{low}..{high}'} (shape {list(array.shape)}, "
+                                f"expected [samples, {wanted}])")
         counts.add(array.shape[0])
     if len(counts) != 1 or 0 in counts:
         raise DataError(f"{what}: every input needs the same, non-zero number of samples; got {sorted(counts)}")
@@ -127,23 +121,65 @@ def hold_out(calibration: Samples) -> tuple[Samples, Samples]:
     return take(calibration, 0, cut), take(calibration, cut, count)
 
 
-def random_samples(inputs: tuple[TensorSpec, ...], dims: Mapping[str, DimRange], count: int, seed: int, *,
-                   integers: bool = False) -> Samples:
-    """Synthetic inputs at the opt size of dynamic dims. Floats only, unless `integers`: then integer
-    inputs get 0s and 1s (valid token ids, masks and class indices alike) — enough to compare two
-    runs of one model, meaningless as an accuracy reference."""
+def synthetic(inputs: tuple[TensorSpec, ...], shapes: ModelShapes, count: int, seed: int, *,
+              level: Level = Level.OPT, value_ranges: Mapping[str, ValueRange] | None = None,
+              integers: bool = False) -> Samples:
+    """`count` synthetic samples at one level (min, opt or max) of every input's shape range. Floats are
+    standard normal (uniform in a declared range); integer and bool inputs need a declared value range,
+    unless `integers`: then they get 0s and 1s (valid token ids, masks and class indices alike) — enough
+    to compare two runs of one model, meaningless as an accuracy reference."""
     rng = np.random.default_rng(seed)
+    ranges = value_ranges or {}
     out: Samples = {}
     for tensor in inputs:
-        shape = [count, *(dims[d].opt if isinstance(d, str) else d for d in tensor.sample_shape)]
+        shape = [count, *shapes.sample_range(tensor.name).at(level)]
         dtype = np.dtype(tensor.dtype)
-        if np.issubdtype(dtype, np.floating):
+        declared = ranges.get(tensor.name)
+        if dtype == np.bool_ and (declared is not None or integers):
+            out[tensor.name] = rng.integers(0, 2, size=shape).astype(dtype)
+        elif declared is not None and np.issubdtype(dtype, np.floating):
+            out[tensor.name] = rng.uniform(declared.low, declared.high, size=shape).astype(dtype)
+        elif declared is not None:
+            out[tensor.name] = rng.integers(declared.low, declared.high, size=shape, endpoint=True).astype(dtype)
+        elif np.issubdtype(dtype, np.floating):
             out[tensor.name] = rng.standard_normal(shape).astype(dtype)
         elif integers:
             out[tensor.name] = rng.integers(0, 2, size=shape).astype(dtype)
         else:
             raise DataError(
-                f"input {tensor.name!r} is {tensor.dtype}: random data would be meaningless; "
-                "expected evaluation data (--eval-data FILE.npz)"
+                f"input {tensor.name!r} is {tensor.dtype}: random values would be meaningless; expected "
+                f"real data (--calibration/--eval-data FILE.npz) or a value range (--input-range "
+                f"{tensor.name}:LOW:HIGH, input_ranges.{tensor.name} = [LOW, HIGH] in models.toml)"
             )
     return out
+
+
+def shape_sets(inputs: tuple[TensorSpec, ...], shapes: ModelShapes, count: int, seed: int, *,
+               value_ranges: Mapping[str, ValueRange] | None = None,
+               integers: bool = False) -> dict[Level, Samples]:
+    """Synthetic samples at the min, opt and max shapes (levels with equal shapes given once): what a
+    step that runs the graph gets instead of its own guesses (e.g. ModelOpt autocast's
+    `calibration_data`, one set per call). For a batching model each set holds `count` batch elements."""
+    return {level: synthetic(inputs, shapes, count, seed + i, level=level, value_ranges=value_ranges,
+                             integers=integers)
+            for i, level in enumerate(shapes.levels())}
+
+
+def feeds(samples: Mapping[str, NDArray[Any]], batch_size: int | None) -> Iterator[Samples]:
+    """What to run, in order: slices of `batch_size` samples; or, for a model that does not batch
+    (`batch_size` None), each sample alone, whole (its leading index dropped)."""
+    count = len(next(iter(samples.values())))
+    if batch_size is None:
+        for index in range(count):
+            # np.require keeps a scalar input 0-d (np.ascontiguousarray would make it [1]).
+            yield {k: np.require(np.asarray(v[index]), requirements="C") for k, v in samples.items()}
+        return
+    for start in range(0, count, batch_size):
+        yield {k: v[start : start + batch_size] for k, v in samples.items()}
+
+
+def join(parts: Mapping[str, list[NDArray[Any]]], batch_size: int | None) -> dict[str, NDArray[Any]]:
+    """The outputs of `feeds` put back together: concatenated batches, or stacked whole samples."""
+    if batch_size is None:
+        return {n: np.stack(chunks) for n, chunks in parts.items()}
+    return {n: np.concatenate(chunks) for n, chunks in parts.items()}

@@ -12,6 +12,7 @@ from builder.repository.triton_config import (
     to_text,
 )
 from builder.spec import DimRange, ServingBackend, ServingSpec, TensorSpec
+from builder.spec.shapes import ShapeRange, resolve
 
 PYTHON = BackendConfig(TritonBackend.PYTHON, "model.onnx")
 
@@ -64,3 +65,33 @@ def test_preferred_batch_sizes_never_exceed_the_range() -> None:
     assert preferred_batch_sizes(DimRange(1, 1, 1), 1) == []
     assert preferred_batch_sizes(DimRange(1, 4, 4), 4) == [4]
     assert preferred_batch_sizes(DimRange(1, 8, 32), 4) == [4]
+
+
+def test_per_input_shapes_give_dims_minus_one_only_where_the_range_is_dynamic() -> None:
+    for ids, dims in (((1, 16), (4, 16), (4, 16)), ["16"]), (((1, 8), (4, 16), (4, 32)), ["-1"]):
+        shapes = resolve(CFG.inputs, batch=DimRange(1, 8, 32), batch_given=False, dims={}, what="m",
+                         shapes={"input_ids": ShapeRange(*ids)})
+        doc = json_format.MessageToDict(build(ConfigInputs(**{**CFG.__dict__, "shapes": shapes})),
+                                        preserving_proto_field_name=True)
+        assert doc["max_batch_size"] == 4  # the shapes' axis 0, not CFG.batch
+        assert doc["input"][0]["dims"] == dims and doc["input"][1]["dims"] == ["3", "8", "8"]
+        assert doc["dynamic_batching"]["preferred_batch_size"] == [4]
+
+
+def test_a_model_that_does_not_batch_gets_max_batch_size_0_whole_dims_and_no_batcher() -> None:
+    inputs = (TensorSpec("input", "float32", ("batch", "sequence")), TensorSpec("state", "float32", (2, "batch", 128)),
+              TensorSpec("sr", "int64", ()))
+    outputs = (TensorSpec("output", "float32", ("batch", 1)), TensorSpec("stateN", "float32", (2, "batch", 128)))
+    shapes = resolve(inputs, batch=DimRange(1, 8, 16), dims={}, what="m", shapes={
+        "input": ShapeRange((1, 256), (1, 512), (1, 1024)), "state": ShapeRange.fixed((2, 1, 128))})
+    assert not shapes.batching and shapes.reason is not None and "'state'" in shapes.reason
+    cfg = ConfigInputs(name="vad_fp32", inputs=inputs, outputs=outputs, batch=DimRange(1, 8, 16),
+                       serving=ServingSpec(), backend=PYTHON, shapes=shapes)
+    config = build(cfg)
+    assert parse(to_text(config)) == config
+    doc = json_format.MessageToDict(config, preserving_proto_field_name=True)
+    assert doc.get("max_batch_size", 0) == 0 and "dynamic_batching" not in doc
+    assert [i["dims"] for i in doc["input"]] == [["1", "-1"], ["2", "1", "128"], ["1"]]
+    assert "reshape" not in doc["input"][2]  # Triton refuses scalars without batching: the runner reshapes
+    assert doc["parameters"]["scalar_inputs"]["string_value"] == "sr"
+    assert [o["dims"] for o in doc["output"]] == [["-1", "1"], ["2", "-1", "128"]]

@@ -32,19 +32,42 @@ from builder.runtimes.tensorrt_plan import (
     warmup_inputs,
 )
 from builder.spec import DimRange, RuntimeChoice, ServingSpec, TensorSpec
+from builder.spec.shapes import ModelShapes, ShapeRange, resolve
 
 INPUTS = (TensorSpec("input_ids", "int64", (-1, "seq")), TensorSpec("pixels", "float32", (-1, 3, 8, 8)))
 
 
+def _shapes(dims: dict[str, DimRange], **given: ShapeRange) -> ModelShapes:
+    return resolve(INPUTS, batch=DimRange(1, 8, 32), batch_given=not given, dims=dims, shapes=given, what="m")
+
+
 def test_profile_takes_the_batch_range_and_named_dim_ranges() -> None:
-    profile = profile_shapes(INPUTS, DimRange(1, 8, 32), {"seq": DimRange(4, 64, 128)})
+    profile = profile_shapes(_shapes({"seq": DimRange(4, 64, 128)}))
     assert profile.shapes["input_ids"] == ((1, 4), (8, 64), (32, 128))
     assert profile.shapes["pixels"] == ((1, 3, 8, 8), (8, 3, 8, 8), (32, 3, 8, 8))
     assert profile.max_batch == 32
-    with pytest.raises(ManifestError, match="dynamic dim 'seq' has no range"):
-        profile_shapes(INPUTS, DimRange(1, 8, 32), {})
-    with pytest.raises(ManifestError, match="expected a dynamic batch axis first"):
-        profile_shapes((TensorSpec("x", "float32", (1, 3)),), DimRange(1, 1, 1), {})
+    with pytest.raises(ManifestError, match=r"input 'input_ids' \[\?, 'seq'\] axis 1 \('seq'\) is dynamic and has "
+                                            r"no range; expected --shapes input_ids:DxD"):
+        _shapes({})
+
+
+def test_profile_takes_per_input_shapes_as_given() -> None:
+    ids = ShapeRange((2, 4), (4, 16), (8, 32), "--opt-shapes")
+    profile = profile_shapes(_shapes({}, input_ids=ids))
+    assert profile.shapes["input_ids"] == ((2, 4), (4, 16), (8, 32))
+    assert profile.shapes["pixels"] == ((2, 3, 8, 8), (4, 3, 8, 8), (8, 3, 8, 8))  # the batch follows the shapes
+    assert profile.max_batch == 8
+
+
+def test_a_model_that_does_not_batch_has_whole_shapes_and_no_max_batch() -> None:
+    inputs = (TensorSpec("state", "float32", (2, "batch", 128)), TensorSpec("sr", "int64", ()))
+    shapes = resolve(inputs, batch=DimRange(1, 8, 16), dims={"batch": DimRange(1, 1, 1)}, shapes={}, what="m")
+    profile = profile_shapes(shapes)
+    assert profile.shapes == {"state": ((2, 1, 128),) * 3, "sr": ((), (), ())}
+    assert profile.max_batch is None
+    (warm,) = warmup_inputs(inputs, profile)
+    assert warm["batch_size"] == 1
+    assert warm["inputs"]["state"]["dims"] == [2, 1, 128] and warm["inputs"]["sr"]["dims"] == [1]
 
 
 def test_plan_names_per_compute_capability_and_cc_model_filenames() -> None:
@@ -98,7 +121,7 @@ def test_build_options_are_validated() -> None:
 
 
 def test_tensorrt_config_round_trips_with_graphs_warmup_and_per_gpu_plans() -> None:
-    profile = profile_shapes(INPUTS, DimRange(1, 8, 32), {"seq": DimRange(4, 64, 128)})
+    profile = profile_shapes(_shapes({"seq": DimRange(4, 64, 128)}))
     cfg = ConfigInputs(
         name="enc_int8", inputs=INPUTS, outputs=(TensorSpec("emb", "float32", (-1, 384)),),
         batch=DimRange(1, 8, 32), serving=ServingSpec(max_queue_delay_us=100),

@@ -117,7 +117,8 @@ batch = { min = 1, opt = 2, max = 4 }
         ("precisions = []", "model[0].precisions: expected at least 1 item (fp32, fp16, int8), got []"),
         ('precisions = ["int8"]', "model[0].precisions: int8 needs a [model.calibration] table"),
         ('color = "blue"', "model[0].color: unknown key; expected one of name, source, onnx, task, inputs, outputs, "
-                           "batch, dims, precisions, calibration, evaluation, tolerances, serving, opset"),
+                           "batch, dims, shapes, input_ranges, no_batch, precisions, calibration, evaluation, "
+                           "tolerances, serving, opset"),
         ("batch2 = 1", "model[0].batch2: unknown key; did you mean batch?"),
         ('name = "x"', None),  # a duplicate key is TOML's error, below
         ('task = "detection"', 'model[0].task: expected one of classification, embedding, generic, got "detection"'),

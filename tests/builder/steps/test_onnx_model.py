@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from builder.errors import ManifestError, OnnxModelError
+from builder.errors import OnnxModelError
 from builder.spec import DimRange
 from builder.steps import onnx_model
 from tests.helpers.tiny_models import mlp_onnx, sequence_onnx
@@ -25,12 +25,43 @@ def test_missing_foreign_and_truncated_files_give_one_clear_error(tmp_path: Path
 def test_signature_reads_dtypes_and_dynamic_dims(tmp_path: Path) -> None:
     sig = onnx_model.signature(onnx_model.load(sequence_onnx(tmp_path / "seq.onnx")), "seq")
     (ids,) = sig.inputs
-    assert ids.name == "ids" and ids.dtype == "int64" and ids.shape == (-1, "seq")
-    assert sig.outputs[0].shape == (-1, 8)
+    assert ids.name == "ids" and ids.dtype == "int64" and ids.shape == ("batch", "seq")
+    assert sig.outputs[0].shape == ("batch", 8)
 
 
-def test_dynamic_non_batch_dim_needs_a_range(tmp_path: Path) -> None:
-    sig = onnx_model.signature(onnx_model.load(sequence_onnx(tmp_path / "seq.onnx")), "seq")
-    with pytest.raises(ManifestError, match="dynamic dim 'seq' without a range; expected --dim seq=MIN:OPT:MAX"):
-        onnx_model.check_batchable(sig, {}, "seq")
-    onnx_model.check_batchable(sig, {"seq": DimRange(1, 8, 16)}, "seq")
+def test_dims_keep_their_names_and_unnamed_ones_are_minus_one(tmp_path: Path) -> None:
+    from tests.helpers.foreign_models import detector, ocr_classifier
+
+    x = onnx_model.signature(onnx_model.load(ocr_classifier(tmp_path).onnx), "ocr").inputs[0]
+    assert x.shape == (-1, 3, "?", "?")
+    images = onnx_model.signature(onnx_model.load(detector(tmp_path).onnx), "det").inputs[0]
+    assert images.shape == ("p2o.DynamicDimension.0", 3, "p2o.DynamicDimension.1", "p2o.DynamicDimension.2")
+
+
+def test_a_model_with_external_data_is_copied_with_its_weights(tmp_path: Path) -> None:
+    from tests.helpers.foreign_models import external_data
+
+    source = external_data(tmp_path).onnx
+    assert (source.parent / "model.weights").is_file()
+    target = tmp_path / "elsewhere" / "copy.onnx"
+    target.parent.mkdir()
+    onnx_model.copy_model(source, target)
+    copied = onnx_model.load(target)
+    assert sum(t.ByteSize() for t in copied.graph.initializer) > 64 * 128 * 4
+
+
+def test_the_fp32_graph_is_run_at_min_opt_and_max_shapes(tmp_path: Path) -> None:
+    from builder.spec.shapes import ShapeRange, resolve
+    from tests.helpers.foreign_models import detector
+
+    model = detector(tmp_path)
+    sig = onnx_model.signature(onnx_model.load(model.onnx), "det")
+    good = resolve(sig.inputs, batch=DimRange(1, 1, 1), batch_given=False, dims={}, what="det", shapes={
+        "images": ShapeRange((1, 3, 64, 64), (2, 3, 96, 96), (2, 3, 128, 128), "--opt-shapes")})
+    onnx_model.check_runs_at_levels(model.onnx, sig.inputs, good, "model 'det'")
+    # 102 is not a multiple of 4: the upsampled map is 52 wide, the other 51, and the Concat fails.
+    bad = resolve(sig.inputs, batch=DimRange(1, 1, 1), batch_given=False, dims={}, what="det", shapes={
+        "images": ShapeRange((1, 3, 64, 64), (1, 3, 96, 96), (1, 3, 102, 102), "--max-shapes")})
+    with pytest.raises(OnnxModelError, match=r"model 'det': the FP32 model does not run at the max shapes "
+                                             r"\(images:1x3x102x102\): .*concat"):
+        onnx_model.check_runs_at_levels(model.onnx, sig.inputs, bad, "model 'det'")

@@ -1,0 +1,235 @@
+"""Tiny ONNX models shaped like the ones users bring from other projects (issue 12), one per class,
+each with calibration data and the `trtbuild build` flags and models.toml entry that build it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+from numpy.typing import NDArray
+from onnx import TensorProto, helper, numpy_helper
+
+SAMPLES = 16  # calibration samples per model: 12 calibrate, the last 4 are held out
+
+
+@dataclass(frozen=True)
+class ForeignModel:
+    """One generated model: where it is, the build flags, and the same build as a models.toml entry."""
+
+    name: str
+    what: str  # the class it stands for (README table)
+    onnx: Path
+    calibration: Path
+    flags: tuple[str, ...]  # after `trtbuild build --onnx … --name … --calibration …`
+    toml: str  # extra lines of its [[model]] table
+    batching: bool  # whether the build should serve it with max_batch_size > 0
+
+    def build_args(self, repository: Path) -> list[str]:
+        return ["build", "--onnx", str(self.onnx), "--name", self.name, "--calibration", str(self.calibration),
+                "--repository", str(repository), *self.flags]
+
+    def manifest_entry(self) -> str:
+        return (f'[[model]]\nname = "{self.name}"\nonnx = "{self.onnx}"\nprecisions = ["fp32", "fp16", "int8"]\n'
+                f'{self.toml}\n[model.calibration]\nsource = "{self.calibration}"\nsamples = 512\n')
+
+
+def _init(rng: np.random.Generator, name: str, *shape: int, scale: float | None = None) -> onnx.TensorProto:
+    fan_in = int(np.prod(shape[1:])) if len(shape) > 1 else shape[0]
+    array = rng.standard_normal(shape) * (scale if scale is not None else 1 / np.sqrt(fan_in))
+    return numpy_helper.from_array(array.astype(np.float32), name)
+
+
+def _save(graph: onnx.GraphProto, path: Path, opset: int = 17, *, external: bool = False,
+          domains: tuple[tuple[str, int], ...] = ()) -> Path:
+    imports = [helper.make_opsetid("", opset), *(helper.make_opsetid(d, v) for d, v in domains)]
+    model = helper.make_model(graph, opset_imports=imports, ir_version=7 if opset < 15 else 8)
+    onnx.checker.check_model(model)
+    if external:
+        onnx.save(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                  location=f"{path.stem}.weights", size_threshold=0)
+    else:
+        onnx.save(model, str(path))
+    return path
+
+
+def _npz(path: Path, arrays: dict[str, NDArray[np.generic]]) -> Path:
+    np.savez(path, **arrays)  # type: ignore[arg-type]
+    return path
+
+
+def detector(folder: Path) -> ForeignModel:
+    """images[p2o.DynamicDimension.0, 3, p2o.DynamicDimension.1, p2o.DynamicDimension.2] → two stride-2
+    convs → upsample the deeper map → Concat with the shallower one → 1x1 conv → preds[b, 6, anchors].
+    H and W must be multiples of 4, or the Concat's maps differ (the failure the issue saw in autocast)."""
+    rng = np.random.default_rng(1)
+    dyn = ["p2o.DynamicDimension.0", 3, "p2o.DynamicDimension.1", "p2o.DynamicDimension.2"]
+    nodes = [
+        helper.make_node("Conv", ["images", "w1", "b1"], ["c1"], strides=[2, 2], pads=[1, 1, 1, 1], name="stem"),
+        helper.make_node("Relu", ["c1"], ["f1"]),
+        helper.make_node("Conv", ["f1", "w2", "b2"], ["c2"], strides=[2, 2], pads=[1, 1, 1, 1], name="down"),
+        helper.make_node("Relu", ["c2"], ["f2"]),
+        helper.make_node("Resize", ["f2", "", "scales"], ["up"], mode="nearest", name="upsample"),
+        helper.make_node("Concat", ["f1", "up"], ["cat"], axis=1, name="concat"),
+        helper.make_node("Conv", ["cat", "w3", "b3"], ["head"], name="head"),
+        helper.make_node("Reshape", ["head", "flat"], ["preds"], name="flatten"),
+    ]
+    graph = helper.make_graph(
+        nodes, "detector",
+        [helper.make_tensor_value_info("images", TensorProto.FLOAT, dyn)],
+        [helper.make_tensor_value_info("preds", TensorProto.FLOAT, ["p2o.DynamicDimension.0", 6, "anchors"])],
+        initializer=[_init(rng, "w1", 8, 3, 3, 3), _init(rng, "b1", 8, scale=0.1),
+                     _init(rng, "w2", 16, 8, 3, 3), _init(rng, "b2", 16, scale=0.1),
+                     _init(rng, "w3", 6, 24, 1, 1), _init(rng, "b3", 6, scale=0.1),
+                     numpy_helper.from_array(np.array([1, 1, 2, 2], np.float32), "scales"),
+                     numpy_helper.from_array(np.array([0, 6, -1], np.int64), "flat")],
+    )
+    path = _save(graph, folder / "detector.onnx")
+    data = _npz(folder / "detector.npz",
+                {"images": rng.uniform(0, 1, (SAMPLES, 3, 96, 96)).astype(np.float32)})
+    return ForeignModel(
+        "detector", "strided detector, Concat over feature maps, dynamic H/W (dims `p2o.DynamicDimension.N`)",
+        path, data,
+        ("--min-shapes", "images:1x3x64x64", "--opt-shapes", "images:2x3x96x96", "--max-shapes", "images:4x3x128x128"),
+        '[model.shapes]\nimages = { min = [1, 3, 64, 64], opt = [2, 3, 96, 96], max = [4, 3, 128, 128] }\n', True)
+
+
+def ocr_classifier(folder: Path) -> ForeignModel:
+    """x[-1, 3, '?', '?'] (an unnamed batch, two dims both named `?`) → conv → global pool → Gemm → softmax."""
+    rng = np.random.default_rng(2)
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1], name="conv"),
+        helper.make_node("Relu", ["c1"], ["r1"]),
+        helper.make_node("GlobalAveragePool", ["r1"], ["g"]),
+        helper.make_node("Flatten", ["g"], ["flat"]),
+        helper.make_node("Gemm", ["flat", "w2", "b2"], ["logits"], transB=1, name="fc"),
+        helper.make_node("Softmax", ["logits"], ["probs"], axis=1),
+    ]
+    graph = helper.make_graph(
+        nodes, "ocr_cls",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [-1, 3, "?", "?"])],
+        [helper.make_tensor_value_info("probs", TensorProto.FLOAT, [-1, 4])],
+        initializer=[_init(rng, "w1", 16, 3, 3, 3), _init(rng, "b1", 16, scale=0.1),
+                     _init(rng, "w2", 4, 16, scale=2.0), _init(rng, "b2", 4, scale=0.1)],
+    )
+    graph.input[0].type.tensor_type.shape.dim[0].ClearField("dim_value")  # unnamed: neither value nor name
+    path = _save(graph, folder / "ocr_cls.onnx")
+    data = _npz(folder / "ocr_cls.npz", {"x": rng.uniform(-1, 1, (SAMPLES, 3, 48, 192)).astype(np.float32)})
+    return ForeignModel(
+        "ocr_cls", "unnamed batch and duplicate-named (`?`, `?`) dims", path, data,
+        ("--min-shapes", "x:1x3x48x64", "--opt-shapes", "x:4x3x48x192", "--max-shapes", "x:8x3x48x320"),
+        '[model.shapes]\nx = { min = [1, 3, 48, 64], opt = [4, 3, 48, 192], max = [8, 3, 48, 320] }\n', True)
+
+
+def stateful(folder: Path) -> ForeignModel:
+    """A voice-activity-style model: input[batch, sequence], state[2, batch, 128], sr (int64 scalar) →
+    output[batch, 1], stateN[2, batch, 128]. Batch is on axis 1 of the state: max_batch_size 0."""
+    rng = np.random.default_rng(3)
+    nodes = [
+        helper.make_node("ReduceMean", ["input"], ["level"], axes=[1], keepdims=1),  # [b, 1]
+        helper.make_node("ReduceMean", ["state"], ["memory"], axes=[0], keepdims=0),  # [b, 128]
+        helper.make_node("MatMul", ["memory", "w"], ["recall"]),  # [b, 1]
+        helper.make_node("Cast", ["sr"], ["sr_f"], to=TensorProto.FLOAT),
+        helper.make_node("Div", ["sr_f", "khz"], ["rate"]),
+        helper.make_node("Mul", ["level", "rate"], ["scaled"]),
+        helper.make_node("Add", ["scaled", "recall"], ["pre"]),
+        helper.make_node("Sigmoid", ["pre"], ["output"]),
+        helper.make_node("Mul", ["state", "decay"], ["kept"]),
+        helper.make_node("Add", ["kept", "scaled"], ["mixed"]),  # [2, b, 128] + [b, 1]
+        helper.make_node("Tanh", ["mixed"], ["stateN"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "vad",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", "sequence"]),
+         helper.make_tensor_value_info("state", TensorProto.FLOAT, [2, "batch", 128]),
+         helper.make_tensor_value_info("sr", TensorProto.INT64, [])],
+        [helper.make_tensor_value_info("output", TensorProto.FLOAT, ["batch", 1]),
+         helper.make_tensor_value_info("stateN", TensorProto.FLOAT, [2, "batch", 128])],
+        initializer=[_init(rng, "w", 128, 1), numpy_helper.from_array(np.array(16000.0, np.float32), "khz"),
+                     numpy_helper.from_array(np.array(0.5, np.float32), "decay")],
+    )
+    path = _save(graph, folder / "vad.onnx")
+    data = _npz(folder / "vad.npz", {
+        "input": rng.uniform(-1, 1, (SAMPLES, 1, 512)).astype(np.float32),
+        "state": rng.uniform(-1, 1, (SAMPLES, 2, 1, 128)).astype(np.float32),
+        "sr": np.full(SAMPLES, 16000, np.int64),
+    })
+    return ForeignModel(
+        "vad", "state input with batch on axis 1, int64 scalar input", path, data,
+        ("--min-shapes", "input:1x256,state:2x1x128", "--opt-shapes", "input:1x512,state:2x1x128",
+         "--max-shapes", "input:1x1024,state:2x1x128"),
+        '[model.shapes]\ninput = { min = [1, 256], opt = [1, 512], max = [1, 1024] }\nstate = [2, 1, 128]\n', False)
+
+
+def int32_classifier(folder: Path) -> ForeignModel:
+    """bytes[batch, 256] int32 (values 0..255) → embedding Gather → mean → MatMul → logits[batch, 5]."""
+    rng = np.random.default_rng(4)
+    nodes = [
+        helper.make_node("Gather", ["table", "bytes"], ["emb"], name="embed"),  # [b, 256, 16]
+        helper.make_node("MatMul", ["emb", "proj"], ["h"], name="proj"),  # [b, 256, 16]
+        helper.make_node("Relu", ["h"], ["r"]),
+        helper.make_node("ReduceMean", ["r"], ["pooled"], axes=[1], keepdims=0),
+        helper.make_node("MatMul", ["pooled", "head"], ["logits"], name="head"),
+    ]
+    graph = helper.make_graph(
+        nodes, "filetype",
+        [helper.make_tensor_value_info("bytes", TensorProto.INT32, ["batch", 256])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 5])],
+        initializer=[_init(rng, "table", 256, 16, scale=1.0), _init(rng, "proj", 16, 16),
+                     _init(rng, "head", 16, 5, scale=1.0)],
+    )
+    path = _save(graph, folder / "filetype.onnx")
+    data = _npz(folder / "filetype.npz", {"bytes": rng.integers(0, 256, (SAMPLES, 256)).astype(np.int32)})
+    return ForeignModel("filetype", "int32 input with a declared value range", path, data,
+                        ("--input-range", "bytes:0:255", "--max-batch", "8"),
+                        "batch = [1, 4, 8]\n[model.input_ranges]\nbytes = [0, 255]\n", True)
+
+
+def opset11(folder: Path) -> ForeignModel:
+    """An opset 11 export: x[batch, 16] → Gemm → Relu → Gemm → y[batch, 8] (ReduceMean with axes attributes)."""
+    rng = np.random.default_rng(5)
+    nodes = [
+        helper.make_node("Gemm", ["x", "w1", "b1"], ["h"], transB=1),
+        helper.make_node("Relu", ["h"], ["r"]),
+        helper.make_node("Gemm", ["r", "w2", "b2"], ["y"], transB=1),
+        helper.make_node("ReduceMean", ["r"], ["energy"], axes=[1], keepdims=1),
+    ]
+    graph = helper.make_graph(
+        nodes, "old",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 8]),
+         helper.make_tensor_value_info("energy", TensorProto.FLOAT, ["batch", 1])],
+        initializer=[_init(rng, "w1", 32, 16), _init(rng, "b1", 32, scale=0.1),
+                     _init(rng, "w2", 8, 32), _init(rng, "b2", 8, scale=0.1)],
+    )
+    path = _save(graph, folder / "opset11.onnx", opset=11)
+    data = _npz(folder / "opset11.npz", {"x": rng.standard_normal((SAMPLES, 16)).astype(np.float32)})
+    return ForeignModel("opset11", "opset 11 export", path, data, (), "", True)
+
+
+def external_data(folder: Path) -> ForeignModel:
+    """Weights in a separate file beside the .onnx (save_as_external_data): x[batch, 64] → MatMul → y."""
+    rng = np.random.default_rng(6)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Relu", ["h"], ["r"]),
+             helper.make_node("MatMul", ["r", "w2"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "external",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 32])],
+        initializer=[_init(rng, "w", 64, 128), _init(rng, "w2", 128, 32)],
+    )
+    sub = folder / "external"
+    sub.mkdir(exist_ok=True)
+    path = _save(graph, sub / "model.onnx", external=True)
+    data = _npz(folder / "external.npz", {"x": rng.standard_normal((SAMPLES, 64)).astype(np.float32)})
+    return ForeignModel("external", "weights in an external data file", path, data, (), "", True)
+
+
+MAKERS: tuple[Callable[[Path], ForeignModel], ...] = (
+    detector, ocr_classifier, stateful, int32_classifier, opset11, external_data)
+
+
+def all_models(folder: Path) -> list[ForeignModel]:
+    return [make(folder) for make in MAKERS]
