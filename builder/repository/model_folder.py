@@ -14,6 +14,7 @@ from tritonclient.grpc import model_config_pb2
 
 from builder.repository import triton_config
 from builder.repository.triton_config import ConfigInputs, TritonBackend
+from builder.spec.shapes import ModelShapes
 from client.files import write_atomic, write_json
 
 RECORD = "build.json"
@@ -29,6 +30,7 @@ class BuildRecord:
     artifact: str  # relative to the repository
     runtime: str  # the Runtime's name
     inputs: Mapping[str, Any]  # everything the build depended on, by kind (compared for rebuild reasons)
+    shapes: ModelShapes | None = None  # every input's shape range and whether it batches (older records: None)
 
 
 def read_record(model_dir: Path) -> BuildRecord | None:
@@ -36,7 +38,8 @@ def read_record(model_dir: Path) -> BuildRecord | None:
     try:
         data = json.loads((model_dir / RECORD).read_text(encoding="utf-8"))
         record = BuildRecord(build_key=data["build_key"], artifact=data["artifact"], runtime=data["runtime"],
-                             inputs=data["inputs"])
+                             inputs=data["inputs"],
+                             shapes=ModelShapes.from_json(data["shapes"]) if data.get("shapes") else None)
     except (OSError, ValueError, KeyError, TypeError):
         return None
     valid = all(isinstance(v, str) for v in (record.build_key, record.artifact, record.runtime))

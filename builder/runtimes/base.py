@@ -16,6 +16,7 @@ from numpy.typing import NDArray
 
 from builder.repository.triton_config import BackendConfig
 from builder.spec.model import DimRange, TensorSpec
+from builder.spec.shapes import ModelShapes, resolve
 
 Outputs = dict[str, NDArray[Any]]
 
@@ -28,6 +29,12 @@ class CompileTarget:
     batch: DimRange
     dims: Mapping[str, DimRange]
     onnx_sha256: str  # of the variant ONNX: what a compiled artifact was built from
+    shapes: ModelShapes | None = None  # every input's shape range; None: from inputs, batch and dims
+
+    def model_shapes(self) -> ModelShapes:
+        if self.shapes is not None:
+            return self.shapes
+        return resolve(self.inputs, batch=self.batch, dims=self.dims, shapes={}, what="compile target")
 
 
 class Runtime(Protocol):
@@ -44,7 +51,9 @@ class Runtime(Protocol):
 
     def compile(self, onnx_path: Path, out_path: Path, target: CompileTarget) -> None: ...
 
-    def run(self, artifact: Path, samples: Mapping[str, NDArray[Any]], batch_size: int) -> Outputs: ...
+    def run(self, artifact: Path, samples: Mapping[str, NDArray[Any]], batch_size: int | None) -> Outputs:
+        """Outputs for every sample; `batch_size` None: the model does not batch, run each sample whole."""
+        ...
 
     def backend_config(self, target: CompileTarget, version_dir: Path) -> BackendConfig:
         """How Triton serves the artifact compiled into version_dir."""

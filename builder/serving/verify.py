@@ -25,6 +25,7 @@ from builder.runtimes import select
 from builder.spec.enums import RuntimeChoice
 from builder.spec.model import ModelSpec, TensorSpec
 from builder.spec.names import variant_name
+from builder.spec.shapes import for_model
 from builder.steps import onnx_model
 from builder.steps import samples as samples_mod
 from client.datatypes import triton_datatype
@@ -73,6 +74,7 @@ def _infer(
         call_options = {}
     inputs = []
     for name, array in feed.items():
+        array = array.reshape(1) if array.ndim == 0 else array  # config.pbtxt declares a scalar [1]
         item = tc.InferInput(name, list(array.shape), triton_datatype(array.dtype))
         item.set_data_from_numpy(array)
         inputs.append(item)
@@ -94,20 +96,22 @@ def check_variant(repository: Path, name: str, samples: dict[str, NDArray[Any]],
     # The artifact runs locally under the runtime that built it (a TensorRT plan needs TensorRT here).
     runtime = select(RuntimeChoice.parse(record.runtime, f"{repository / name}: build record runtime",
                                          error=BuilderError))
-    expected = runtime.run(repository / record.artifact, samples, batch)
+    # A model built with max_batch_size 0 takes each sample whole (batch None).
+    step = batch if record.shapes is None or record.shapes.batching else None
+    expected = runtime.run(repository / record.artifact, samples, step)
     outputs = list(expected)
     count = len(next(iter(samples.values())))
     results = []
     for protocol, url in urls.items():
         worst = 0.0
         ok = True
-        for start in range(0, count, batch):
-            feed = {k: np.ascontiguousarray(v[start : start + batch]) for k, v in samples.items()}
-            got = _infer(protocol, url, name, feed, outputs)
+        for index, feed in enumerate(samples_mod.feeds(samples, step)):
+            got = _infer(protocol, url, name, {k: np.ascontiguousarray(v) for k, v in feed.items()}, outputs)
             for out in outputs:
-                want = expected[out][start : start + batch]
-                worst = max(worst, float(np.max(np.abs(got[out].astype(np.float64) - want))))
-                ok = ok and bool(np.allclose(got[out], want, atol=ATOL, rtol=RTOL))
+                want = expected[out][index * batch : (index + 1) * batch] if step else expected[out][index]
+                have = got[out].reshape(want.shape)  # a scalar output comes back as [1]
+                worst = max(worst, float(np.max(np.abs(have.astype(np.float64) - want), initial=0.0)))
+                ok = ok and bool(np.allclose(have, want, atol=ATOL, rtol=RTOL))
         results.append(VerifyResult(name, protocol, count, worst, ok, source))
     return VariantCheck(name, tuple(results), dict(samples), dict(expected))
 
@@ -157,7 +161,9 @@ def verification_samples(spec: ModelSpec, repository: Path, count: int) -> tuple
         _, held_out = samples_mod.hold_out(samples_mod.load(spec.calibration.data, f"{what}: calibration"))
         return samples_mod.take(held_out, 0, count), "held-out calibration"
     inputs = _signature_inputs(spec, repository)
-    return samples_mod.random_samples(inputs, dict(spec.dims), count, seed=1, integers=True), "synthetic (opt shape)"
+    shapes = for_model(spec, inputs, what)
+    return samples_mod.synthetic(inputs, shapes, count, seed=1, value_ranges=spec.input_ranges,
+                                 integers=True), "synthetic (opt shape)"
 
 
 def check_models(

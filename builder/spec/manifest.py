@@ -27,6 +27,7 @@ from builder.spec.model import (
     Tolerance,
 )
 from builder.spec.schema import DataTable, DimTable, ManifestFile, ModelTable, error_lines, toml_value
+from builder.spec.shapes import DEFAULT_BATCH, ShapeRange, ValueRange
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -121,7 +122,12 @@ def _to_spec(table: ModelTable, base: Path) -> ModelSpec:
         task=table.task,
         inputs=tuple(TensorSpec(name=t.name, dtype=t.dtype, shape=tuple(t.shape)) for t in table.inputs),
         outputs=tuple(table.outputs),
-        batch=_dim_range(table.batch),
+        batch=_dim_range(table.batch) if table.batch is not None else DEFAULT_BATCH,
+        batch_given=table.batch is not None,
+        shapes={name: ShapeRange(tuple(r.min or r.opt), tuple(r.opt), tuple(r.max or r.opt), f"shapes.{name}")
+                for name, r in table.shapes.items()},
+        input_ranges={name: ValueRange(low, high) for name, (low, high) in table.input_ranges.items()},
+        no_batch=table.no_batch,
         dims={name: _dim_range(dims) for name, dims in table.dims.items()},
         precisions=_ordered(table.precisions),
         calibration=None if table.calibration is None else CalibrationSpec(
