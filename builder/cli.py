@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from builder.errors import BuilderError, ManifestError
+from builder.errors import BuilderError, ManifestError, VariantsFailed
 from builder.spec import (
     CalibrationMethod,
     CalibrationSpec,
@@ -26,7 +26,9 @@ from builder.spec import (
     parse_precisions,
     variant_name,
 )
-from client.logs import configure_logging
+from builder.spec.shapes import DEFAULT_BATCH, Shape, ShapeRange, combine, parse_shapes, parse_value_range
+from client import progress
+from client.logs import active_log_file, close_log_file, configure_logging, default_log_file, native_stderr_to_log
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -44,12 +46,24 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--repository", type=Path, default=Path("model_repository"), help="Triton model repository")
         p.add_argument("--report", type=Path, default=None,
                        help="build report JSON (default: REPOSITORY/build_report.json)")
-        p.add_argument("--runtime", default="auto", help="auto | onnxruntime | tensorrt (default: auto)")
+        p.add_argument("--runtime", default="auto",
+                       help="auto | onnxruntime | onnxruntime-cuda | tensorrt (default: auto: TensorRT, else "
+                            "ONNX Runtime CUDA where onnxruntime-gpu and a GPU exist, else CPU)")
         p.add_argument("--serving-backend", default="python",
                        help="python (bundled Triton + ONNX Runtime) | onnxruntime (NGC image's native backend)")
         p.add_argument("--force", action="store_true", help="rebuild even when inputs are unchanged")
         p.add_argument("--no-wait", action="store_true",
                        help="fail at once when another build or tune is writing the repository (default: wait)")
+        p.add_argument("--tolerance", action="append", default=[], metavar="PREC:METRIC=VALUE[,...]",
+                       help="accuracy limits over models.toml's and the defaults, e.g. "
+                            "fp16:cosine_min=0.998,int8:top1_agreement_min=0.9 (metrics: max_abs, max_rel, "
+                            "cosine_min, cosine_mean_min, top1_agreement_min; repeatable)")
+        p.add_argument("--all-or-nothing", action="store_true",
+                       help="write nothing unless every variant passes (default: write each variant that "
+                            "passes, list those that fail, exit 1)")
+        p.add_argument("--log", type=Path, default=None, metavar="FILE",
+                       help="build log: every library's output and our debug lines "
+                            "(default: .logs/build-<UTC time>-<pid>.log)")
         trt = p.add_argument_group("TensorRT (with --runtime tensorrt, or auto where TensorRT and a GPU exist)")
         trt.add_argument("--trt-workspace-mib", type=int, default=4096, help="workspace memory-pool limit")
         trt.add_argument("--trt-optimization-level", type=int, default=3, help="builder optimization level 0-5")
@@ -58,6 +72,12 @@ def _parser() -> argparse.ArgumentParser:
                          help="none | ampere_plus | same_compute_capability")
         trt.add_argument("--trt-cuda-graphs", action="store_true", help="enable CUDA graphs in config.pbtxt")
         trt.add_argument("--no-trt-warmup", action="store_true", help="no model_warmup in config.pbtxt")
+        cuda = p.add_argument_group(
+            "ONNX Runtime CUDA (with --runtime onnxruntime-cuda, or auto on a GPU without TensorRT)")
+        cuda.add_argument("--cudnn-conv-algo-search", default="EXHAUSTIVE", help="EXHAUSTIVE | HEURISTIC | DEFAULT")
+        cuda.add_argument("--no-cuda-graphs", action="store_true", help="python runner: no CUDA graph per bucket")
+        cuda.add_argument("--ort-tensorrt-fp16", action="store_true",
+                          help="native onnxruntime backend: gpu_execution_accelerator tensorrt, FP16")
 
     engines = sub.add_parser("engines", parents=[verbosity], help="build every model in the manifest")
     engines.add_argument("--manifest", type=Path, default=Path("models.toml"))
@@ -73,9 +93,22 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("--calibration-method", default="entropy", help="entropy | max")
     build.add_argument("--calibration-samples", type=int, default=512)
     build.add_argument("--eval-data", type=Path, help="held-out .npz (default: last quarter of --calibration)")
-    build.add_argument("--max-batch", type=int, default=16)
+    build.add_argument("--max-batch", type=int, default=None,
+                       help="largest batch (default: the shapes' axis 0, else 16)")
     build.add_argument("--dim", action="append", default=[], metavar="NAME=MIN:OPT:MAX",
                        help="range of a dynamic non-batch dim (repeatable)")
+    shapes = build.add_argument_group(
+        "shapes per input, trtexec style (NAME:DxDxD[,NAME:DxDxD...]; the batch first for batching models)")
+    shapes.add_argument("--shapes", action="append", default=[], metavar="NAME:DxD",
+                        help="fixed shapes (min = opt = max)")
+    shapes.add_argument("--min-shapes", action="append", default=[], metavar="NAME:DxD")
+    shapes.add_argument("--opt-shapes", action="append", default=[], metavar="NAME:DxD",
+                        help="a missing min or max is the opt")
+    shapes.add_argument("--max-shapes", action="append", default=[], metavar="NAME:DxD")
+    build.add_argument("--input-range", action="append", default=[], metavar="NAME:LOW:HIGH",
+                       help="values of synthetic samples for an integer input (repeatable)")
+    build.add_argument("--no-batch", action="store_true",
+                       help="serve with max_batch_size 0 and whole shapes (automatic when axis 0 cannot batch)")
     build.add_argument("--task", default="generic", help="classification | embedding | generic")
     common_build(build)
 
@@ -154,10 +187,25 @@ def _parse_dims(values: list[str]) -> dict[str, DimRange]:
     return dims
 
 
+def _parse_shape_flags(args: argparse.Namespace) -> dict[str, ShapeRange]:
+    """--shapes / --min-shapes / --opt-shapes / --max-shapes (each repeatable, comma-separated)."""
+    def table(values: list[str], flag: str) -> dict[str, Shape]:
+        found: dict[str, Shape] = {}
+        for value in values:
+            for name, shape in parse_shapes(value, flag).items():
+                if name in found:
+                    raise ManifestError(f"{flag}: input {name!r} is given twice")
+                found[name] = shape
+        return found
+
+    return combine(fixed=table(args.shapes, "--shapes"), low=table(args.min_shapes, "--min-shapes"),
+                   opt=table(args.opt_shapes, "--opt-shapes"), high=table(args.max_shapes, "--max-shapes"))
+
+
 def _spec_from_build_args(args: argparse.Namespace) -> ModelSpec:
     default = "fp32,fp16,int8" if args.calibration is not None else "fp32,fp16"
     precisions = parse_precisions(args.precision or default, "--precision")
-    if args.max_batch < 1:
+    if args.max_batch is not None and args.max_batch < 1:
         raise ManifestError(f"--max-batch {args.max_batch}: expected a positive integer")
     if args.calibration_samples < 1:
         raise ManifestError(f"--calibration-samples {args.calibration_samples}: expected a positive integer")
@@ -173,11 +221,15 @@ def _spec_from_build_args(args: argparse.Namespace) -> ModelSpec:
         calibration = CalibrationSpec(data=DataSpec(str(args.calibration), args.calibration_samples), method=method)
     evaluation = DataSpec(str(args.eval_data), 1 << 20) if args.eval_data else None
     name = check_model_name(args.name, "--name")
-    opt = max(1, args.max_batch // 2)
+    batch = DEFAULT_BATCH if args.max_batch is None else DimRange(1, max(1, args.max_batch // 2), args.max_batch)
     return ModelSpec(
         name=name,
         onnx=args.onnx,
-        batch=DimRange(1, opt, args.max_batch),
+        batch=batch,
+        batch_given=args.max_batch is not None,
+        shapes=_parse_shape_flags(args),
+        input_ranges=dict(parse_value_range(v, "--input-range") for v in args.input_range),
+        no_batch=args.no_batch,
         precisions=precisions,
         task=task,
         dims=_parse_dims(args.dim),
@@ -189,9 +241,15 @@ def _spec_from_build_args(args: argparse.Namespace) -> ModelSpec:
 
 def _build(args: argparse.Namespace, specs: list[ModelSpec]) -> int:
     from builder.pipeline import BuildOptions, ModelStatus, build_all
-    from builder.runtimes import select
+    from builder.runtimes import CudaOptions, select
     from builder.runtimes.tensorrt_plan import HardwareCompatibility, TrtBuildOptions
+    from builder.spec.tolerances import parse_tolerances, with_tolerances
 
+    limits: dict[Precision, dict[str, float]] = {}
+    for value in args.tolerance:
+        for prec, given in parse_tolerances(value, "--tolerance").items():
+            limits.setdefault(prec, {}).update(given)
+    specs = [with_tolerances(spec, limits) for spec in specs]
     runtime_choice = RuntimeChoice.parse(args.runtime, "--runtime", error=ManifestError)
     serving_backend = ServingBackend.parse(args.serving_backend, "--serving-backend", error=ManifestError)
     trt_options = TrtBuildOptions(
@@ -202,24 +260,30 @@ def _build(args: argparse.Namespace, specs: list[ModelSpec]) -> int:
         cuda_graphs=args.trt_cuda_graphs, warmup=not args.no_trt_warmup,
     ).check()
     options = BuildOptions(repository=args.repository, force=args.force, wait=not args.no_wait,
-                           runtime=select(runtime_choice, serving_backend=serving_backend, trt_options=trt_options))
+                           all_or_nothing=args.all_or_nothing,
+                           runtime=select(runtime_choice, serving_backend=serving_backend, trt_options=trt_options,
+                                          cuda_options=CudaOptions(cudnn_conv_algo_search=args.cudnn_conv_algo_search,
+                                                                   cuda_graphs=not args.no_cuda_graphs,
+                                                                   tensorrt_fp16=args.ort_tensorrt_fp16)))
     if args.command == "engines":  # `trtbuild tune`'s winners (tuned.toml beside the manifest) are kept
         from builder.spec.tuned import load_tuned, tuned_path
 
         options.tuned = load_tuned(tuned_path(args.manifest))
     report = args.report or args.repository / "build_report.json"
-    results = build_all(specs, options, report, ["trtbuild", *sys.argv[1:]])
-    for result in results:
-        if result.status is ModelStatus.UNCHANGED:
-            print(f"{result.name}: unchanged, nothing rebuilt")
-            continue
-        for v in result.variants:
-            acc = v.accuracy
-            extra = f" top1={acc.top1_agreement:.3f}" if acc.top1_agreement is not None else ""
-            cached = " (calibration reused)" if v.calibration and v.calibration.cached else ""
-            print(f"{v.name}: {v.runtime} {v.size_bytes / 1e6:.1f} MB cos_min={acc.cosine_min:.5f} "
-                  f"max_abs={acc.max_abs:.3g}{extra} {v.build_seconds:.1f}s{cached}")
-    print(f"report: {report}")
+    # Libraries' native output (ONNX Runtime, TensorRT) goes to the build log while the build runs.
+    with native_stderr_to_log():
+        results = build_all(specs, options, report, ["trtbuild", *sys.argv[1:]])
+    from builder.summary import FailedVariant, render, summarize
+
+    failures = [f for result in results for f in result.failures]
+    render(summarize(results, specs, repository=args.repository, report=report, log_file=active_log_file(),
+                     manifest=getattr(args, "manifest", None),
+                     failures=[FailedVariant(f.variant, f.precision.value, f.reason) for f in failures]), sys.stdout)
+    # One line per failure on stderr (a model that failed before its variants: one line for the model).
+    lines = [result.error for result in results if result.status is ModelStatus.FAILED and result.error]
+    lines += [f.line() for result in results if result.status is not ModelStatus.FAILED for f in result.failures]
+    if lines:
+        raise VariantsFailed("\n".join(lines))
     return 0
 
 
@@ -387,7 +451,13 @@ def _verify(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    configure_logging(("builder", "client"), verbose=args.verbose, quiet=args.quiet)
+    log_file = (args.log or default_log_file()) if args.command in ("engines", "build") else None
+    try:
+        configure_logging(("builder", "client"), verbose=args.verbose, quiet=args.quiet, log_file=log_file)
+    except OSError as exc:
+        print(f"trtbuild: error: --log {log_file}: cannot write ({exc.strerror or exc})", file=sys.stderr)
+        return 1
+    progress.configure(progress.pick_mode(sys.stderr, quiet=args.quiet))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         if args.command == "schema":
@@ -434,6 +504,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("trtbuild: interrupted", file=sys.stderr)
         return 130
+    finally:
+        progress.configure(progress.Mode.OFF)
+        close_log_file()
     return 2
 
 

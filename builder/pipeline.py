@@ -1,5 +1,7 @@
 """The orchestrator: each model through export → checks → clean-up → reference → its variants'
-steps → staged model folders, committed to the repository only when every model passed.
+steps → staged model folders, each committed to the repository as soon as it passes (one that fails
+is listed and the repository's copy of it stays), or, with `all_or_nothing`, all of them only when
+every model passed.
 
 It drives whatever runtime it is given through the Runtime seam and knows nothing specific to one.
 """
@@ -9,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import shutil
 import tempfile
 import time
 from collections.abc import Mapping
@@ -19,15 +20,17 @@ from pathlib import Path
 from typing import Any
 
 from builder import __version__
-from builder.errors import DataError
+from builder.errors import AccuracyError, BuilderError, DataError, ToolError
 from builder.repository.lock import repository_lock
 from builder.repository.model_folder import read_record
 from builder.repository.staging import Staging
 from builder.runtimes.base import Runtime
 from builder.runtimes.onnxruntime import run_file
+from builder.spec.enums import Precision
 from builder.spec.model import ModelSpec
 from builder.spec.names import variant_name
 from builder.spec.settings import default_cache_dir
+from builder.spec.shapes import ModelShapes, for_model
 from builder.spec.tuned import TunedServing, layer
 from builder.steps import cleanup, onnx_model, precision, samples
 from builder.steps.cleanup import SlimReport
@@ -49,11 +52,41 @@ class BuildOptions:
     wait: bool = True  # for another writer of the repository to finish (False: fail at once)
     # `trtbuild tune`'s settings by variant name (tuned.toml beside the manifest), layered over models.toml.
     tuned: Mapping[str, TunedServing] = field(default_factory=dict)
+    # True: the first failure stops the build and nothing is written (for CI pipelines that want it);
+    # False: every variant that passes is written, each on its own, and failures are listed.
+    all_or_nothing: bool = False
 
 
 class ModelStatus(Choice):
     BUILT = "built"
     UNCHANGED = "unchanged"
+    FAILED = "failed"  # before any variant was built (export, checks, data): none written
+
+
+@dataclass(frozen=True)
+class VariantFailure:
+    """A variant not written by this build: why, as one line, and for an accuracy miss the metric, its
+    value and the limit. `kept_previous`: the repository still holds the copy an earlier build wrote."""
+
+    variant: str
+    precision: Precision
+    reason: str
+    metric: str | None = None
+    value: float | None = None
+    limit: float | None = None
+    kept_previous: bool = False
+
+    def line(self) -> str:
+        kept = f"; the previous {self.variant} stays in place" if self.kept_previous else ""
+        return f"{self.variant} not written: {self.reason}{kept}"
+
+
+def _failure(variant: str, prec: Precision, exc: BuilderError, repository: Path) -> VariantFailure:
+    kept = (repository / variant / "config.pbtxt").is_file()
+    found = exc.violation if isinstance(exc, AccuracyError) else None
+    if found is not None:
+        return VariantFailure(variant, prec, found.text(), found.metric, found.value, found.limit, kept)
+    return VariantFailure(variant, prec, str(exc).removeprefix(f"{variant}: "), kept_previous=kept)
 
 
 @dataclass
@@ -64,6 +97,8 @@ class ModelResult:
     variants: list[VariantResult]
     cleanup: SlimReport | None = None
     seconds: float = 0.0
+    failures: list[VariantFailure] = field(default_factory=list)
+    error: str | None = None  # status FAILED: why no variant was built
 
 
 def tool_versions() -> dict[str, str]:
@@ -77,16 +112,16 @@ def tool_versions() -> dict[str, str]:
     return found
 
 
-def _load_samples(spec: ModelSpec, sig: onnx_model.Signature) -> tuple[samples.Samples, samples.Samples | None]:
+def _load_samples(spec: ModelSpec, sig: onnx_model.Signature,
+                  shapes: ModelShapes) -> tuple[samples.Samples, samples.Samples | None]:
     """Held-out evaluation samples and calibration samples, both checked against the graph's inputs."""
-    dims = dict(spec.dims)
     calibration = None
     if spec.calibration is not None:
         calibration = samples.load(spec.calibration.data, f"model {spec.name!r}: calibration")
-        samples.validate(calibration, sig.inputs, dims, f"model {spec.name!r}: calibration data")
+        samples.validate(calibration, sig.inputs, shapes, f"model {spec.name!r}: calibration data")
     if spec.evaluation is not None:
         evaluation = samples.load(spec.evaluation, f"model {spec.name!r}: evaluation")
-        samples.validate(evaluation, sig.inputs, dims, f"model {spec.name!r}: evaluation data")
+        samples.validate(evaluation, sig.inputs, shapes, f"model {spec.name!r}: evaluation data")
     elif calibration is not None:
         # Hold out the last quarter: evaluation never sees a calibration sample.
         count = len(next(iter(calibration.values())))
@@ -97,7 +132,7 @@ def _load_samples(spec: ModelSpec, sig: onnx_model.Signature) -> tuple[samples.S
             )
         calibration, evaluation = samples.hold_out(calibration)
     else:
-        evaluation = samples.random_samples(sig.inputs, dims, 16, seed=1)
+        evaluation = samples.synthetic(sig.inputs, shapes, 16, seed=1, value_ranges=spec.input_ranges)
     return evaluation, calibration
 
 
@@ -156,7 +191,7 @@ def _source_onnx(spec: ModelSpec, out: Path) -> None:
         return
     assert spec.onnx is not None
     onnx_model.load(spec.onnx)
-    shutil.copyfile(spec.onnx, out)
+    onnx_model.copy_model(spec.onnx, out)  # with its external data file, if it has one
 
 
 def build_model(spec: ModelSpec, options: BuildOptions, staging: Staging) -> ModelResult:
@@ -168,8 +203,11 @@ def build_model(spec: ModelSpec, options: BuildOptions, staging: Staging) -> Mod
         _source_onnx(spec, fp32_path)
         sig = onnx_model.signature(onnx_model.infer_shapes(onnx_model.load(fp32_path), what), what)
         onnx_model.check_manifest_inputs(sig, spec.inputs, what)
-        onnx_model.check_batchable(sig, dict(spec.dims), what)
-        evaluation, calibration = _load_samples(spec, sig)
+        shapes = for_model(spec, sig.inputs, what)
+        if not shapes.batching:
+            log.warning("%s: built with max_batch_size 0 (whole shapes, no dynamic batching): %s",
+                        spec.name, shapes.reason)
+        evaluation, calibration = _load_samples(spec, sig, shapes)
         calibration_digest = samples.digest(calibration) if calibration is not None else None
         # Everything a variant depends on; its digest is the build key, and a changed field names the reason.
         inputs_record = {"onnx": onnx_model.sha256_file(fp32_path), "evaluation": samples.digest(evaluation),
@@ -185,20 +223,36 @@ def build_model(spec: ModelSpec, options: BuildOptions, staging: Staging) -> Mod
         for reason in reasons or ["--force"]:
             log.info("%s: rebuilding: %s", spec.name, reason)
 
-        slim_report = cleanup.slim(fp32_path, samples.take(evaluation, 0, 4))
+        eval_batch = EVAL_BATCH if shapes.batching else None
+        slim_report = cleanup.slim(fp32_path, samples.take(evaluation, 0, 4), batch_size=eval_batch)
+        onnx_model.check_runs_at_levels(fp32_path, sig.inputs, shapes, what)
         model = ModelContext(
             spec=spec, fp32_path=fp32_path, fp32_sha=onnx_model.sha256_file(fp32_path),
             signature=onnx_model.signature(onnx_model.load(fp32_path), what),
             evaluation=evaluation, calibration=calibration, calibration_digest=calibration_digest,
-            reference=run_file(fp32_path, evaluation, EVAL_BATCH), build_key=key, inputs_record=inputs_record,
-            work=work, cache_dir=options.cache_dir, repository=options.repository,
+            reference=run_file(fp32_path, evaluation, eval_batch), build_key=key, inputs_record=inputs_record,
+            work=work, cache_dir=options.cache_dir, repository=options.repository, shapes=shapes,
         )
-        variants = [
-            build_variant(VariantContext(model, prec, options.runtime, staging.dir(variant_name(spec.name, prec))))
-            for prec in spec.precisions
-        ]
-        _layer_tuned(spec, staging.root, options.tuned)
-    return ModelResult(spec.name, ModelStatus.BUILT, key, variants, slim_report, time.perf_counter() - started)
+        variants: list[VariantResult] = []
+        failures: list[VariantFailure] = []
+        for prec in spec.precisions:
+            name = variant_name(spec.name, prec)
+            try:
+                variants.append(build_variant(VariantContext(model, prec, options.runtime, staging.dir(name))))
+            except (AccuracyError, ToolError) as exc:
+                # A variant the tools refused or the gate rejected; the model's other variants go on.
+                if options.all_or_nothing:
+                    raise
+                staging.drop(name)
+                failures.append(_failure(name, prec, exc, options.repository))
+                log.debug("%s", failures[-1].line())  # the CLI prints the failures once, at the end
+                continue
+            if not options.all_or_nothing:
+                _layer_tuned(spec, staging.root, options.tuned)
+                staging.commit_one(name)
+        _layer_tuned(spec, staging.root, options.tuned)  # all-or-nothing: the staged variants
+    return ModelResult(spec.name, ModelStatus.BUILT, key, variants, slim_report, time.perf_counter() - started,
+                       failures)
 
 
 def _layer_tuned(spec: ModelSpec, root: Path, tuned: Mapping[str, TunedServing]) -> None:
@@ -211,10 +265,20 @@ def _layer_tuned(spec: ModelSpec, root: Path, tuned: Mapping[str, TunedServing])
                 log.info("%s", line)
 
 
+def _model_failed(spec: ModelSpec, exc: BuilderError, repository: Path) -> ModelResult:
+    failures = []
+    for prec in spec.precisions:
+        failures.append(_failure(variant_name(spec.name, prec), prec, exc, repository))
+    log.debug("%s: %s", spec.name, exc)  # the CLI prints it once, at the end
+    return ModelResult(spec.name, ModelStatus.FAILED, "", [], failures=failures, error=str(exc))
+
+
 def build_all(
     specs: list[ModelSpec], options: BuildOptions, report_path: Path | None, command: list[str]
 ) -> list[ModelResult]:
-    """Build every model; commit to the repository only if all of them passed."""
+    """Build every model. Each variant that passes is written as it passes and each failure is listed in
+    its model's result (the report is written either way); with `all_or_nothing`, the first failure
+    raises and nothing is written."""
     started = time.time()
     results: list[ModelResult] = []
     with repository_lock(options.repository, what=f"the build of {', '.join(s.name for s in specs)}",
@@ -222,8 +286,15 @@ def build_all(
         staging = Staging(options.repository)
         try:
             for spec in specs:
-                results.append(build_model(spec, options, staging))
-            staging.commit()
+                try:
+                    results.append(build_model(spec, options, staging))
+                except BuilderError as exc:
+                    # The model failed before its variants (export, checks, data): the other models go on.
+                    if options.all_or_nothing:
+                        raise
+                    results.append(_model_failed(spec, exc, options.repository))
+            if options.all_or_nothing:
+                staging.commit()
         finally:
             staging.discard()
     if report_path is not None:

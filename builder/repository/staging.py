@@ -1,8 +1,9 @@
 """Atomic writes into a Triton model repository.
 
 Variants are built in a staging folder inside the repository (same filesystem, so renames are
-atomic) and swapped in only once every model of the run has passed; a failed run leaves every
-existing model exactly as it was. Staging lives only under the repository lock, so at the start of
+atomic) and swapped in one by one as each passes (`commit_one`), or all at once only when every model
+of the run has passed (`commit`, for --all-or-nothing); a variant that fails leaves the repository's
+copy of it exactly as it was. Staging lives only under the repository lock, so at the start of
 a build every staging or trash folder present was left by a build that died, and is removed.
 
 The swap exchanges the staged and the live folder in one `renameat2(RENAME_EXCHANGE)` call, so a
@@ -97,30 +98,40 @@ class Staging:
         if path.exists():
             shutil.rmtree(path)
         path.mkdir(parents=True)
-        self._names.append(name)
+        if name not in self._names:
+            self._names.append(name)
         return path
 
     def commit(self) -> list[Path]:
-        """Swap staged models into the repository; return their final paths."""
-        committed = []
-        for name in self._names:
-            staged = self.root / name
-            final = self.repository / name
-            if final.exists() and exchange(staged, final):
-                shutil.rmtree(staged, ignore_errors=True)  # now the previous model
+        """Swap every staged model into the repository; return their final paths."""
+        return [self.commit_one(name) for name in list(self._names)]
+
+    def commit_one(self, name: str) -> Path:
+        """Swap one staged model folder into the repository on its own (atomically where the filesystem
+        can exchange folders); return its final path. The others stay staged."""
+        staged = self.root / name
+        final = self.repository / name
+        if final.exists() and exchange(staged, final):
+            shutil.rmtree(staged, ignore_errors=True)  # now the previous model
+        else:
+            if final.exists():
+                log.warning("%s: this filesystem cannot exchange folders atomically; replacing it with "
+                            "two renames (a reader may miss it for a moment)", final)
+                trash = Path(tempfile.mkdtemp(prefix=f"{_TRASH_PREFIX}{os.getpid()}-", dir=self.repository))
+                os.replace(final, trash / name)
+                os.replace(staged, final)
+                shutil.rmtree(trash, ignore_errors=True)
             else:
-                if final.exists():
-                    log.warning("%s: this filesystem cannot exchange folders atomically; replacing it with "
-                                "two renames (a reader may miss it for a moment)", final)
-                    trash = Path(tempfile.mkdtemp(prefix=f"{_TRASH_PREFIX}{os.getpid()}-", dir=self.repository))
-                    os.replace(final, trash / name)
-                    os.replace(staged, final)
-                    shutil.rmtree(trash, ignore_errors=True)
-                else:
-                    os.replace(staged, final)
-            committed.append(final)
-            log.info("wrote %s", final)
-        return committed
+                os.replace(staged, final)
+        self._names.remove(name)
+        log.debug("wrote %s", final)
+        return final
+
+    def drop(self, name: str) -> None:
+        """Forget a staged model folder (a variant that failed): the repository's copy, if any, stays."""
+        shutil.rmtree(self.root / name, ignore_errors=True)
+        if name in self._names:
+            self._names.remove(name)
 
     def discard(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)

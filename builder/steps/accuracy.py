@@ -74,8 +74,25 @@ def compare(reference: Mapping[str, NDArray[Any]], candidate: Mapping[str, NDArr
     )
 
 
-def violation(metrics: Metrics, tolerance: Tolerance, variant: str) -> str | None:
-    """The first metric out of bounds, named with its value and limit; None when all are within."""
+@dataclass(frozen=True)
+class Violation:
+    """A metric out of bounds: which one, its value, the tolerance key and its limit."""
+
+    metric: str
+    value: float | None  # None: the task does not give this metric
+    key: str
+    limit: float
+    upper: bool  # the limit is a maximum
+
+    def text(self) -> str:
+        if self.value is None:
+            return f"tolerance {self.key} needs metric {self.metric}, which this task does not give"
+        relation = "above the limit" if self.upper else "below the limit"
+        return f"{self.metric} = {self.value:.6g} is {relation} {self.key} = {self.limit:g}"
+
+
+def first_violation(metrics: Metrics, tolerance: Tolerance) -> Violation | None:
+    """The first metric out of bounds; None when all are within."""
     limits: list[tuple[str, float | None, str, float | None, bool]] = [
         ("max_abs", metrics.max_abs, "max_abs", tolerance.max_abs, True),
         ("max_rel", metrics.max_rel, "max_rel", tolerance.max_rel, True),
@@ -86,16 +103,19 @@ def violation(metrics: Metrics, tolerance: Tolerance, variant: str) -> str | Non
     for metric, value, key, limit, upper in limits:
         if limit is None:
             continue
-        if value is None:
-            return f"{variant}: tolerance {key} needs metric {metric}, which this task does not give"
-        if (upper and value > limit) or (not upper and value < limit):
-            relation = "above the limit" if upper else "below the limit"
-            return f"{variant}: {metric} = {value:.6g} is {relation} {key} = {limit:g}"
+        if value is None or (upper and value > limit) or (not upper and value < limit):
+            return Violation(metric, value, key, limit, upper)
     return None
+
+
+def violation(metrics: Metrics, tolerance: Tolerance, variant: str) -> str | None:
+    """The first metric out of bounds, named with its value and limit; None when all are within."""
+    found = first_violation(metrics, tolerance)
+    return None if found is None else f"{variant}: {found.text()}"
 
 
 def check(metrics: Metrics, tolerance: Tolerance, variant: str) -> None:
     """Raise naming the variant, the metric, the value and the limit for the first metric out of bounds."""
-    problem = violation(metrics, tolerance, variant)
-    if problem is not None:
-        raise AccuracyError(problem)
+    found = first_violation(metrics, tolerance)
+    if found is not None:
+        raise AccuracyError(f"{variant}: {found.text()}", violation=found)

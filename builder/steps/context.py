@@ -12,7 +12,9 @@ from builder.runtimes.base import CompileTarget, Outputs, Runtime
 from builder.spec.enums import Precision
 from builder.spec.model import ModelSpec
 from builder.spec.names import variant_name
+from builder.spec.shapes import ModelShapes, for_model
 from builder.steps.accuracy import Metrics
+from builder.steps.fp16_guard import Fp16GuardReport
 from builder.steps.guard import GuardReport
 from builder.steps.onnx_model import Signature
 from builder.steps.precision import CalibrationResult
@@ -39,6 +41,19 @@ class ModelContext:
     work: Path  # a private temporary folder
     cache_dir: Path
     repository: Path  # the live repository, where earlier builds may hold reusable artifacts
+    shapes: ModelShapes | None = None  # resolved by the pipeline; None: from the spec and signature
+
+    @property
+    def input_shapes(self) -> ModelShapes:
+        """Every input's min/opt/max shape and whether the model batches on axis 0."""
+        if self.shapes is not None:
+            return self.shapes
+        return for_model(self.spec, self.signature.inputs, f"model {self.spec.name!r}")
+
+    @property
+    def eval_batch(self) -> int | None:
+        """The batch to run samples with; None for a model that does not batch (each sample whole)."""
+        return EVAL_BATCH if self.input_shapes.batching else None
 
 
 @dataclass
@@ -53,6 +68,7 @@ class VariantContext:
     variant_sha: str | None = None  # of the variant ONNX the artifact was compiled from; set by Compile
     metrics: Metrics | None = None
     guard: GuardReport | None = None
+    fp16_guard: Fp16GuardReport | None = None
 
     @property
     def name(self) -> str:
@@ -74,4 +90,6 @@ class VariantContext:
         """What the runtime compiles; only once Compile has hashed the variant ONNX."""
         assert self.variant_sha is not None, "the compile target exists once the variant ONNX is final"
         spec = self.model.spec
-        return CompileTarget(self.model.signature.inputs, spec.batch, dict(spec.dims), self.variant_sha)
+        shapes = self.model.input_shapes
+        return CompileTarget(self.model.signature.inputs, shapes.batch or spec.batch, dict(spec.dims),
+                             self.variant_sha, shapes)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -28,8 +28,9 @@ from numpy.typing import NDArray
 from builder.runtimes.onnxruntime import ort_throughput, run_file
 from builder.spec.enums import Precision, Task
 from builder.spec.model import CalibrationSpec, Tolerance
-from builder.steps import accuracy, precision
+from builder.steps import accuracy, precision, samples
 from builder.steps.accuracy import Metrics
+from client import progress
 
 log = logging.getLogger(__name__)
 
@@ -75,23 +76,26 @@ def guard(
     tolerance: Tolerance,
     work: Path,
     max_excluded_fraction: float = 0.5,
+    batch_size: int | None = 16,
 ) -> tuple[GuardResult, Path | None]:
     """Return the search's result and the path of the guarded INT8 ONNX (None: fall back to FP16)."""
     started = time.perf_counter()
 
     def evaluate(path: Path) -> Metrics:
-        return accuracy.compare(reference, run_file(path, evaluation, 16), task)
+        return accuracy.compare(reference, run_file(path, evaluation, batch_size), task)
 
     before = evaluate(plain)
     nodes = quantized_nodes(onnx.load(str(plain)))
-    log.info("INT8 guard: %d quantized nodes; measuring each one's sensitivity", len(nodes))
+    log.debug("INT8 guard: %d quantized nodes; measuring each one's sensitivity", len(nodes))
     sensitivity: dict[str, float] = {}
     builds = 0
-    for index, node in enumerate(nodes):
-        out = work / f"alone_{index}.onnx"
-        quantize(replace(spec, nodes_to_quantize=(node,), nodes_to_exclude=()), out)
-        builds += 1
-        sensitivity[node] = evaluate(out).damage()
+    with progress.task("INT8 guard: sensitivity, one node quantized at a time", total=len(nodes)) as bar:
+        for index, node in enumerate(nodes):
+            out = work / f"alone_{index}.onnx"
+            quantize(replace(spec, nodes_to_quantize=(node,), nodes_to_exclude=()), out)
+            builds += 1
+            sensitivity[node] = evaluate(out).damage()
+            bar.advance(status=node)
     order = sorted(nodes, key=lambda n: sensitivity[n], reverse=True)
     searched: list[Attempt] = []
     cache: dict[int, tuple[bool, Metrics, Path]] = {}
@@ -106,27 +110,30 @@ def guard(
             metrics = evaluate(out)
             cache[k] = (accuracy.violation(metrics, tolerance, "candidate") is None, metrics, out)
             searched.append(Attempt(k, cache[k][0], metrics))
+            search_bar.advance(status=f"{k} excluded: {'meets' if cache[k][0] else 'misses'} the tolerance")
         return cache[k]
 
     limit = max(1, int(len(order) * max_excluded_fraction))
     k, found = 1, None
-    while k <= limit:
-        if attempt(k)[0]:
-            found = k
-            break
-        k *= 2
-    if found is None and limit not in cache and attempt(limit)[0]:
-        found = limit
-    if found is not None:
-        low = found // 2 + 1 if found > 1 else 1  # the largest failing k is found // 2
-        high = found
-        while low < high:
-            mid = (low + high) // 2
-            if attempt(mid)[0]:
-                high = mid
-            else:
-                low = mid + 1
-        found = high
+    # The search's length depends on where the tolerance is met: a count of candidates, no total.
+    with progress.task("INT8 guard: searching the fewest nodes to keep unquantized") as search_bar:
+        while k <= limit:
+            if attempt(k)[0]:
+                found = k
+                break
+            k *= 2
+        if found is None and limit not in cache and attempt(limit)[0]:
+            found = limit
+        if found is not None:
+            low = found // 2 + 1 if found > 1 else 1  # the largest failing k is found // 2
+            high = found
+            while low < high:
+                mid = (low + high) // 2
+                if attempt(mid)[0]:
+                    high = mid
+                else:
+                    low = mid + 1
+            found = high
     seconds = time.perf_counter() - started
     if found is None:
         log.warning("INT8 guard: no mix with up to %d of %d nodes excluded meets the tolerance", limit, len(order))
@@ -136,9 +143,12 @@ def guard(
     return GuardResult(True, order[:found], sensitivity, before, after, builds, searched, seconds), path
 
 
-def throughput(path: Path, evaluation: Mapping[str, NDArray[Any]], seconds: float = 1.0) -> float:
-    """Batch-1 inferences per second under ONNX Runtime on this CPU (a quick cost estimate)."""
-    return ort_throughput(path, {k: v[:1] for k, v in evaluation.items()}, seconds=seconds)
+def throughput(path: Path, evaluation: Mapping[str, NDArray[Any]], seconds: float = 1.0, *,
+               batching: bool = True) -> float:
+    """Batch-1 inferences per second under ONNX Runtime on this CPU (a quick cost estimate); one whole
+    sample for a model that does not batch."""
+    feed = next(samples.feeds(evaluation, 1 if batching else None))
+    return ort_throughput(path, feed, seconds=seconds)
 
 
 def make_quantizer(fp32_path: Path, fp32_sha: str, calibration: Mapping[str, NDArray[Any]], calib_digest: str,
@@ -182,7 +192,8 @@ class GuardReport:
 def guard_int8(*, fp32_path: Path, fp32_sha: str, calibration: Mapping[str, NDArray[Any]], calibration_digest: str,
                spec: CalibrationSpec, variant_onnx: Path, evaluation: Mapping[str, NDArray[Any]],
                reference: Mapping[str, NDArray[Any]], task: Task, tolerance: Tolerance, cache_dir: Path,
-               work: Path) -> GuardReport:
+               work: Path, fp16_feeds: Sequence[Mapping[str, NDArray[Any]]], what: str,
+               batch_size: int | None = 16) -> GuardReport:
     """Replace variant_onnx by the guarded INT8 mix, or by FP16 when none meets the tolerance."""
     plain = work / "int8_plain.onnx"
     shutil.copyfile(variant_onnx, plain)
@@ -190,12 +201,12 @@ def guard_int8(*, fp32_path: Path, fp32_sha: str, calibration: Mapping[str, NDAr
     search_dir.mkdir(exist_ok=True)
     quantize = make_quantizer(fp32_path, fp32_sha, calibration, calibration_digest, cache_dir)
     result, guarded = guard(quantize, spec=spec, plain=plain, evaluation=evaluation, reference=reference,
-                            task=task, tolerance=tolerance, work=search_dir)
+                            task=task, tolerance=tolerance, work=search_dir, batch_size=batch_size)
     fallback = None
     if guarded is not None:
         shutil.copyfile(guarded, variant_onnx)
     else:
-        precision.to_fp16(fp32_path, variant_onnx)
+        precision.to_fp16(fp32_path, variant_onnx, feeds=fp16_feeds, what=what)
         fallback = Precision.FP16
         log.warning("%s: no INT8 mix meets the tolerance; serving the FP16 model under the INT8 name", fp32_path.name)
     top = sorted(result.sensitivity.items(), key=lambda kv: kv[1], reverse=True)[:10]
@@ -204,6 +215,6 @@ def guard_int8(*, fp32_path: Path, fp32_sha: str, calibration: Mapping[str, NDAr
         quantizations=result.quantizations, search=result.searched,
         most_sensitive=[Sensitivity(n, d) for n, d in top], seconds=round(result.seconds, 2),
         size_bytes=VariantFigures(fp32_path.stat().st_size, plain.stat().st_size, variant_onnx.stat().st_size),
-        throughput_b1_cpu=VariantFigures(throughput(fp32_path, evaluation), throughput(plain, evaluation),
-                                         throughput(variant_onnx, evaluation)),
+        throughput_b1_cpu=VariantFigures(*(throughput(path, evaluation, batching=batch_size is not None)
+                                           for path in (fp32_path, plain, variant_onnx))),
     )

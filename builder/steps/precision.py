@@ -20,7 +20,7 @@ import tempfile
 import time
 import traceback
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
@@ -30,13 +30,16 @@ import numpy as np
 import onnx
 from numpy.typing import NDArray
 
-from builder.errors import BuilderError, last_line
+from builder.errors import ToolError, tool_cause
 from builder.runtimes.onnxruntime import ORT_ERRORS
 from builder.spec.enums import CalibrationMethod, Int8Recipe
 from builder.spec.model import CalibrationSpec
 from builder.spec.settings import default_cache_dir
 from builder.steps import onnx_model
+from builder.steps import samples as sample_sets
+from client import progress
 from client.files import copy_atomic
+from client.logs import active_log_file
 
 log = logging.getLogger(__name__)
 
@@ -67,14 +70,24 @@ QUANTIZER_TIMEOUT_S = float(os.environ.get("TRTBUILD_QUANTIZER_TIMEOUT_S", "3600
 
 
 def failure_log(what: str, output: str, exc: BaseException | None) -> Path | str:
-    """Write a tool's captured output (and the exception's traceback) where the one-line error names it;
-    where no log can be written, say why instead (the tool's failure is the error to report)."""
+    """Write a tool's captured output (and the exception's traceback) where the one-line error names it:
+    the build log when the CLI keeps one (client.logs), else a file of its own under the cache; where no
+    log can be written, say why instead (the tool's failure is the error to report)."""
+    trace = "".join(traceback.format_exception(exc)) if exc is not None else ""
+    text = f"{what}\n\n--- tool output ---\n{output}\n--- exception ---\n{trace}"
+    build_log = active_log_file()
+    if build_log is not None:
+        try:
+            with build_log.open("a", encoding="utf-8") as stream:
+                stream.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} failure: {text}\n")
+            return build_log
+        except OSError:
+            log.debug("build log %s not writable; writing the tool's output to a log of its own", build_log)
     folder = default_cache_dir() / "logs"
     path = folder / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{re.sub(r'[^A-Za-z0-9_.-]+', '_', what)}.log"
-    trace = "".join(traceback.format_exception(exc)) if exc is not None else ""
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        path.write_text(f"{what}\n\n--- tool output ---\n{output}\n--- exception ---\n{trace}", encoding="utf-8")
+        path.write_text(text, encoding="utf-8")
     except OSError as error:
         return f"not written: {error.strerror or error}"
     return path
@@ -125,21 +138,84 @@ class _ModeloptRootFilter(logging.Filter):
         return True
 
 
-def to_fp16(fp32_path: Path, out_path: Path) -> dict[str, object]:
-    """FP16 compute with FP32 inputs and outputs, so clients and configs stay unchanged."""
-    settings: dict[str, object] = {"tool": "modelopt.onnx.autocast", "keep_io_types": True, "data_max": 512}
-    with _quiet() as sink:
+# ModelOpt autocast's own defaults: a node whose inputs or outputs exceed data_max on the calibration
+# feeds, or whose initializers exceed init_max, stays in FP32.
+FP16_DATA_MAX = 512.0
+FP16_INIT_MAX = 65504.0
+# Autocast runs the FP32 graph once per feed to see each tensor's range: a few batches are enough.
+AUTOCAST_FEEDS = 8
+AUTOCAST_BATCH = 8  # samples per feed for a batching model
+
+
+@dataclass(frozen=True)
+class Fp16Settings:
+    """What autocast keeps in FP32 (its levers): named nodes, whole op types, and the nodes whose data or
+    initializers exceed the thresholds."""
+
+    nodes_to_exclude: tuple[str, ...] = ()  # exact node names
+    op_types_to_exclude: tuple[str, ...] = ()
+    data_max: float = FP16_DATA_MAX
+    init_max: float = FP16_INIT_MAX
+
+    def record(self) -> dict[str, object]:
+        return {"tool": "modelopt.onnx.autocast", "keep_io_types": True, "data_max": self.data_max,
+                "init_max": self.init_max, "nodes_to_exclude": list(self.nodes_to_exclude),
+                "op_types_to_exclude": list(self.op_types_to_exclude)}
+
+
+Feed = dict[str, NDArray[Any]]
+
+
+def autocast_feeds(sets: Sequence[Mapping[str, NDArray[Any]]], batch_size: int | None, *,
+                   limit: int = AUTOCAST_FEEDS) -> list[Feed]:
+    """Feeds for autocast's reference run, each exactly as the model takes it (batches of `batch_size`
+    samples, or whole samples for a model that does not batch: samples.feeds), at most `limit`, taken
+    evenly from every set (e.g. the min, opt and max shapes) so each one's ranges are seen."""
+    per_set = [list(sample_sets.feeds(one, batch_size)) for one in sets if one]
+    chosen: list[Feed] = []
+    quota = max(1, limit // max(1, len(per_set)))
+    for feeds in per_set:
+        step = max(1, len(feeds) / quota)
+        chosen.extend(feeds[int(i * step)] for i in range(min(quota, len(feeds))))
+    return chosen
+
+
+def to_fp16(fp32_path: Path, out_path: Path, *, feeds: Sequence[Mapping[str, NDArray[Any]]], what: str,
+            settings: Fp16Settings = Fp16Settings()) -> dict[str, object]:
+    """FP16 compute with FP32 inputs and outputs, so clients and configs stay unchanged.
+
+    `feeds` (the user's samples, or synthetic ones at real shapes) are what autocast measures tensor
+    ranges on: without them it runs the graph on random inputs with every dynamic dim set to 1, which
+    breaks models with dynamic spatial dims (a Concat of feature maps) and misjudges ranges."""
+    if not feeds:
+        raise AssertionError("to_fp16 needs feeds: autocast must not guess the inputs")
+    with tempfile.TemporaryDirectory(prefix="trtbuild-fp16-") as tmp, _quiet() as sink:
         from modelopt.onnx.autocast import convert_to_mixed_precision
 
+        # A folder of .npz files is autocast's multi-batch form: one reference run per file.
+        feed_dir = Path(tmp) / "feeds"
+        feed_dir.mkdir()
+        for index, feed in enumerate(feeds):
+            np.savez(feed_dir / f"{index:05d}.npz", **feed)
         try:
-            model = convert_to_mixed_precision(str(fp32_path), low_precision_type="fp16", keep_io_types=True)
-        except TOOL_ERRORS as exc:
-            record = failure_log(f"fp16 {fp32_path.name}", sink.getvalue(), exc)
-            raise BuilderError(f"{fp32_path}: FP16 conversion failed: {last_line(exc)} (full output: {record})"
-                               ) from exc
+            model = convert_to_mixed_precision(
+                str(fp32_path), low_precision_type="fp16", keep_io_types=True, calibration_data=str(feed_dir),
+                nodes_to_exclude=[f"^{re.escape(n)}$" for n in settings.nodes_to_exclude] or None,
+                op_types_to_exclude=list(settings.op_types_to_exclude) or None,
+                data_max=settings.data_max, init_max=settings.init_max)
+        except Exception as exc:
+            # ModelOpt raises a bare Exception when ONNX Runtime cannot run the graph (the reason is in
+            # its log): a tool failure like TOOL_ERRORS. Subclasses of Exception outside TOOL_ERRORS are bugs.
+            if not (isinstance(exc, TOOL_ERRORS) or type(exc) is Exception):
+                raise
+            output = sink.getvalue()
+            record = failure_log(f"fp16 {what}", output, exc)
+            raise ToolError(f"{what}: FP16 conversion (ModelOpt autocast) failed: "
+                            f"{tool_cause(exc, output, hide={fp32_path: 'the model', Path(tmp): 'its feeds'})} "
+                            f"(full output: {record})") from exc
     onnx.save(model, str(out_path))
     onnx_model.load(out_path)
-    return settings
+    return settings.record()
 
 
 def calibration_key(fp32_sha: str, data_digest: str, spec: CalibrationSpec) -> str:
@@ -167,8 +243,11 @@ def to_int8(
     spec: CalibrationSpec,
     out_path: Path,
     cache_dir: Path,
+    what: str = "",
 ) -> CalibrationResult:
-    """INT8 Q/DQ by post-training quantization (ModelOpt or ONNX Runtime); reuses a cached result."""
+    """INT8 Q/DQ by post-training quantization (ModelOpt or ONNX Runtime); reuses a cached result.
+    `what` names the model in errors (default: the file's name)."""
+    what = what or fp32_path.name
     key = calibration_key(fp32_sha, data_digest, spec)
     samples = len(next(iter(calibration.values())))
     settings: dict[str, object] = {
@@ -185,22 +264,27 @@ def to_int8(
                         activations="uint8 (asymmetric)", weights="int8 (symmetric)")
     cached = cache_dir / "calibration" / f"{key}.onnx"
     if cached.is_file():
-        log.info("INT8: reusing calibration %s (inputs unchanged)", key[:12])
+        log.debug("INT8: reusing calibration %s (inputs unchanged)", key[:12])
         shutil.copyfile(cached, out_path)
         return CalibrationResult(spec.recipe, spec.method, samples, key, True, _count_q(out_path), settings)
-    log.info("INT8: calibrating on %d samples (%s, %s recipe)", samples, spec.method, spec.recipe)
-    with tempfile.TemporaryDirectory(prefix="trtbuild-int8-") as tmp, _quiet() as sink:
+    log.debug("INT8: calibrating on %d samples (%s, %s recipe)", samples, spec.method, spec.recipe)
+    with progress.task(f"INT8 calibration: {samples} samples, {spec.method}, {spec.recipe}"), \
+            tempfile.TemporaryDirectory(prefix="trtbuild-int8-") as tmp, _quiet() as sink:
         tmp_out = Path(tmp) / "int8.onnx"
         try:
             if spec.recipe is Int8Recipe.ONNXRUNTIME:
                 _quantize_ort(fp32_path, calibration, spec, Path(tmp), tmp_out)
             else:
                 _quantize_modelopt(fp32_path, calibration, spec, tmp_out)
-        except _INT8_ERRORS as exc:
+        except Exception as exc:
+            # As in to_fp16: a bare Exception is ModelOpt's "ONNX Runtime failed"; other types are bugs.
+            if not (isinstance(exc, _INT8_ERRORS) or type(exc) is Exception):
+                raise
             output = sink.getvalue() + (exc.output if isinstance(exc, QuantizerFailed) else "")
-            record = failure_log(f"int8 {spec.recipe} {fp32_path.name}", output, exc)
-            raise BuilderError(f"{fp32_path}: INT8 calibration ({spec.recipe}) failed: {last_line(exc)} "
-                               f"(full output: {record})") from exc
+            record = failure_log(f"int8 {spec.recipe} {what}", output, exc)
+            cause = tool_cause(exc, output, hide={fp32_path: "the model", Path(tmp): "its work folder"})
+            raise ToolError(f"{what}: INT8 calibration ({spec.recipe}) failed: {cause} (full output: {record})"
+                            ) from exc
         quantized = onnx_model.load(tmp_out)
         qdq = sum(1 for n in quantized.graph.node if n.op_type == "QuantizeLinear")
         if qdq == 0 and not spec.nodes_to_quantize:
@@ -222,7 +306,10 @@ def _quantize_modelopt(fp32_path: Path, calibration: Mapping[str, NDArray[Any]],
     quantize(
         str(fp32_path),
         quantize_mode="int8",
-        calibration_data=dict(calibration),
+        calibration_data=None if _whole_samples(fp32_path, calibration) else dict(calibration),
+        # A model that does not batch (max_batch_size 0): ModelOpt would split the arrays by the input's
+        # first dim, so it gets each sample whole from a reader instead.
+        calibration_data_reader=(_WholeSamples(calibration) if _whole_samples(fp32_path, calibration) else None),
         calibration_method=spec.method,
         calibration_eps=["cpu"],
         # FP32 between Q/DQ pairs: the FP16 default loses accuracy badly under ONNX Runtime
@@ -234,6 +321,38 @@ def _quantize_modelopt(fp32_path: Path, calibration: Mapping[str, NDArray[Any]],
         output_path=str(out),
         log_level="WARNING",
     )
+
+
+def _whole_samples(fp32_path: Path, calibration: Mapping[str, NDArray[Any]]) -> bool:
+    """True when the arrays hold one whole input per leading index (a model built with max_batch_size 0):
+    each array then has one more dim than its input."""
+    model = onnx.load(str(fp32_path), load_external_data=False)
+    ranks = {i.name: len(i.type.tensor_type.shape.dim) for i in model.graph.input}
+    return any(name in ranks and array.ndim == ranks[name] + 1 for name, array in calibration.items())
+
+
+class _WholeSamples:
+    """A calibration data reader (ONNX Runtime's get_next/rewind, ModelOpt's get_first) over whole samples."""
+
+    def __init__(self, calibration: Mapping[str, NDArray[Any]]) -> None:
+        self.feeds = list(sample_sets.feeds(calibration, None))
+        self.index = 0
+
+    def get_next(self) -> dict[str, NDArray[Any]] | None:
+        if self.index >= len(self.feeds):
+            return None
+        self.index += 1
+        return self.feeds[self.index - 1]
+
+    def get_first(self) -> dict[str, NDArray[Any]]:
+        return self.feeds[0]
+
+    def rewind(self) -> None:
+        self.index = 0
+
+    def set_range(self, start_index: int, end_index: int) -> None:
+        self.feeds = self.feeds[start_index:end_index]
+        self.index = 0
 
 
 def _quantize_ort(fp32_path: Path, calibration: Mapping[str, NDArray[Any]], spec: CalibrationSpec,

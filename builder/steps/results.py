@@ -11,6 +11,7 @@ from builder.spec.enums import Precision
 from builder.spec.model import Tolerance
 from builder.steps.accuracy import Metrics
 from builder.steps.context import VariantContext
+from builder.steps.fp16_guard import Fp16GuardReport
 from builder.steps.guard import GuardReport
 from builder.steps.onnx_model import sha256_file
 from builder.steps.precision import CalibrationResult
@@ -29,6 +30,7 @@ class VariantResult:
     build_seconds: float
     calibration: CalibrationResult | None = None
     guard: GuardReport | None = None
+    fp16_guard: Fp16GuardReport | None = None
 
     @staticmethod
     def of(ctx: VariantContext) -> VariantResult:
@@ -45,6 +47,7 @@ class VariantResult:
             build_seconds=round(time.perf_counter() - ctx.started, 3),
             calibration=ctx.calibration,
             guard=ctx.guard,
+            fp16_guard=ctx.fp16_guard,
         )
 
     def to_json(self) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """One precision variant, built as a short sequence of small steps over a VariantContext:
 
-    MakePrecision → Compile → Measure → Gate (→ guarded INT8: Guard, Compile, Measure, Gate)
+    MakePrecision → Compile → Measure → Gate (→ guarded FP16 or INT8: Guard, Compile, Measure, Gate)
     → the VariantResult → WriteModelFolder
 
 Each step reads what earlier ones left in the context and adds its own part; each can run alone
@@ -11,23 +11,47 @@ from __future__ import annotations
 
 import logging
 import shutil
+from pathlib import Path
 from typing import Protocol
 
 from builder.errors import AccuracyError
 from builder.repository import model_folder
 from builder.repository.triton_config import ConfigInputs
+from builder.runtimes.onnxruntime import run_file
 from builder.spec.enums import Precision
-from builder.steps import accuracy, precision
-from builder.steps.context import EVAL_BATCH, VariantContext
+from builder.steps import accuracy, precision, samples
+from builder.steps.accuracy import Metrics
+from builder.steps.context import ModelContext, VariantContext
+from builder.steps.fp16_guard import guard_fp16
 from builder.steps.guard import guard_int8
 from builder.steps.onnx_model import sha256_file
 from builder.steps.results import VariantResult
+from client import progress
 
 log = logging.getLogger(__name__)
 
 
 class Step(Protocol):
     def run(self, ctx: VariantContext) -> None: ...
+
+
+def fp16_feeds(model: ModelContext) -> list[precision.Feed]:
+    """What autocast measures tensor ranges on: the user's samples (calibration, else evaluation data),
+    else synthetic samples at the min, opt and max shapes — never autocast's own guesses."""
+    spec = model.spec
+    shapes = model.input_shapes
+    if model.calibration is not None:
+        sets = [model.calibration]
+    elif spec.evaluation is not None:
+        sets = [model.evaluation]
+    else:
+        sets = list(samples.shape_sets(model.signature.inputs, shapes, precision.AUTOCAST_BATCH, seed=7,
+                                       value_ranges=spec.input_ranges).values())
+    return precision.autocast_feeds(sets, precision.AUTOCAST_BATCH if shapes.batching else None)
+
+
+def what(model: ModelContext) -> str:
+    return f"model {model.spec.name!r}"
 
 
 class MakePrecision:
@@ -39,7 +63,8 @@ class MakePrecision:
             shutil.copyfile(model.fp32_path, ctx.variant_onnx)
             ctx.settings = {}
         elif ctx.precision is Precision.FP16:
-            ctx.settings = precision.to_fp16(model.fp32_path, ctx.variant_onnx)
+            ctx.settings = precision.to_fp16(model.fp32_path, ctx.variant_onnx, feeds=fp16_feeds(model),
+                                             what=what(model))
         else:
             calibration_spec = model.spec.calibration
             if calibration_spec is None or model.calibration is None or model.calibration_digest is None:
@@ -47,7 +72,7 @@ class MakePrecision:
             ctx.calibration = precision.to_int8(
                 model.fp32_path, fp32_sha=model.fp32_sha, calibration=model.calibration,
                 data_digest=model.calibration_digest, spec=calibration_spec, out_path=ctx.variant_onnx,
-                cache_dir=model.cache_dir)
+                cache_dir=model.cache_dir, what=what(model))
             ctx.settings = ctx.calibration.settings
 
 
@@ -67,27 +92,30 @@ class Measure:
     """The compiled artifact against the FP32 reference on the held-out samples."""
 
     def run(self, ctx: VariantContext) -> None:
-        outputs = ctx.runtime.run(ctx.artifact, ctx.model.evaluation, EVAL_BATCH)
+        outputs = ctx.runtime.run(ctx.artifact, ctx.model.evaluation, ctx.model.eval_batch)
         ctx.metrics = accuracy.compare(ctx.model.reference, outputs, ctx.model.spec.task)
-        log.info("%s: %s", ctx.name, ctx.metrics.summary())
+        log.debug("%s: %s", ctx.name, ctx.metrics.summary())
 
 
 class Gate:
-    """The tolerance check. An INT8 variant with an explicit tolerance in models.toml is guarded:
-    when it misses, search for the nodes to keep in higher precision, rebuild and check again."""
+    """The tolerance check. An FP16 variant, and an INT8 variant with an explicit tolerance (models.toml
+    or --tolerance), is guarded: when it misses, search for the nodes to keep in higher precision,
+    rebuild and check again."""
 
     def run(self, ctx: VariantContext) -> None:
         assert ctx.metrics is not None, "Gate runs after Measure"
         spec = ctx.model.spec
         tolerance = spec.tolerance(ctx.precision)
-        problem = accuracy.violation(ctx.metrics, tolerance, ctx.name)
-        if problem is None:
+        found = accuracy.first_violation(ctx.metrics, tolerance)
+        if found is None:
             return
-        guarded = ctx.precision is Precision.INT8 and Precision.INT8 in spec.tolerances and ctx.guard is None
-        if not guarded:
-            raise AccuracyError(problem)
+        problem = f"{ctx.name}: {found.text()}"
+        fp16 = ctx.precision is Precision.FP16 and ctx.fp16_guard is None
+        int8 = ctx.precision is Precision.INT8 and Precision.INT8 in spec.tolerances and ctx.guard is None
+        if not (fp16 or int8):
+            raise AccuracyError(problem, violation=found)
         log.warning("%s; searching for nodes to keep in higher precision", problem)
-        Guard().run(ctx)
+        (Fp16Guard() if fp16 else Guard()).run(ctx)
         Compile().run(ctx)
         Measure().run(ctx)
         self.run(ctx)
@@ -106,7 +134,24 @@ class Guard:
             calibration_digest=model.calibration_digest, spec=spec.calibration, variant_onnx=ctx.variant_onnx,
             evaluation=model.evaluation, reference=model.reference, task=spec.task,
             tolerance=spec.tolerance(ctx.precision), cache_dir=model.cache_dir, work=model.work,
+            fp16_feeds=fp16_feeds(model), what=what(model), batch_size=model.eval_batch,
         )
+
+
+class Fp16Guard:
+    """Replace the plain FP16 ONNX by the guarded mix (or FP32 when no mix meets the tolerance)."""
+
+    def run(self, ctx: VariantContext) -> None:
+        model = ctx.model
+
+        def evaluate(path: Path) -> Metrics:
+            return accuracy.compare(model.reference, run_file(path, model.evaluation, model.eval_batch),
+                                    model.spec.task)
+
+        ctx.fp16_guard = guard_fp16(
+            fp32_path=model.fp32_path, feeds=fp16_feeds(model), variant_onnx=ctx.variant_onnx, evaluate=evaluate,
+            tolerance=model.spec.tolerance(ctx.precision), what=what(model), work=model.work)
+        ctx.settings = ctx.fp16_guard.settings or {"fallback": "fp32", "why": "no FP16 mix met the tolerance"}
 
 
 class WriteModelFolder:
@@ -121,7 +166,7 @@ class WriteModelFolder:
         target = ctx.target()
         inputs = ConfigInputs(name=ctx.name, inputs=model.signature.inputs, outputs=model.signature.outputs,
                               batch=spec.batch, serving=spec.serving,
-                              backend=ctx.runtime.backend_config(target, ctx.version_dir))
+                              backend=ctx.runtime.backend_config(target, ctx.version_dir), shapes=model.input_shapes)
         model_folder.write_config(ctx.model_dir, ctx.version_dir, inputs)
         model_folder.write_record(ctx.model_dir, {
             "build_key": model.build_key,
@@ -131,6 +176,7 @@ class WriteModelFolder:
             "precision_settings": ctx.settings,
             "variant_onnx_sha256": ctx.variant_sha,
             "inputs": model.inputs_record,
+            "shapes": model.input_shapes.to_json(),
             "tools": model.inputs_record["tools"],
             **self.result.to_json(),
         })
@@ -140,8 +186,9 @@ STEPS: tuple[Step, ...] = (MakePrecision(), Compile(), Measure(), Gate())
 
 
 def build_variant(ctx: VariantContext) -> VariantResult:
-    for step in STEPS:
-        step.run(ctx)
+    with progress.task(f"{ctx.name}: building"):
+        for step in STEPS:
+            step.run(ctx)
     result = VariantResult.of(ctx)
     WriteModelFolder(result).run(ctx)
     log.debug("%s built in %.1f s", ctx.name, result.build_seconds)

@@ -11,7 +11,7 @@ import onnx
 import pytest
 
 from builder.errors import AccuracyError, DataError
-from builder.pipeline import BuildOptions, build_all, rebuild_reasons
+from builder.pipeline import BuildOptions, ModelStatus, build_all, rebuild_reasons
 from builder.repository.triton_config import parse
 from builder.runtimes import OnnxRuntimeCPU
 from builder.spec import (
@@ -100,10 +100,36 @@ def test_tolerance_failure_names_the_variant_and_leaves_the_repository_untouched
     before = snapshot(repo_copy)
     opts = options(repo_copy, tmp_path / "cache")
     opts.force = True
+    opts.all_or_nothing = True
     with pytest.raises(AccuracyError, match=r"mlp_int8: max_abs = [0-9.e-]+ is above the limit max_abs = 1e-06"):
         build_all([specs[1], strict], opts, None, ["pytest"])
     assert snapshot(repo_copy) == before
     assert not [p for p in repo_copy.iterdir() if p.name.startswith((".staging-", ".trash-"))]
+
+
+def test_a_failing_variant_is_listed_while_the_others_are_written_and_its_previous_copy_stays(
+    tiny_repository: tuple[Path, list[ModelSpec]], repo_copy: Path, tmp_path: Path
+) -> None:
+    _, specs = tiny_repository
+    strict = replace(specs[0], tolerances={Precision.INT8: Tolerance(max_abs=1e-6)})
+    before = snapshot(repo_copy)
+    opts = options(repo_copy, tmp_path / "cache")
+    opts.force = True
+    report = tmp_path / "report.json"
+    results = build_all([specs[1], strict], opts, report, ["pytest"])
+    failed = [f for r in results for f in r.failures]
+    assert [(f.variant, f.metric, f.limit, f.kept_previous) for f in failed] == [("mlp_int8", "max_abs", 1e-6, True)]
+    assert failed[0].value is not None and failed[0].value > 1e-6
+    assert "mlp_int8 not written: max_abs = " in failed[0].line() and "previous mlp_int8 stays" in failed[0].line()
+    after = snapshot(repo_copy)
+    # The failing variant's previous copy is untouched; every passing variant was rewritten.
+    assert {k: v for k, v in after.items() if k.startswith("mlp_int8/")} == \
+        {k: v for k, v in before.items() if k.startswith("mlp_int8/")}
+    rebuilt = {v.name for r in results for v in r.variants}
+    assert "mlp_int8" not in rebuilt and {"mlp_fp32", "mlp_fp16"} <= rebuilt
+    assert not [p for p in repo_copy.iterdir() if p.name.startswith((".staging-", ".trash-"))]
+    recorded = json.loads(report.read_text())
+    assert [f["variant"] for m in recorded["models"] for f in m["failures"]] == ["mlp_int8"]
 
 
 def test_bad_calibration_data_fails_before_anything_is_written(
@@ -116,8 +142,17 @@ def test_bad_calibration_data_fails_before_anything_is_written(
     spec = replace(specs[0], calibration=replace(specs[0].calibration,
                                                  data=replace(specs[0].calibration.data, source=str(bad))))
     before = snapshot(repo_copy)
+    # A model that fails before its variants: listed with its reason, none of its variants touched.
+    (result,) = build_all([spec], options(repo_copy, tmp_path / "cache"), None, ["pytest"])
+    assert result.status is ModelStatus.FAILED and result.variants == []
+    assert result.error is not None and "input 'x' has dtype float64, expected float32" in result.error
+    assert [f.variant for f in result.failures] == ["mlp_fp32", "mlp_fp16", "mlp_int8"]
+    assert all(f.kept_previous for f in result.failures)
+    assert snapshot(repo_copy) == before
+    opts = options(repo_copy, tmp_path / "cache")
+    opts.all_or_nothing = True
     with pytest.raises(DataError, match="input 'x' has dtype float64, expected float32"):
-        build_all([spec], options(repo_copy, tmp_path / "cache"), None, ["pytest"])
+        build_all([spec], opts, None, ["pytest"])
     assert snapshot(repo_copy) == before
 
 

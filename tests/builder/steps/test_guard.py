@@ -90,12 +90,22 @@ def test_plain_int8_misses_and_the_guarded_build_meets_it_with_a_small_exclusion
     assert record["variant_onnx_sha256"] == sha256_file(tmp_path / "repo" / "outlier_int8" / "1" / "model.onnx")
 
 
-def test_without_an_explicit_int8_tolerance_the_build_just_fails(tmp_path: Path) -> None:
+def test_without_an_explicit_int8_tolerance_the_int8_variant_just_fails(tmp_path: Path) -> None:
     spec = outlier_spec(tmp_path, Int8Recipe.MODELOPT, TOLERANCE)
     unguarded = ModelSpec(**{**spec.__dict__, "tolerances": {}})
-    with pytest.raises(AccuracyError, match="outlier_int8: cosine_min"):
-        build(tmp_path, unguarded)
+    options = BuildOptions(repository=tmp_path / "repo", runtime=OnnxRuntimeCPU(), cache_dir=tmp_path / "cache")
+    (result,) = build_all([unguarded], options, None, ["pytest"])
+    (failure,) = result.failures
+    assert (failure.variant, failure.metric, failure.limit) == ("outlier_int8", "cosine_min", 0.97)
+    assert failure.value is not None and failure.value < 0.97 and not failure.kept_previous
+    assert [v.name for v in result.variants] == ["outlier_fp32"]
     assert not (tmp_path / "repo" / "outlier_int8").exists()
+    assert (tmp_path / "repo" / "outlier_fp32" / "build.json").is_file()
+    with pytest.raises(AccuracyError, match="outlier_int8: cosine_min"):
+        options.all_or_nothing = True
+        build_all([unguarded], BuildOptions(repository=tmp_path / "repo2", runtime=OnnxRuntimeCPU(),
+                                            cache_dir=tmp_path / "cache", all_or_nothing=True), None, ["pytest"])
+    assert not (tmp_path / "repo2" / "outlier_fp32").exists()
 
 
 def test_when_no_int8_mix_meets_the_tolerance_fp16_is_served(tmp_path: Path) -> None:

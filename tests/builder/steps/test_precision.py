@@ -11,7 +11,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from builder.errors import BuilderError
+from builder.errors import BuilderError, ToolError
 from builder.spec import CalibrationMethod, CalibrationSpec, DataSpec, Int8Recipe
 from builder.steps import precision
 from builder.steps.onnx_model import sha256_file
@@ -31,15 +31,39 @@ def concat_with_fixed_tile(path: Path) -> Path:
     return path
 
 
-def test_a_tool_failure_is_one_line_naming_a_log_with_its_output(tmp_path: Path,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def feeds_at(height: int, width: int) -> list[precision.Feed]:
+    x = np.random.default_rng(0).standard_normal((8, 3, height, width)).astype(np.float32)
+    return precision.autocast_feeds([{"x": x}], 4)
+
+
+def test_autocast_runs_the_graph_on_the_feeds_given_not_on_its_own_guesses(tmp_path: Path) -> None:
+    # Autocast's own random inputs set dynamic dims to 1: this graph runs only where H = W = 4.
+    model = concat_with_fixed_tile(tmp_path / "detector.onnx")
+    settings = precision.to_fp16(model, tmp_path / "fp16.onnx", feeds=feeds_at(4, 4), what="model 'det'")
+    assert settings["data_max"] == precision.FP16_DATA_MAX and settings["nodes_to_exclude"] == []
+    assert onnx.load(str(tmp_path / "fp16.onnx")).graph.node
+
+
+def test_autocast_feeds_are_batches_spread_over_every_set_or_whole_samples() -> None:
+    low = {"x": np.zeros((32, 3, 2, 2), np.float32)}
+    high = {"x": np.ones((32, 3, 8, 8), np.float32)}
+    feeds = precision.autocast_feeds([low, high], 8, limit=4)
+    assert [f["x"].shape for f in feeds] == [(8, 3, 2, 2)] * 2 + [(8, 3, 8, 8)] * 2
+    whole = precision.autocast_feeds([low], None, limit=3)
+    assert [f["x"].shape for f in whole] == [(3, 2, 2)] * 3
+
+
+def test_a_tool_failure_is_one_line_naming_the_model_the_step_and_a_log(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRTBUILD_CACHE", str(tmp_path / "cache"))
     model = concat_with_fixed_tile(tmp_path / "detector.onnx")
-    with pytest.raises(BuilderError) as caught:
-        precision.to_fp16(model, tmp_path / "fp16.onnx")
+    with pytest.raises(ToolError) as caught:
+        precision.to_fp16(model, tmp_path / "fp16.onnx", feeds=feeds_at(8, 8), what="model 'det'")
     message = str(caught.value)
-    assert message.startswith(f"{model}: FP16 conversion failed: ") and "\n" not in message
+    assert message.startswith("model 'det': FP16 conversion (ModelOpt autocast) failed: Concat node ")
+    assert "dimensions must match" in message and "\n" not in message
     assert "\x1b[" not in message  # ONNX Runtime's colour codes stay out of the line
+    assert str(model) not in message and "trtbuild-fp16-" not in message  # nor the paths of our files
     log_path = Path(message.rsplit("(full output: ", 1)[1].rstrip(")"))
     assert log_path.parent == tmp_path / "cache" / "logs" and log_path.is_file()
     assert "Traceback" in log_path.read_text()
@@ -53,7 +77,7 @@ def test_an_unexpected_exception_keeps_its_traceback(tmp_path: Path, monkeypatch
 
     monkeypatch.setattr(autocast, "convert_to_mixed_precision", broken)
     with pytest.raises(KeyError, match="a bug"):
-        precision.to_fp16(mlp_onnx(tmp_path / "m.onnx"), tmp_path / "fp16.onnx")
+        precision.to_fp16(mlp_onnx(tmp_path / "m.onnx"), tmp_path / "fp16.onnx", feeds=[mlp_samples(4)], what="m")
 
 
 def test_modelopt_logging_is_restored_after_a_step(tmp_path: Path) -> None:
@@ -61,7 +85,7 @@ def test_modelopt_logging_is_restored_after_a_step(tmp_path: Path) -> None:
 
     mo_log = logging.getLogger("modelopt.onnx")
     before = (mo_log.propagate, list(mo_log.handlers))
-    precision.to_fp16(mlp_onnx(tmp_path / "m.onnx"), tmp_path / "fp16.onnx")
+    precision.to_fp16(mlp_onnx(tmp_path / "m.onnx"), tmp_path / "fp16.onnx", feeds=[mlp_samples(4)], what="m")
     assert (mo_log.propagate, list(mo_log.handlers)) == before
 
 

@@ -65,12 +65,14 @@ def test_compile_then_measure_an_fp32_variant_matches_the_reference_exactly(tmp_
 
 
 def test_gate_passes_within_the_tolerance_and_names_the_metric_outside_it(tmp_path: Path) -> None:
-    ctx = variant(tmp_path, Precision.FP16, tolerances={Precision.FP16: Tolerance(max_abs=1e-9)})
+    ctx = variant(tmp_path, Precision.FP32, tolerances={Precision.FP32: Tolerance(max_abs=1e-9)})
     ctx.metrics = Metrics(max_abs=1e-3, max_rel=1e-4, cosine_min=0.9999, cosine_mean=0.9999, samples=16,
                           top1_agreement=1.0)
-    with pytest.raises(AccuracyError, match=r"m_fp16: max_abs = 0.001 is above the limit max_abs = 1e-09"):
+    with pytest.raises(AccuracyError, match=r"m_fp32: max_abs = 0.001 is above the limit max_abs = 1e-09") as caught:
         Gate().run(ctx)
-    assert ctx.guard is None  # only INT8 variants are guarded
+    assert ctx.guard is None and ctx.fp16_guard is None  # only FP16 and INT8 variants are guarded
+    found = caught.value.violation
+    assert found is not None and (found.metric, found.value, found.limit) == ("max_abs", 1e-3, 1e-9)
     Gate().run(_with_metrics(ctx, max_abs=0.0))  # within every limit: no error
 
 

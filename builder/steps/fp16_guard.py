@@ -1,0 +1,277 @@
+"""Accuracy-guarded FP16: when the autocast FP16 variant misses its tolerance, find the few nodes (or op
+types, or the range thresholds) that must stay in FP32, modelled on the INT8 guard (steps/guard.py).
+
+ModelOpt autocast's levers: `nodes_to_exclude`, `op_types_to_exclude`, and `data_max` / `init_max` (a
+node whose data or initializers exceed them on the calibration feeds stays in FP32).
+
+1. Sensitivity: convert each FP16 node *alone* to FP16 (every other one kept in FP32) and measure how
+   far that variant moves from FP32 on the held-out inputs. A large graph is narrowed first: each op
+   type alone, then the nodes of the most damaging types, at most NODE_BUDGET of them.
+2. Search: keep the most sensitive nodes in FP32, k = 1, 2, 4, ... (up to half of the FP16 nodes) until
+   the variant meets its tolerance, then bisect to the smallest such k. Every candidate is a real
+   conversion checked with the real tolerance.
+3. No node set meets it: whole op types (the most damaging first), then lower data_max / init_max.
+4. Nothing meets it: the FP32 model is served under the FP16 name, and the record says so.
+
+Measured with ONNX Runtime on CPU, which runs several FP16 ops by casting to FP32 and removes cast pairs
+between them: a model's FP16 error here can be smaller than under TensorRT's real FP16 kernels.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import onnx
+from numpy.typing import NDArray
+
+from builder.spec.enums import Precision
+from builder.spec.model import Tolerance
+from builder.steps import accuracy
+from builder.steps.accuracy import Metrics
+from builder.steps.precision import Fp16Settings, to_fp16
+from client import progress
+
+log = logging.getLogger(__name__)
+
+# Sensitivity conversions at most (each one runs autocast's reference pass and an evaluation).
+NODE_BUDGET = 40
+# Threshold levers tried when no node or op-type set meets the tolerance (data_max = init_max = each).
+THRESHOLDS = (128.0, 32.0, 8.0)
+_CAST = "Cast"
+
+Convert = Callable[[Fp16Settings, Path], None]
+Evaluate = Callable[[Path], Metrics]
+
+
+def fp16_nodes(model: onnx.ModelProto) -> list[str]:
+    """Nodes that compute in FP16 (an FP16 input or output), in graph order; Casts autocast added aside."""
+    types: dict[str, int] = {}
+    for value in (*model.graph.input, *model.graph.output, *model.graph.value_info):
+        types[value.name] = value.type.tensor_type.elem_type
+    for init in model.graph.initializer:
+        types[init.name] = init.data_type
+    for node in model.graph.node:
+        if node.op_type == "Constant":
+            for attr in node.attribute:
+                if attr.name == "value":
+                    types[node.output[0]] = attr.t.data_type
+    half = onnx.TensorProto.FLOAT16
+    return [n.name for n in model.graph.node
+            if n.op_type != _CAST and any(types.get(t) == half for t in (*n.input, *n.output) if t)]
+
+
+def named_copy(fp32_path: Path, out: Path) -> Path:
+    """The FP32 graph with every node named (`<op>_<index>` where it had no name): exclusions are by name.
+    Names are metadata; the computation is unchanged."""
+    model = onnx.load(str(fp32_path))
+    taken = {n.name for n in model.graph.node if n.name}
+    for index, node in enumerate(model.graph.node):
+        if not node.name:
+            name = f"{node.op_type}_{index}"
+            while name in taken:
+                name += "_"
+            node.name = name
+            taken.add(name)
+    onnx.save(model, str(out))
+    return out
+
+
+@dataclass(frozen=True)
+class Fp16Attempt:
+    """One candidate: what was kept in FP32, how many nodes still compute in FP16, and how it measured."""
+
+    lever: str  # "nodes", "op_types" or "thresholds"
+    settings: dict[str, object]
+    fp16_nodes: int
+    passes: bool
+    metrics: Metrics
+
+
+@dataclass(frozen=True)
+class NodeSensitivity:
+    node: str
+    op_type: str
+    damage: float  # 1 - mean cosine (+ top-1 disagreement) with only this node in FP16
+
+
+@dataclass
+class Fp16GuardReport:
+    """What the guard did to one FP16 variant, as recorded in build.json."""
+
+    kept_fp32_nodes: list[str]
+    kept_fp32_op_types: list[str]
+    settings: dict[str, object]  # autocast's settings for the served model
+    fallback: Precision | None  # FP32 served under the FP16 name when nothing met the tolerance
+    before: Metrics
+    after: Metrics | None
+    fp16_nodes_plain: int
+    fp16_nodes_guarded: int  # 0 after a fallback
+    conversions: int
+    search: list[Fp16Attempt] = field(default_factory=list)
+    most_sensitive: list[NodeSensitivity] = field(default_factory=list)
+    op_type_damage: dict[str, float] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+@dataclass
+class _Search:
+    convert: Convert
+    evaluate: Evaluate
+    tolerance: Tolerance
+    work: Path
+    conversions: int = 0
+    attempts: list[Fp16Attempt] = field(default_factory=list)
+
+    def run(self, settings: Fp16Settings, tag: str) -> tuple[Metrics, Path, int]:
+        out = self.work / f"{tag}.onnx"
+        self.convert(settings, out)
+        self.conversions += 1
+        return self.evaluate(out), out, len(fp16_nodes(onnx.load(str(out))))
+
+    def attempt(self, settings: Fp16Settings, lever: str, tag: str) -> tuple[bool, Metrics, Path, int]:
+        metrics, out, count = self.run(settings, tag)
+        # A mix with no node left in FP16 is the FP32 fallback in disguise: never a pass.
+        passes = count > 0 and accuracy.violation(metrics, self.tolerance, "candidate") is None
+        self.attempts.append(Fp16Attempt(lever, settings.record(), count, passes, metrics))
+        log.debug("FP16 guard: %s %s: %s (%s)", lever, tag, "meets" if passes else "misses", metrics.summary())
+        return passes, metrics, out, count
+
+
+def _rank(metrics: Metrics) -> tuple[float, float]:
+    return (metrics.damage(), metrics.max_rel)
+
+
+def guard(convert: Convert, evaluate: Evaluate, *, plain: Path, tolerance: Tolerance, work: Path,
+          max_fp32_fraction: float = 0.5) -> tuple[Fp16GuardReport, Path | None]:
+    """Search settings under which the FP16 variant meets `tolerance`; return the report and the model's
+    path (None: nothing met it, fall back to FP32). `convert(settings, out)` writes one FP16 variant."""
+    started = time.perf_counter()
+    search = _Search(convert, evaluate, tolerance, work)
+    before = evaluate(plain)
+    plain_model = onnx.load(str(plain))
+    op_of = {n.name: n.op_type for n in plain_model.graph.node}
+    candidates = fp16_nodes(plain_model)
+    log.debug("FP16 guard: %d nodes compute in FP16; measuring their sensitivity", len(candidates))
+
+    # 1. Sensitivity, narrowed by op type on a large graph.
+    type_damage: dict[str, float] = {}
+    measured = candidates
+    if len(candidates) > NODE_BUDGET:
+        op_types = sorted({op_of[n] for n in candidates})
+        for index, op_type in enumerate(op_types):
+            others = tuple(t for t in op_types if t != op_type)
+            metrics, _, _ = search.run(Fp16Settings(op_types_to_exclude=others), f"type_alone_{index}")
+            type_damage[op_type] = metrics.damage()
+        measured = []
+        for op_type in sorted(op_types, key=lambda t: type_damage[t], reverse=True):
+            of_type = [n for n in candidates if op_of[n] == op_type]
+            if measured and len(measured) + len(of_type) > NODE_BUDGET:
+                break
+            measured.extend(of_type[: NODE_BUDGET - len(measured)])
+    sensitivity: dict[str, tuple[float, float]] = {}
+    with progress.task("FP16 guard: sensitivity, one node in FP16 at a time", total=len(measured)) as bar:
+        for index, node in enumerate(measured):
+            others = tuple(n for n in candidates if n != node)
+            metrics, _, _ = search.run(Fp16Settings(nodes_to_exclude=others), f"node_alone_{index}")
+            sensitivity[node] = _rank(metrics)
+            bar.advance(status=node)
+    order = sorted(measured, key=lambda n: sensitivity[n], reverse=True)
+    for op_type, damage in type_damage.items():
+        type_damage[op_type] = round(damage, 9)
+    if not type_damage:
+        for node in measured:
+            type_damage[op_of[node]] = max(type_damage.get(op_of[node], 0.0), sensitivity[node][0])
+
+    # 2. The fewest nodes kept in FP32.
+    found: tuple[Fp16Settings, Metrics, Path, int] | None = None
+    cache: dict[int, tuple[bool, Metrics, Path, int]] = {}
+
+    def keep(k: int) -> bool:
+        if k not in cache:
+            cache[k] = search.attempt(Fp16Settings(nodes_to_exclude=tuple(order[:k])), "nodes", f"keep_{k}")
+        return cache[k][0]
+
+    limit = min(len(order), max(1, int(len(candidates) * max_fp32_fraction)))
+    k, first = 1, None
+    while k <= limit:
+        if keep(k):
+            first = k
+            break
+        k *= 2
+    if first is None and order and limit not in cache and keep(limit):
+        first = limit
+    if first is not None:
+        low, high = (first // 2 + 1 if first > 1 else 1), first
+        while low < high:
+            mid = (low + high) // 2
+            if keep(mid):
+                high = mid
+            else:
+                low = mid + 1
+        _, metrics, out, count = cache[high]
+        found = (Fp16Settings(nodes_to_exclude=tuple(order[:high])), metrics, out, count)
+
+    # 3. Whole op types, most damaging first; then the range thresholds.
+    if found is None:
+        ranked_types = sorted(type_damage, key=lambda t: type_damage[t], reverse=True)
+        for count_types in range(1, len(ranked_types)):
+            settings = Fp16Settings(op_types_to_exclude=tuple(ranked_types[:count_types]))
+            passes, metrics, out, count = search.attempt(settings, "op_types", f"types_{count_types}")
+            if passes:
+                found = (settings, metrics, out, count)
+                break
+    if found is None:
+        passing = []
+        for value in THRESHOLDS:
+            settings = Fp16Settings(data_max=value, init_max=value)
+            passes, metrics, out, count = search.attempt(settings, "thresholds", f"max_{value:g}")
+            if passes:
+                passing.append((settings, metrics, out, count))
+        if passing:
+            found = max(passing, key=lambda item: item[3])  # the one that keeps the most nodes in FP16
+
+    top = [NodeSensitivity(n, op_of[n], round(sensitivity[n][0], 9)) for n in order[:10]]
+    seconds = round(time.perf_counter() - started, 2)
+    if found is None:
+        log.warning("FP16 guard: no FP16 mix meets the tolerance (%d conversions)", search.conversions)
+        return Fp16GuardReport([], [], {}, Precision.FP32, before, None, len(candidates), 0, search.conversions,
+                               search.attempts, top, type_damage, seconds), None
+    settings, after, path, count = found
+    log.info("FP16 guard: kept in FP32: %s; %d of %d nodes still in FP16",
+             ", ".join(settings.nodes_to_exclude or settings.op_types_to_exclude)
+             or f"nodes beyond data_max={settings.data_max:g}", count, len(candidates))
+    return Fp16GuardReport(list(settings.nodes_to_exclude), list(settings.op_types_to_exclude), settings.record(),
+                           None, before, after, len(candidates), count, search.conversions, search.attempts, top,
+                           type_damage, seconds), path
+
+
+def guard_fp16(*, fp32_path: Path, feeds: Sequence[Mapping[str, NDArray[Any]]], variant_onnx: Path,
+               evaluate: Evaluate, tolerance: Tolerance, what: str, work: Path) -> Fp16GuardReport:
+    """Replace variant_onnx by the guarded FP16 mix, or by the FP32 model when none meets the tolerance."""
+    folder = work / "fp16_guard"
+    folder.mkdir(exist_ok=True)
+    named = named_copy(fp32_path, folder / "fp32_named.onnx")
+
+    # How long the search runs depends on where the tolerance is met: a count of conversions, no total.
+    with progress.task(f"FP16 guard: {what}") as bar:
+
+        def convert(settings: Fp16Settings, out: Path) -> None:
+            to_fp16(named, out, feeds=feeds, what=what, settings=settings)
+            bar.advance(status="FP16 conversions")
+
+        # The plain variant again, from the named graph, so its node names are the ones exclusions match.
+        plain = folder / "fp16_plain.onnx"
+        convert(Fp16Settings(), plain)
+        report, guarded = guard(convert, evaluate, plain=plain, tolerance=tolerance, work=folder)
+    if guarded is not None:
+        shutil.copyfile(guarded, variant_onnx)
+    else:
+        shutil.copyfile(fp32_path, variant_onnx)
+        log.warning("%s: no FP16 mix meets the tolerance; serving the FP32 model under the FP16 name", what)
+    return report

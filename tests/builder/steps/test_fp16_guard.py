@@ -1,0 +1,118 @@
+"""Guarded FP16 on a model built so that plain FP16 provably misses its tolerance: a per-feature offset
+that FP16 cannot hold (300 + a fraction: FP16's spacing there is 0.25) subtracted from inputs that carry
+the same large offset, as in a normalization layer fed raw sensor values."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+from numpy.typing import NDArray
+from onnx import TensorProto, helper, numpy_helper
+
+from builder.errors import AccuracyError
+from builder.pipeline import BuildOptions, build_all
+from builder.runtimes.onnxruntime import OnnxRuntimeCPU, run_file
+from builder.spec import DataSpec, DimRange, ModelSpec, Precision, Task, Tolerance
+from builder.steps import accuracy, precision
+from builder.steps.fp16_guard import fp16_nodes
+
+FEATURES = 16
+OFFSET = 300.0
+
+
+def offset_model(path: Path, seed: int = 0, *, head: bool = True) -> Path:
+    """x[batch, 16] − offset (300 + u, |u| ≤ 0.12) → ×10 → MatMul → Relu → MatMul → logits[batch, 8];
+    without `head`, the subtraction alone (its output is `logits`)."""
+    rng = np.random.default_rng(seed)
+    offset = (OFFSET + rng.uniform(-0.12, 0.12, FEATURES)).astype(np.float32)
+    w1 = (rng.standard_normal((FEATURES, 32)) / 4).astype(np.float32)
+    w2 = (rng.standard_normal((32, 8)) / 6).astype(np.float32)
+    nodes = [
+        helper.make_node("Sub", ["x", "offset"], ["centred"], name="centre"),
+        helper.make_node("Mul", ["centred", "scale"], ["scaled"], name="scale"),
+        helper.make_node("MatMul", ["scaled", "w1"], ["h0"], name="fc1"),
+        helper.make_node("Relu", ["h0"], ["h"], name="relu"),
+        helper.make_node("MatMul", ["h", "w2"], ["logits"], name="fc2"),
+    ]
+    if not head:
+        nodes = [helper.make_node("Sub", ["x", "offset"], ["logits"], name="centre")]
+    graph = helper.make_graph(
+        nodes, "offset",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", FEATURES])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 8 if head else FEATURES])],
+        initializer=[numpy_helper.from_array(offset, "offset"),
+                     numpy_helper.from_array(np.full(FEATURES, 10.0, np.float32), "scale"),
+                     numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(w2, "w2")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    onnx.checker.check_model(model)
+    onnx.save(model, str(path))
+    return path
+
+
+def offset_samples(count: int, seed: int) -> dict[str, NDArray[np.float32]]:
+    rng = np.random.default_rng(seed)
+    return {"x": (OFFSET + 0.1 * rng.standard_normal((count, FEATURES))).astype(np.float32)}
+
+
+def spec_for(tmp_path: Path, tolerance: Tolerance | None = None, *, head: bool = True) -> ModelSpec:
+    np.savez(tmp_path / "eval.npz", **offset_samples(32, seed=1))
+    return ModelSpec(
+        name="offset", onnx=offset_model(tmp_path / "offset.onnx", head=head), task=Task.GENERIC,
+        batch=DimRange(1, 4, 8),
+        precisions=(Precision.FP32, Precision.FP16), evaluation=DataSpec(str(tmp_path / "eval.npz"), 32),
+        tolerances={Precision.FP16: tolerance} if tolerance is not None else {},
+    )
+
+
+def build(tmp_path: Path, spec: ModelSpec) -> dict[str, Any]:
+    options = BuildOptions(repository=tmp_path / "repo", runtime=OnnxRuntimeCPU(), cache_dir=tmp_path / "cache")
+    build_all([spec], options, None, ["pytest"])
+    return dict(json.loads((tmp_path / "repo" / "offset_fp16" / "build.json").read_text()))
+
+
+def test_plain_fp16_misses_the_default_tolerance_and_the_guard_meets_it_keeping_one_node(tmp_path: Path) -> None:
+    spec = spec_for(tmp_path)
+    assert spec.onnx is not None
+    tolerance = spec.tolerance(Precision.FP16)  # the default: cosine_min 0.999
+    evaluation = dict(np.load(tmp_path / "eval.npz"))
+    # Plain FP16 with real feeds: outside the tolerance.
+    plain = tmp_path / "plain.onnx"
+    precision.to_fp16(spec.onnx, plain, feeds=precision.autocast_feeds([evaluation], 8), what="offset")
+    assert fp16_nodes(onnx.load(str(plain))) == ["centre", "scale", "fc1", "relu", "fc2"]
+    metrics = accuracy.compare(run_file(spec.onnx, evaluation, 8), run_file(plain, evaluation, 8), Task.GENERIC)
+    with pytest.raises(AccuracyError, match="cosine_min"):
+        accuracy.check(metrics, tolerance, "offset_fp16")
+
+    record = build(tmp_path, spec)
+    guard = record["fp16_guard"]
+    assert guard["fallback"] is None
+    assert guard["before"]["cosine_min"] < 0.999 <= guard["after"]["cosine_min"]
+    assert guard["before"]["cosine_min"] == pytest.approx(metrics.cosine_min, abs=1e-6)
+    # The subtraction, where the offset's fraction lives, and nothing more.
+    assert guard["kept_fp32_nodes"] == ["centre"]
+    assert guard["most_sensitive"][0]["node"] == "centre"
+    assert guard["fp16_nodes_plain"] == 5 and guard["fp16_nodes_guarded"] == 4
+    assert record["accuracy"]["cosine_min"] >= 0.999
+    assert record["precision_settings"]["nodes_to_exclude"] == ["centre"]
+    served = onnx.load(str(tmp_path / "repo" / "offset_fp16" / "1" / "model.onnx"))
+    assert "centre" not in fp16_nodes(served) and "fc1" in fp16_nodes(served)
+    # FP32 was built alongside.
+    assert (tmp_path / "repo" / "offset_fp32" / "build.json").is_file()
+
+
+def test_when_no_fp16_mix_meets_the_tolerance_fp32_is_served_under_the_fp16_name(tmp_path: Path) -> None:
+    # The subtraction is the whole graph: keeping it in FP32 leaves no FP16 node, which is no FP16 mix.
+    record = build(tmp_path, spec_for(tmp_path, head=False))
+    guard = record["fp16_guard"]
+    assert guard["fallback"] == "fp32" and guard["after"] is None and guard["fp16_nodes_guarded"] == 0
+    assert guard["search"] and not any(step["passes"] for step in guard["search"])
+    assert record["precision_settings"]["fallback"] == "fp32"
+    assert guard["before"]["cosine_min"] < 0.999 and record["accuracy"]["max_abs"] == 0.0
+    served = onnx.load(str(tmp_path / "repo" / "offset_fp16" / "1" / "model.onnx"))
+    assert not fp16_nodes(served)

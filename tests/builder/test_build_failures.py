@@ -1,0 +1,130 @@
+"""`trtbuild build` when a variant fails: the others are written, each failure is one line on stderr,
+exit status 1; a library's failure is one line naming the model, the step, the cause and the build log;
+`--all-or-nothing` writes nothing; `--tolerance` sets limits from the command line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from builder.cli import main
+from builder.errors import ManifestError
+from builder.spec import DimRange, ModelSpec, Precision, Tolerance
+from builder.spec.tolerances import parse_tolerances, with_tolerances
+from tests.helpers.files import snapshot
+from tests.helpers.tiny_models import mlp_samples, outlier_mlp_onnx
+
+
+def contrib_gelu_onnx(path: Path) -> Path:
+    """MatMul → com.microsoft Gelu: ONNX Runtime runs it; ModelOpt autocast rewrites the node to the
+    standard Gelu, which opset 17 lacks, and fails."""
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["h"], name="fc"),
+         helper.make_node("Gelu", ["h"], ["y"], name="gelu", domain="com.microsoft")], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 8])],
+        initializer=[numpy_helper.from_array(np.eye(8, dtype=np.float32), "w")])
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    model = helper.make_model(graph, opset_imports=opsets, ir_version=8)
+    onnx.save(model, str(path))
+    return path
+
+
+@pytest.fixture
+def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Relative paths on the command line (as a user types them); a private calibration cache."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TRTBUILD_CACHE", str(tmp_path / "cache"))
+    return tmp_path
+
+
+def test_a_library_failure_is_one_line_naming_model_step_cause_and_log(workdir: Path,
+                                                                      capfd: pytest.CaptureFixture[str]) -> None:
+    contrib_gelu_onnx(workdir / "gelu.onnx")
+    code = main(["build", "-q", "--onnx", "gelu.onnx", "--name", "gelu", "--repository", "repo", "--log", "build.log"])
+    err = capfd.readouterr().err
+    assert code == 1
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    (line,) = lines
+    assert line.startswith("trtbuild: error: gelu_fp16 not written: model 'gelu': FP16 conversion (ModelOpt "
+                           "autocast) failed: ")
+    assert "Gelu" in line and line.endswith("(full output: build.log)")
+    assert "\x1b[" not in line and "/tmp" not in line and "trtbuild-" not in line
+    log_text = (workdir / "build.log").read_text()
+    assert "Traceback" in log_text and "fp16 model 'gelu'" in log_text
+    # The variant that does build is written.
+    assert (workdir / "repo" / "gelu_fp32" / "build.json").is_file()
+    assert not (workdir / "repo" / "gelu_fp16").exists()
+
+
+def test_a_failing_variant_keeps_its_previous_copy_and_all_or_nothing_writes_nothing(
+        workdir: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    outlier_mlp_onnx(workdir / "outlier.onnx")
+    np.savez(workdir / "cal.npz", **mlp_samples(64, seed=0))
+    np.savez(workdir / "eval.npz", **mlp_samples(32, seed=1))
+    command = ["build", "-q", "--onnx", "outlier.onnx", "--name", "outlier", "--precision", "fp32,int8",
+               "--calibration", "cal.npz", "--eval-data", "eval.npz", "--task", "classification",
+               "--calibration-method", "max", "--repository", "repo", "--log", "build.log"]
+    # Plain INT8 on this model: cosine ~0.13 against FP32, far below the default 0.97.
+    assert main([*command, "--tolerance", "int8:cosine_min=0.1"]) == 0
+    capfd.readouterr()
+    first = snapshot(workdir / "repo")
+    assert any(k.startswith("outlier_int8/") for k in first)
+
+    assert main([*command, "--force"]) == 1
+    lines = capfd.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("trtbuild: error: outlier_int8 not written: cosine_min = 0.")
+    assert lines[0].endswith("is below the limit cosine_min = 0.97; the previous outlier_int8 stays in place")
+    second = snapshot(workdir / "repo")
+    int8 = {k: v for k, v in first.items() if k.startswith("outlier_int8/")}
+    assert {k: v for k, v in second.items() if k.startswith("outlier_int8/")} == int8
+    assert second["outlier_fp32/build.json"] != first["outlier_fp32/build.json"]  # rebuilt and written
+    report = json.loads((workdir / "repo" / "build_report.json").read_text())
+    (failure,) = report["models"][0]["failures"]
+    assert (failure["variant"], failure["metric"], failure["limit"]) == ("outlier_int8", "cosine_min", 0.97)
+
+    assert main([*command, "--force", "--all-or-nothing"]) == 1
+    lines = capfd.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("trtbuild: error: outlier_int8: cosine_min = 0.")
+    assert {k: v for k, v in snapshot(workdir / "repo").items() if k != "build_report.json"} == \
+        {k: v for k, v in second.items() if k != "build_report.json"}
+
+
+@pytest.mark.parametrize(("value", "expected"), [
+    ("fp8:cosine_min=0.9", "--tolerance 'fp8:cosine_min=0.9': precision 'fp8': expected one of fp32, fp16, int8"),
+    ("fp16:cosine=0.9", "--tolerance 'fp16:cosine=0.9': metric 'cosine': expected one of max_abs, max_rel, "
+                        "cosine_min, cosine_mean_min, top1_agreement_min"),
+    ("fp16:cosine_min=high", "--tolerance 'fp16:cosine_min=high': value 'high': expected a number >= 0"),
+    ("fp16:cosine_min=1.5", "--tolerance 'fp16:cosine_min=1.5': value 1.5: cosine_min is a similarity; "
+                            "expected 0 to 1"),
+    ("fp16:max_abs=-1", "--tolerance 'fp16:max_abs=-1': value '-1': expected a finite number >= 0"),
+    ("cosine_min=0.9", "--tolerance 'cosine_min=0.9': expected PRECISION:METRIC=VALUE"),
+])
+def test_a_bad_tolerance_is_one_line_naming_the_flag_and_builds_nothing(
+        workdir: Path, capfd: pytest.CaptureFixture[str], value: str, expected: str) -> None:
+    contrib_gelu_onnx(workdir / "gelu.onnx")
+    code = main(["build", "-q", "--onnx", "gelu.onnx", "--name", "gelu", "--repository", "repo", "--log", "b.log",
+                 "--tolerance", value])
+    (line,) = capfd.readouterr().err.splitlines()
+    assert code == 1 and line.startswith(f"trtbuild: error: {expected}")
+    assert not (workdir / "repo" / "gelu_fp32").exists()
+
+
+def test_tolerance_flag_replaces_only_the_limits_it_names() -> None:
+    limits = parse_tolerances("fp16:cosine_min=0.998, int8:top1_agreement_min=0.9,fp16:max_abs=0.5")
+    assert limits == {Precision.FP16: {"cosine_min": 0.998, "max_abs": 0.5},
+                      Precision.INT8: {"top1_agreement_min": 0.9}}
+    spec = ModelSpec(name="m", onnx=Path("m.onnx"), batch=DimRange(1, 1, 1), precisions=(Precision.FP16,),
+                     tolerances={Precision.INT8: Tolerance(cosine_min=0.9, max_rel=0.2)})
+    merged = with_tolerances(spec, limits)
+    assert merged.tolerance(Precision.FP16) == Tolerance(cosine_min=0.998, max_abs=0.5)
+    assert merged.tolerance(Precision.INT8) == Tolerance(cosine_min=0.9, max_rel=0.2, top1_agreement_min=0.9)
+    assert merged.tolerance(Precision.FP32) == spec.tolerance(Precision.FP32)  # not given: unchanged
+    with pytest.raises(ManifestError, match="--tolerance"):
+        parse_tolerances("fp16:")
