@@ -7,8 +7,8 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
 
+from client import progress
 from client.engine import Distribution, LoadLevel, Measurement
 from client.errors import PerfClientError, RunAborted
 from client.inputs import InputData, parse_shapes
@@ -18,7 +18,6 @@ from client.power import PowerSource
 from client.protocol import Protocol
 from client.report import documents, table, write_csv, write_json
 from client.session import ModelResult, SessionConfig, run
-from client.stats import Window
 
 
 @dataclass(frozen=True)
@@ -62,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", type=Path)
     p.add_argument("--csv", type=Path)
     p.add_argument("--plot", type=Path, help="PNG: latency vs throughput, power over time")
-    p.add_argument("--no-progress", action="store_true", help="no live progress line")
+    p.add_argument("--no-progress", action="store_true", help="no progress display")
     p.add_argument("-v", "--verbose", action="count", default=0,
                    help="-v: our debug messages; -vv: third-party libraries' too")
     p.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only, no progress")
@@ -111,32 +110,6 @@ def parse_config(argv: Sequence[str] | None) -> CliConfig:
                      progress=not args.no_progress and not args.quiet, verbose=args.verbose, quiet=args.quiet)
 
 
-class ProgressLine:
-    """One live line per window on stderr, rewritten in place on a terminal."""
-
-    def __init__(self, stream: TextIO) -> None:
-        self.stream = stream
-        self.tty = stream.isatty()
-        self._open = False
-
-    def __call__(self, model: str, level: LoadLevel, index: int, window: Window) -> None:
-        lat = window.latency_us
-        p50 = f"{lat.p50 / 1e3:.2f} ms" if lat is not None else "-"
-        p99 = f"{lat.p99 / 1e3:.2f} ms" if lat is not None else "-"
-        line = (f"{model} {level.label} window {index}: {window.throughput:.1f} infer/s, "
-                f"p50 {p50}, p99 {p99}, errors {sum(window.errors.values())}")
-        if self.tty:
-            print(f"\r\033[K{line}", end="", file=self.stream, flush=True)
-            self._open = True
-        else:
-            print(line, file=self.stream, flush=True)
-
-    def clear(self) -> None:
-        if self._open:
-            print("\r\033[K", end="", file=self.stream, flush=True)
-            self._open = False
-
-
 def _write_outputs(config: CliConfig, rows: list[ModelResult], error: str | None = None) -> None:
     for flag, path in (("--json", config.json_path), ("--csv", config.csv_path), ("--plot", config.plot_path)):
         if path is None or (flag == "--plot" and not rows):
@@ -153,12 +126,13 @@ def _write_outputs(config: CliConfig, rows: list[ModelResult], error: str | None
 
 
 def _measure(config: CliConfig) -> list[ModelResult]:
-    progress = ProgressLine(sys.stderr) if config.progress else None
+    # The session shows each level's windows through client.progress: a live bar on a terminal,
+    # plain lines in a log, nothing with -q or --no-progress.
+    progress.configure(progress.pick_mode(sys.stderr, enabled=config.progress))
     try:
-        return run(config.session, progress)
+        return run(config.session)
     finally:
-        if progress:
-            progress.clear()  # before any message or the table
+        progress.configure(progress.Mode.OFF)  # gone before the table or any message
 
 
 def _error(message: object) -> int:

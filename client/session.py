@@ -21,6 +21,7 @@ from typing import Any
 
 from numpy.typing import NDArray
 
+from client import progress as progress_display
 from client.engine import Distribution, LevelResult, LoadLevel, LoadRun, Measurement, ServerStopped
 from client.errors import PerfClientError, RunAborted
 from client.inputs import InputData, InputKind, build_payloads
@@ -134,14 +135,18 @@ async def measure(config: SessionConfig, progress: ProgressFn | None = None) -> 
             for model, payloads in plans:
                 for level in config.levels:
                     log.debug("measuring %s at %s", model, level.label)
-                    run_level = LoadRun(conn, model=model, payloads=payloads, batch=config.batch, meter=meter,
-                                        measurement=config.measurement, on_window=_bind(progress, model, level),
-                                        cross_checks=cross_checks)
-                    try:
-                        result = await run_level.run(level)
-                    except ServerStopped as exc:
-                        rows.append(ModelResult(model, exc.result))
-                        raise RunAborted(str(exc), rows) from exc
+                    # Windows until stable, at most max_trials: the bar may end early.
+                    with progress_display.task(f"{model} {level.label}: windows",
+                                               total=config.measurement.max_trials) as bar:
+                        run_level = LoadRun(conn, model=model, payloads=payloads, batch=config.batch, meter=meter,
+                                            measurement=config.measurement,
+                                            on_window=_bind(progress, model, level, bar),
+                                            cross_checks=cross_checks)
+                        try:
+                            result = await run_level.run(level)
+                        except ServerStopped as exc:
+                            rows.append(ModelResult(model, exc.result))
+                            raise RunAborted(str(exc), rows) from exc
                     rows.append(ModelResult(model, result))
         finally:
             for each in (meter, *cross_checks):
@@ -154,12 +159,13 @@ def run(config: SessionConfig, progress: ProgressFn | None = None) -> list[Model
     return asyncio.run(measure(config, progress))
 
 
-def _bind(progress: ProgressFn | None, model: str, level: LoadLevel) -> Callable[[int, Window], None] | None:
-    if progress is None:
-        return None
-
+def _bind(progress: ProgressFn | None, model: str, level: LoadLevel,
+          bar: progress_display.Task) -> Callable[[int, Window], None]:
     def on_window(index: int, window: Window) -> None:
-        progress(model, level, index, window)
+        p99 = f"{window.latency_us.p99 / 1e3:.1f} ms" if window.latency_us is not None else "-"
+        bar.advance(status=f"{window.throughput:.1f} infer/s, p99 {p99}")
+        if progress is not None:
+            progress(model, level, index, window)
 
     return on_window
 

@@ -40,6 +40,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason="TensorRT with a GPU is not available here"))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def build_logs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """trtbuild's default build logs go to a temporary folder, not the checkout's .logs/."""
+    folder = tmp_path_factory.mktemp("logs")
+    saved = os.environ.get("TRTBUILD_LOG_DIR")
+    os.environ["TRTBUILD_LOG_DIR"] = str(folder)
+    yield folder
+    if saved is None:
+        os.environ.pop("TRTBUILD_LOG_DIR", None)
+    else:
+        os.environ["TRTBUILD_LOG_DIR"] = saved
+
+
 @pytest.fixture(scope="session")
 def tiny_repository(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[ModelSpec]]:
     root = tmp_path_factory.mktemp("tiny")

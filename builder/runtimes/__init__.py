@@ -25,7 +25,7 @@ def select(requested: RuntimeChoice, *, serving_backend: ServingBackend = Servin
     serving_backend = ServingBackend.parse(serving_backend, "--serving-backend", error=RuntimeUnavailableError)
     if requested is RuntimeChoice.AUTO:
         requested = RuntimeChoice.TENSORRT if tensorrt_available() else RuntimeChoice.ONNXRUNTIME
-        log.info("runtime: %s (auto)", requested)
+        log.debug("runtime: %s (auto)", requested)
     if requested is RuntimeChoice.TENSORRT:
         if not tensorrt_available():
             raise RuntimeUnavailableError(

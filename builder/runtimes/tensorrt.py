@@ -26,6 +26,7 @@ from builder.runtimes.tensorrt_plan import (
     timing_cache_name,
     warmup_inputs,
 )
+from client import progress
 
 log = logging.getLogger(__name__)
 
@@ -99,13 +100,14 @@ class TensorRTRuntime:
         meta_path = _metadata_path(out_path)
         reasons = stale_reasons(_read_metadata(meta_path), wanted) if out_path.is_file() else ["no plan present"]
         if not reasons:
-            log.info("%s: plan up to date, not rebuilt", out_path)
+            log.debug("%s: plan up to date, not rebuilt", out_path)
             return
         log.info("%s: building (%s)", out_path, "; ".join(reasons))
         cache = self.cache_dir / "tensorrt" / timing_cache_name(self.gpu.name, self.gpu.major, self.gpu.minor,
                                                                 self.trt_version)
-        self.engine.build_plan(onnx_path, out_path, profile_shapes(target.inputs, target.batch, target.dims),
-                               self.options, cache)
+        with progress.task(f"TensorRT build: {out_path.parent.parent.name} ({self.gpu.name})"):
+            self.engine.build_plan(onnx_path, out_path, profile_shapes(target.inputs, target.batch, target.dims),
+                                   self.options, cache)
         meta_path.write_text(json.dumps(wanted.to_json(), indent=2) + "\n")
 
     def run(self, artifact: Path, samples: Mapping[str, NDArray[Any]], batch_size: int) -> Outputs:

@@ -96,7 +96,7 @@ def build_plan(onnx_path: Path, plan_path: Path, profile: ProfileShapes, options
     write_atomic(plan_path, bytes(memoryview(serialized)))
     timing_cache.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(timing_cache, bytes(memoryview(config.get_timing_cache().serialize())))
-    log.info("TensorRT plan %s (%d bytes); timing cache %s", plan_path, plan_path.stat().st_size, timing_cache)
+    log.debug("TensorRT plan %s (%d bytes); timing cache %s", plan_path, plan_path.stat().st_size, timing_cache)
 
 
 def _cudart() -> Any:

@@ -490,7 +490,7 @@ class TritonServer:
             self.cleaned = clean_leftovers(self.state_dir)
             check_ports(self.ports)
             argv = self.argv()
-            log.info("starting %s", " ".join(argv))
+            log.debug("starting %s", " ".join(argv))
             stdout = (self.state_dir / "tritonserver.out").open("wb")
             self.process = subprocess.Popen(
                 argv, env=environment(), stdout=stdout, stderr=subprocess.STDOUT, start_new_session=detach,
@@ -513,7 +513,7 @@ class TritonServer:
                 raise ServerError(f"tritonserver exited with status {self.process.returncode} before it was ready; "
                                   f"see {self.log_file}: {self.log_tail(1)}")
             if ready(self.ports.http):
-                log.info("tritonserver ready on http %d, grpc %d, metrics %d",
+                log.debug("tritonserver ready on http %d, grpc %d, metrics %d",
                          self.ports.http, self.ports.grpc, self.ports.metrics)
                 return
             time.sleep(0.25)

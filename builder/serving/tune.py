@@ -36,7 +36,7 @@ from builder.repository.lock import repository_lock
 from builder.serving.triton_server import ModelControl, Ports, TritonServer, free_ports
 from builder.spec import tuned as tuned_file
 from builder.spec.tuned import TunedServing
-from client import session
+from client import progress, session
 from client.choices import Choice
 from client.engine import LoadLevel, Measurement
 from client.errors import PerfClientError
@@ -519,7 +519,9 @@ class Tuner:
             metrics_url=endpoints.metrics,
         )
         try:
-            rows = asyncio.run(asyncio.wait_for(session.measure(config), self.point_timeout_s))
+            # perfclient's windows show inside it, one bar per concurrency.
+            with progress.task(f"tune: point {self.count}: {point.label()}"):
+                rows = asyncio.run(asyncio.wait_for(session.measure(config), self.point_timeout_s))
         except asyncio.TimeoutError:
             return self._failed(point, f"timed out after {self.point_timeout_s:.0f} s")
         except PerfClientError as exc:
@@ -537,7 +539,7 @@ class Tuner:
                 infer_per_joule=row.result.power.infer_per_j, avg_batch=row.result.server.avg_batch,
                 stable=row.result.stable, errors=sum(summary.errors.values()),
             ))
-        log.info("tune: %s -> %s", point.label(), ", ".join(
+        log.debug("tune: %s -> %s", point.label(), ", ".join(
             f"c={r.concurrency} {r.throughput:.1f}/s p99 "
             + (f"{r.p99_us / 1e3:.1f} ms" if r.p99_us is not None else "-") for r in results))
         idle = [r.concurrency for r in results if not r.completed]

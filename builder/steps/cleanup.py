@@ -16,6 +16,7 @@ from numpy.typing import NDArray
 from builder.errors import last_line
 from builder.runtimes.onnxruntime import ORT_ERRORS, run_file
 from builder.steps import onnx_model
+from client import progress
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,11 @@ class SlimReport:
 
 def slim(path: Path, probe: Mapping[str, NDArray[Any]]) -> SlimReport:
     """Slim the model at `path` in place when its outputs on `probe` stay equal; report what happened."""
+    with progress.task("cleaning up the ONNX graph (onnxslim)"):
+        return _slim(path, probe)
+
+
+def _slim(path: Path, probe: Mapping[str, NDArray[Any]]) -> SlimReport:
     import onnxslim
 
     before = onnx.load(str(path))
@@ -68,5 +74,5 @@ def slim(path: Path, probe: Mapping[str, NDArray[Any]]) -> SlimReport:
     candidate.replace(path)
     onnx_model.load(path)
     nodes_after = len(slimmed.graph.node)
-    log.info("onnxslim: %d -> %d nodes (max abs diff %.2g)", nodes_before, nodes_after, worst)
+    log.debug("onnxslim: %d -> %d nodes (max abs diff %.2g)", nodes_before, nodes_after, worst)
     return SlimReport(applied=True, nodes_before=nodes_before, nodes_after=nodes_after, max_abs_diff=worst)

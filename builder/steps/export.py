@@ -14,6 +14,7 @@ from builder.errors import BuilderError, ManifestError
 from builder.spec.model import ModelSpec
 from builder.steps import onnx_model
 from builder.steps.samples import resolve
+from client import progress
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +51,8 @@ def export(spec: ModelSpec, out_path: Path) -> onnx.ModelProto:
     output_names = list(spec.outputs) or ["output"]
     for name in output_names:
         dynamic_axes[name] = {0: "batch"}
-    log.info("exporting %s from %s (opset %d)", spec.name, spec.source, spec.opset)
-    with warnings.catch_warnings(), torch.no_grad():
+    log.debug("exporting %s from %s (opset %d)", spec.name, spec.source, spec.opset)
+    with progress.task(f"{spec.name}: exporting to ONNX"), warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         try:
             torch.onnx.export(

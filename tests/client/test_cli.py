@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import io
 import json
 import logging
 import subprocess
@@ -15,14 +14,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from client.cli import ProgressLine, main, parse_config
+from client.cli import main, parse_config
 from client.engine import Distribution, LoadLevel
 from client.inputs import InputKind
 from client.logs import configure_logging
 from client.power import PowerSource
 from client.protocol import Protocol
 from client.report import CSV_COLUMNS
-from client.stats import Latency, Window
 from tests.helpers.servers import Endpoints, PrivateServer
 
 
@@ -214,15 +212,3 @@ def test_verbose_reaches_the_terminal(flags: list[str], shown: bool, dead_url: s
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and proc.stderr.splitlines()[-1].startswith("perfclient: error: ")
     assert (f"DEBUG client.protocol: connecting to {dead_url} over grpc" in proc.stderr) is shown
-
-
-def test_progress_line_per_window() -> None:
-    stream = io.StringIO()
-    progress = ProgressLine(stream)
-    lat = Latency(avg=1500.0, p50=1200.0, p90=2000.0, p95=2500.0, p99=3400.0, max=5000.0)
-    progress("mlp", LoadLevel(concurrency=4), 2, Window(0, 10**9, 99, 99, 99.0, lat, {"timeout": 1}))
-    progress("mlp", LoadLevel(concurrency=4), 3, Window(0, 10**9, 0, 0, 0.0, None, {}))
-    assert stream.getvalue().splitlines() == [
-        "mlp concurrency 4 window 2: 99.0 infer/s, p50 1.20 ms, p99 3.40 ms, errors 1",
-        "mlp concurrency 4 window 3: 0.0 infer/s, p50 -, p99 -, errors 0",
-    ]

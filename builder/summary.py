@@ -1,0 +1,255 @@
+"""The one summary `trtbuild engines`/`build` prints at the end: a table of every variant (built,
+unchanged or failed) and where things are, with the next commands to run.
+
+A rich table on a terminal; the same table in plain characters (no colour, no box-drawing) when
+stdout is a file or a pipe.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+if TYPE_CHECKING:  # the pipeline imports ONNX, ORT and ModelOpt; the summary needs only its records
+    from builder.pipeline import ModelResult
+    from builder.spec.model import ModelSpec
+
+log = logging.getLogger(__name__)
+
+# Tolerance keys (models.toml) → the metric they bound, its short label, and whether it is an upper limit.
+_LIMITS: tuple[tuple[str, str, str, bool], ...] = (
+    ("max_abs", "max_abs", "max_abs", True),
+    ("max_rel", "max_rel", "max_rel", True),
+    ("cosine_min", "cosine_min", "cos_min", False),
+    ("cosine_mean_min", "cosine_mean", "cos_mean", False),
+    ("top1_agreement_min", "top1_agreement", "top1", False),
+)
+
+
+@dataclass(frozen=True)
+class FailedVariant:
+    """A variant that did not build, with the one-line reason."""
+
+    name: str
+    precision: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class SummaryRow:
+    variant: str
+    precision: str
+    runtime: str | None = None
+    size_bytes: int | None = None
+    accuracy: str = "-"  # each limit checked: the value against its tolerance
+    within: bool | None = None  # within its tolerance; None: not measured (failed)
+    kept: str = "-"  # what the guard kept in higher precision
+    seconds: float | None = None
+    state: str = "rebuilt"  # rebuilt | rebuilt, calibration cached | unchanged | FAILED
+    reason: str | None = None  # why it failed
+
+    @property
+    def failed(self) -> bool:
+        return self.reason is not None
+
+
+@dataclass(frozen=True)
+class BuildSummary:
+    rows: tuple[SummaryRow, ...]
+    repository: Path
+    report: Path | None = None
+    log_file: Path | None = None
+    next_commands: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def failures(self) -> tuple[SummaryRow, ...]:
+        return tuple(r for r in self.rows if r.failed)
+
+
+def _number(value: float) -> str:
+    return f"{value:.4g}"
+
+
+def accuracy_text(accuracy: Mapping[str, Any], tolerance: Mapping[str, Any]) -> tuple[str, bool | None]:
+    """Each limit of the tolerance as `metric value ≥ limit` (✗ where missed), then top-1 agreement if
+    measured but not limited; and whether every limit holds."""
+    parts: list[str] = []
+    within: bool | None = True
+    for key, metric, label, upper in _LIMITS:
+        limit = tolerance.get(key)
+        if limit is None:
+            continue
+        value = accuracy.get(metric)
+        if value is None:
+            parts.append(f"{label} - (limit {limit:g})")
+            within = None
+            continue
+        ok = value <= limit if upper else value >= limit
+        within = within and ok if within is not None else None
+        relation = ("≤" if ok else ">") if upper else ("≥" if ok else "<")
+        parts.append(f"{label} {_number(value)} {relation} {limit:g}")
+    top1 = accuracy.get("top1_agreement")
+    if tolerance.get("top1_agreement_min") is None and top1 is not None:
+        parts.append(f"top1 {top1:.3f}")
+    return (", ".join(parts) or "-"), within
+
+
+def _nodes(count: int) -> str:
+    return f"{count} node{'s' if count != 1 else ''}"
+
+
+def guard_text(guard: Mapping[str, Any] | None, fp16_guard: Mapping[str, Any] | None = None) -> str:
+    """What a guard kept in higher precision: INT8's unquantized nodes, FP16's FP32 nodes or op types, or
+    the whole model served in the higher precision (a fallback)."""
+    if guard:
+        if guard.get("fallback"):
+            return f"all: {str(guard['fallback']).upper()} served (no INT8 mix met the tolerance)"
+        excluded = guard.get("excluded") or []
+        if excluded:
+            return f"{_nodes(len(excluded))} unquantized"
+    if fp16_guard:
+        if fp16_guard.get("fallback"):
+            return f"all: {str(fp16_guard['fallback']).upper()} served (no FP16 mix met the tolerance)"
+        nodes = fp16_guard.get("kept_fp32_nodes") or []
+        types = fp16_guard.get("kept_fp32_op_types") or []
+        if nodes:
+            return f"{_nodes(len(nodes))} in FP32"
+        if types:
+            return f"op types in FP32: {', '.join(types)}"
+        if fp16_guard.get("settings"):
+            settings = fp16_guard["settings"]
+            return f"FP32 beyond data_max {settings.get('data_max', '?')}"
+    return "-"
+
+
+def row_from_record(record: Mapping[str, Any], *, state: str) -> SummaryRow:
+    """A row from a variant's record: a VariantResult's `to_json()` or the build.json holding it."""
+    accuracy, within = accuracy_text(record.get("accuracy") or {}, record.get("tolerance") or {})
+    calibration = record.get("calibration") or {}
+    if state == "rebuilt" and calibration.get("cached"):
+        state = "rebuilt, calibration cached"
+    seconds = record.get("build_seconds")
+    return SummaryRow(
+        variant=str(record.get("name", "?")), precision=str(record.get("precision", "?")),
+        runtime=record.get("runtime"), size_bytes=record.get("size_bytes"), accuracy=accuracy, within=within,
+        kept=guard_text(record.get("guard"), record.get("fp16_guard")),
+        seconds=float(seconds) if seconds is not None else None, state=state,
+    )
+
+
+def unchanged_rows(repository: Path, variants: Iterable[str]) -> list[SummaryRow]:
+    """Rows of variants a build left as they were, from the build.json each holds."""
+    rows = []
+    for name in variants:
+        try:
+            record = json.loads((repository / name / "build.json").read_text())
+        except (OSError, ValueError) as exc:
+            log.debug("%s: no readable build.json (%s)", name, exc)
+            rows.append(SummaryRow(variant=name, precision=name.rsplit("_", 1)[-1], state="unchanged"))
+            continue
+        rows.append(row_from_record(record, state="unchanged"))
+    return rows
+
+
+def failed_row(failure: FailedVariant) -> SummaryRow:
+    return SummaryRow(variant=failure.name, precision=failure.precision, within=None, state="FAILED",
+                      reason=failure.reason)
+
+
+def next_commands(repository: Path, variants: Sequence[str], manifest: Path | None = None) -> tuple[str, ...]:
+    """Serve the repository, check its answers (models from a manifest only), load it."""
+    if not variants:
+        return ()
+    models = " ".join(f"-m {v}" for v in variants[:3])
+    commands = [f"trtbuild serve --repository {repository} --background"]
+    if manifest is not None:
+        commands.append(f"trtbuild verify --manifest {manifest} --repository {repository}")
+    commands.append(f"perfclient {models} -u localhost:8001 --concurrency 8")
+    return tuple(commands)
+
+
+def _size(size: int | None) -> str:
+    if size is None:
+        return "-"
+    return f"{size / 1e6:.1f} MB" if size >= 1e6 else f"{size / 1e3:.1f} kB"
+
+
+def _seconds(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.1f} s"
+
+
+def table(summary: BuildSummary, *, color: bool) -> Table:
+    t = Table(box=box.SIMPLE_HEAD if color else box.ASCII2, show_edge=color, pad_edge=False,
+              header_style="bold" if color else "")
+    for name, justify in (("variant", "left"), ("precision", "left"), ("runtime", "left"), ("size", "right"),
+                          ("accuracy vs tolerance", "left"), ("kept in higher precision", "left"),
+                          ("time", "right"), ("state", "left")):
+        t.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for row in summary.rows:
+        if row.failed:
+            style = "red" if color else None
+            t.add_row(row.variant, row.precision, row.runtime or "-", "-", f"FAILED: {row.reason}", "-", "-",
+                      "FAILED", style=style)
+            continue
+        accuracy = row.accuracy
+        if row.within is False:
+            accuracy += "  (out of tolerance)"
+        t.add_row(row.variant, row.precision, row.runtime or "-", _size(row.size_bytes), accuracy, row.kept,
+                  _seconds(row.seconds), row.state, style="dim" if color and row.state == "unchanged" else None)
+    return t
+
+
+def render(summary: BuildSummary, stream: TextIO, *, color: bool | None = None) -> None:
+    """Print the summary to `stream`; colour and box-drawing only on a terminal (or when `color`)."""
+    tty = stream.isatty() if color is None else color
+    # Off a terminal rich would wrap at 80 columns; a log file is better served by long lines.
+    console = Console(file=stream, force_terminal=tty, no_color=not tty, width=None if tty else 200,
+                      highlight=False, soft_wrap=False)
+    built = sum(1 for r in summary.rows if not r.failed)
+    failed = len(summary.failures)
+    title = f"{built} variant{'s' if built != 1 else ''} ready" + (f", {failed} FAILED" if failed else "")
+    console.print(f"[bold]build summary[/]: {title}" if tty else f"build summary: {title}", markup=tty)
+    console.print(table(summary, color=tty))
+    lines = [f"repository: {summary.repository}"]
+    if summary.report is not None:
+        lines.append(f"report:     {summary.report}")
+    if summary.log_file is not None:
+        lines.append(f"build log:  {summary.log_file}")
+    for i, command in enumerate(summary.next_commands):
+        lines.append(f"{'next:' if i == 0 else '':<11} {command}")
+    for line in lines:
+        console.print(line, markup=False)
+
+
+def summarize(results: Sequence[ModelResult], specs: Sequence[ModelSpec], *, repository: Path,
+              report: Path | None, log_file: Path | None, manifest: Path | None = None,
+              failures: Sequence[FailedVariant] = ()) -> BuildSummary:
+    """The summary of one build: built variants from their results, unchanged ones from the build.json
+    in the repository, failed ones with their reason; in manifest order."""
+    from builder.pipeline import ModelStatus
+    from builder.spec.names import variant_name
+
+    by_name = {r.name: r for r in results}
+    failed = {f.name: f for f in failures}
+    rows: list[SummaryRow] = []
+    for spec in specs:
+        result = by_name.get(spec.name)
+        built = {v.name: v for v in result.variants} if result is not None else {}
+        for prec in spec.precisions:
+            name = variant_name(spec.name, prec)
+            if name in failed:
+                rows.append(failed_row(failed[name]))
+            elif name in built:
+                rows.append(row_from_record(built[name].to_json(), state="rebuilt"))
+            elif result is not None and result.status is ModelStatus.UNCHANGED:
+                rows.extend(unchanged_rows(repository, [name]))
+    ready = [r.variant for r in rows if not r.failed]
+    return BuildSummary(tuple(rows), repository, report, log_file, next_commands(repository, ready, manifest))

@@ -1,0 +1,290 @@
+"""Progress of long work, for library code that knows nothing about terminals.
+
+    from client import progress
+    with progress.task("calibrating efficientnet_lite0_int8") as t:       # unknown length: a spinner
+        ...
+    with progress.task("guard sensitivity", total=len(nodes)) as t:
+        for node in nodes:
+            ...
+            t.advance(status=node)
+
+A CLI picks the rendering once (`configure`): a live rich progress display (bar, counts, elapsed and
+remaining time) on a terminal, plain rate-limited lines when the output is not a terminal (CI logs),
+or nothing (`-q`). Until a CLI configures it, nothing is shown: library use and tests stay silent.
+
+rich is the library: maintained, it tells terminals from pipes, and its progress display and tables
+share one console, so log lines printed while a bar is live land above the bar instead of through it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Protocol, TextIO
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+from client.choices import Choice
+
+__all__ = ["Mode", "Task", "configure", "echo", "mode", "pick_mode", "task"]
+
+
+class Mode(Choice):
+    OFF = "off"  # nothing (the default, and -q)
+    PLAIN = "plain"  # one line per start, end and at most one per interval in between
+    LIVE = "live"  # rich live display
+
+
+class _Renderer(Protocol):
+    def start(self, task: Task) -> None: ...
+    def changed(self, task: Task) -> None: ...
+    def finish(self, task: Task, failed: bool) -> None: ...
+    def echo(self, line: str) -> None: ...
+    def close(self) -> None: ...
+
+
+class Task:
+    """One piece of work being tracked; `total` None means its length is unknown."""
+
+    def __init__(self, description: str, total: int | None, renderer: _Renderer) -> None:
+        self.description = description
+        self.total = total
+        self.completed = 0
+        self.status = ""
+        self.started = time.monotonic()
+        self._renderer = renderer
+        self._id: TaskID | None = None  # the rich task, where the live renderer shows it
+        self._last_line = 0.0  # when the plain renderer last printed this task
+
+    def advance(self, steps: int = 1, *, status: str | None = None) -> None:
+        self.completed += steps
+        if status is not None:
+            self.status = status
+        self._renderer.changed(self)
+
+    def update(self, status: str | None = None, *, total: int | None = None) -> None:
+        """A new status text (what it is doing now) and/or a total learnt late."""
+        if status is not None:
+            self.status = status
+        if total is not None:
+            self.total = total
+        self._renderer.changed(self)
+
+    @property
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def remaining(self) -> float | None:
+        """Seconds left at the rate so far; None while unknown (no total, or nothing done yet)."""
+        if self.total is None or self.completed <= 0:
+            return None
+        return max(0.0, self.elapsed / self.completed * (self.total - self.completed))
+
+
+class _Silent:
+    def start(self, task: Task) -> None:
+        pass
+
+    def changed(self, task: Task) -> None:
+        pass
+
+    def finish(self, task: Task, failed: bool) -> None:
+        pass
+
+    def echo(self, line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+def _duration(value: float) -> str:
+    seconds = round(value)
+    if seconds < 60:
+        return f"{seconds} s"
+    minutes, seconds = divmod(seconds, 60)
+    if minutes < 60:
+        return f"{minutes} min {seconds:02d} s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes:02d} min"
+
+
+class _Plain:
+    """Lines for logs: the start, the end, and in between at most one line per task per `interval`.
+    Tasks opened inside a counted task (a loop with a total) print nothing: the loop's own lines say
+    how far it is, and a line per iteration would flood the log."""
+
+    def __init__(self, stream: TextIO | None, interval: float) -> None:
+        self.stream = stream  # None: whatever sys.stderr is at the time of each line
+        self.interval = interval
+        self.lock = threading.Lock()
+        self.open: list[Task] = []
+        self.hidden: set[int] = set()  # ids of tasks inside a counted task
+
+    def _line(self, text: str) -> None:
+        with self.lock:
+            print(text, file=self.stream or sys.stderr, flush=True)
+
+    def start(self, task: Task) -> None:
+        inside_loop = any(t.total is not None for t in self.open)
+        self.open.append(task)
+        if inside_loop:
+            self.hidden.add(id(task))
+            return
+        total = f" ({task.total} steps)" if task.total is not None else ""
+        task._last_line = time.monotonic()
+        self._line(f"[start] {task.description}{total}")
+
+    def changed(self, task: Task) -> None:
+        if id(task) in self.hidden:
+            return
+        now = time.monotonic()
+        if now - task._last_line < self.interval:
+            return
+        task._last_line = now
+        parts = [task.description]
+        if task.total is not None:
+            percent = 100 * task.completed / task.total if task.total else 100.0
+            parts.append(f"{task.completed}/{task.total} ({percent:.0f} %)")
+        elif task.completed:
+            parts.append(str(task.completed))
+        parts.append(f"{_duration(task.elapsed)} elapsed")
+        left = task.remaining()
+        if left is not None:
+            parts.append(f"~{_duration(left)} left")
+        if task.status:
+            parts.append(task.status)
+        self._line("[....] " + ", ".join(parts))
+
+    def finish(self, task: Task, failed: bool) -> None:
+        if task in self.open:
+            self.open.remove(task)
+        if id(task) in self.hidden:
+            self.hidden.discard(id(task))
+            return
+        count = f"{task.completed}/{task.total}, " if task.total is not None else ""
+        self._line(f"[{'fail' if failed else 'done'}] {task.description} ({count}{_duration(task.elapsed)})")
+
+    def echo(self, line: str) -> None:
+        self._line(line)
+
+    def close(self) -> None:
+        self.open.clear()
+        self.hidden.clear()
+
+
+class _Live:
+    """A rich progress display, started with the first open task and stopped with the last; finished
+    tasks leave the screen (the CLI prints its own summary)."""
+
+    def __init__(self, stream: TextIO | None) -> None:
+        # Without a file, rich writes to whatever sys.stderr is at the time (see client.logs).
+        self.console = Console(file=stream, stderr=stream is None)
+        self.progress: Progress | None = None
+        self.open = 0
+        self.lock = threading.RLock()
+
+    def _display(self) -> Progress:
+        if self.progress is None:
+            self.progress = Progress(
+                SpinnerColumn(), TextColumn("{task.description}"), BarColumn(bar_width=24),
+                MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("[dim]eta[/]"), TimeRemainingColumn(),
+                TextColumn("{task.fields[status]}", style="dim"),
+                console=self.console, transient=True, redirect_stdout=False, redirect_stderr=False,
+            )
+            self.progress.start()
+        return self.progress
+
+    def start(self, task: Task) -> None:
+        with self.lock:
+            self.open += 1
+            task._id = self._display().add_task(task.description, total=task.total, status=task.status)
+
+    def changed(self, task: Task) -> None:
+        with self.lock:
+            if self.progress is not None and task._id is not None:
+                self.progress.update(task._id, completed=task.completed, total=task.total, status=task.status)
+
+    def finish(self, task: Task, failed: bool) -> None:
+        with self.lock:
+            if self.progress is not None and task._id is not None:
+                self.progress.remove_task(task._id)
+            self.open -= 1
+            if self.open <= 0 and self.progress is not None:
+                self.progress.stop()
+                self.progress = None
+                self.open = 0
+
+    def echo(self, line: str) -> None:
+        with self.lock:
+            # Printed through the live console: above the bars, which are redrawn below it.
+            self.console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+    def close(self) -> None:
+        with self.lock:
+            if self.progress is not None:
+                self.progress.stop()
+                self.progress = None
+            self.open = 0
+
+
+_renderer: _Renderer = _Silent()
+_mode = Mode.OFF
+
+
+def pick_mode(stream: TextIO, *, quiet: bool = False, enabled: bool = True) -> Mode:
+    """What a CLI shows on `stream`: nothing with -q (or progress turned off), a live display on a
+    terminal, plain lines otherwise."""
+    if quiet or not enabled:
+        return Mode.OFF
+    return Mode.LIVE if stream.isatty() else Mode.PLAIN
+
+
+def configure(mode: Mode, *, stream: TextIO | None = None, interval: float = 10.0) -> None:
+    """Choose the rendering for every later task (CLIs only). `stream` None: sys.stderr as it is when
+    each line is written. `interval`: seconds between a plain task's progress lines."""
+    global _renderer, _mode
+    _renderer.close()  # a live display still up (a task left open by an error) is taken down
+    _mode = mode
+    if mode is Mode.LIVE:
+        _renderer = _Live(stream)
+    elif mode is Mode.PLAIN:
+        _renderer = _Plain(stream, interval)
+    else:
+        _renderer = _Silent()
+
+
+def mode() -> Mode:
+    return _mode
+
+
+def echo(line: str) -> None:
+    """A line for the user's terminal (stderr) that does not tear a live display."""
+    _renderer.echo(line)
+
+
+@contextlib.contextmanager
+def task(description: str, total: int | None = None) -> Iterator[Task]:
+    """Track one piece of work; the rendering configured now shows it until the block ends."""
+    renderer = _renderer
+    current = Task(description, total, renderer)
+    renderer.start(current)
+    failed = True
+    try:
+        yield current
+        failed = False
+    finally:
+        renderer.finish(current, failed)

@@ -1,0 +1,90 @@
+"""builder.summary: one table of every variant, failures marked with their reason, and where things are."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from builder.cli import main
+from builder.spec import ModelSpec, Precision
+from builder.spec.model import DimRange
+from builder.summary import (
+    BuildSummary,
+    FailedVariant,
+    SummaryRow,
+    accuracy_text,
+    guard_text,
+    render,
+    summarize,
+)
+from tests.helpers.tiny_models import mlp_onnx
+
+
+def _text(summary: BuildSummary) -> str:
+    stream = io.StringIO()
+    render(summary, stream)
+    return stream.getvalue()
+
+
+def _spec(onnx: Path, name: str = "mlp") -> ModelSpec:
+    return ModelSpec(name=name, onnx=onnx, batch=DimRange(1, 8, 16),
+                     precisions=(Precision.FP32, Precision.FP16, Precision.INT8))
+
+
+def test_a_failed_variant_is_listed_with_its_reason(tmp_path: Path) -> None:
+    failure = FailedVariant("mlp_int8", "int8", "INT8 calibration (modelopt) failed: Concat shape mismatch "
+                                                "(full output: .logs/build-1.log)")
+    summary = summarize([], [_spec(tmp_path / "m.onnx")], repository=tmp_path / "repo", report=None,
+                        log_file=Path(".logs/build-1.log"), failures=[failure])
+    assert [r.variant for r in summary.failures] == ["mlp_int8"]
+    text = _text(summary)
+    line = next(ln for ln in text.splitlines() if "mlp_int8" in ln)
+    assert "FAILED: INT8 calibration (modelopt) failed: Concat shape mismatch" in line
+    assert "0 variants ready, 1 FAILED" in text
+    assert "build log:  .logs/build-1.log" in text
+    assert "\x1b[" not in text  # not a terminal: no colour codes
+
+
+def test_built_then_unchanged_rows_from_a_real_build(tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """A real build, then the same build again (unchanged, read back from build.json)."""
+    onnx = mlp_onnx(tmp_path / "mlp.onnx")
+    repo = tmp_path / "repo"
+    args = ["build", "--onnx", str(onnx), "--name", "mlp", "--precision", "fp32", "--repository", str(repo),
+            "--log", str(tmp_path / "b.log")]
+    assert main(args) == 0
+    first = capsys.readouterr().out
+    row = next(ln for ln in first.splitlines() if ln.startswith("mlp_fp32"))
+    assert "rebuilt" in row and "max_rel 0 ≤ 0.0001" in row and "onnxruntime" in row
+    assert f"repository: {repo}" in first and f"report:     {repo / 'build_report.json'}" in first
+    assert "perfclient -m mlp_fp32 -u localhost:8001" in first and "trtbuild serve" in first
+    assert main(args) == 0
+    second = capsys.readouterr().out
+    row = next(ln for ln in second.splitlines() if ln.startswith("mlp_fp32"))
+    assert "unchanged" in row and "max_rel 0 ≤ 0.0001" in row
+    record = json.loads((repo / "mlp_fp32" / "build.json").read_text())
+    assert f"{record['size_bytes'] / 1e3:.1f} kB" in row
+
+
+def test_accuracy_against_each_limit() -> None:
+    text, within = accuracy_text({"cosine_min": 0.94, "cosine_mean": 0.978, "top1_agreement": 0.823},
+                                 {"cosine_mean_min": 0.95, "cosine_min": 0.97})
+    assert text == "cos_min 0.94 < 0.97, cos_mean 0.978 ≥ 0.95, top1 0.823"
+    assert within is False
+    text, within = accuracy_text({"max_rel": 0.0}, {"max_rel": 1e-4})
+    assert (text, within) == ("max_rel 0 ≤ 0.0001", True)
+    row = SummaryRow("m_int8", "int8", "onnxruntime", 5_100_000, "cos_min 0.94 < 0.97", False, seconds=3.0)
+    text = _text(BuildSummary((row,), Path("repo")))
+    assert "(out of tolerance)" in text and "5.1 MB" in text
+
+
+def test_what_the_guards_kept() -> None:
+    assert guard_text({"excluded": ["a", "b", "c"], "fallback": None}) == "3 nodes unquantized"
+    assert guard_text({"excluded": [], "fallback": "fp16"}).startswith("all: FP16 served")
+    assert guard_text(None, {"kept_fp32_nodes": ["n"], "kept_fp32_op_types": [], "fallback": None}) == "1 node in FP32"
+    assert guard_text(None, {"kept_fp32_nodes": [], "kept_fp32_op_types": ["Softmax"], "fallback": None,
+                             "settings": {}}) == "op types in FP32: Softmax"
+    assert guard_text(None, None) == "-"

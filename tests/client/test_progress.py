@@ -1,0 +1,134 @@
+"""client.progress: plain lines off a terminal, a live display on one, nothing with -q or by default."""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import re
+from collections.abc import Iterator
+
+import pytest
+
+from client import progress
+from client.cli import main as perfclient
+from tests.helpers.servers import Endpoints
+
+QUICK = ["--measurement-interval", "300", "--max-trials", "3", "--stability-percentage", "60", "--warmup", "5"]
+
+
+@pytest.fixture(autouse=True)
+def silent_afterwards() -> Iterator[None]:
+    """Progress off and logging as it was: main() configures both for the process."""
+    root, ours = logging.getLogger(), logging.getLogger("client")
+    saved = (root.level, ours.level, root.handlers[:])
+    yield
+    progress.configure(progress.Mode.OFF)
+    root.setLevel(saved[0])
+    ours.setLevel(saved[1])
+    root.handlers[:] = saved[2]
+
+
+def test_plain_lines_say_start_progress_and_end() -> None:
+    stream = io.StringIO()
+    progress.configure(progress.Mode.PLAIN, stream=stream, interval=0.0)
+    with progress.task("sensitivity", total=4) as bar:
+        for node in ("a", "b"):
+            bar.advance(status=f"node {node}")
+    lines = stream.getvalue().splitlines()
+    assert lines[0] == "[start] sensitivity (4 steps)"
+    assert lines[1].startswith("[....] sensitivity, 1/4 (25 %), ") and lines[1].endswith("left, node a")
+    assert lines[2].startswith("[....] sensitivity, 2/4 (50 %), ")
+    assert re.fullmatch(r"\[done\] sensitivity \(2/4, \d+ s\)", lines[3]), lines[3]
+    assert len(lines) == 4
+
+
+def test_plain_lines_are_rate_limited_and_a_failure_is_marked() -> None:
+    stream = io.StringIO()
+    progress.configure(progress.Mode.PLAIN, stream=stream, interval=3600.0)
+    with pytest.raises(RuntimeError), progress.task("search", total=100) as bar:
+        for _ in range(50):
+            bar.advance()
+        raise RuntimeError("boom")
+    lines = stream.getvalue().splitlines()
+    assert lines == ["[start] search (100 steps)", lines[1]] and lines[1].startswith("[fail] search (50/100, ")
+
+
+def test_tasks_inside_a_counted_loop_print_nothing_in_plain_mode() -> None:
+    stream = io.StringIO()
+    progress.configure(progress.Mode.PLAIN, stream=stream, interval=3600.0)
+    with progress.task("guard", total=3) as bar:
+        for _ in range(3):
+            with progress.task("calibration"):
+                pass
+            bar.advance()
+    with progress.task("export"):
+        pass
+    text = stream.getvalue()
+    assert "calibration" not in text
+    assert "[start] export" in text and "[done] export" in text
+
+
+def test_nothing_by_default_and_with_off(capsys: pytest.CaptureFixture[str]) -> None:
+    progress.configure(progress.Mode.OFF)
+    with progress.task("work", total=2) as bar:
+        bar.advance()
+        bar.update("halfway", total=3)
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == ""
+
+
+def test_remaining_time_is_unknown_until_something_is_done() -> None:
+    task = progress.Task("t", 10, progress._Silent())
+    assert task.remaining() is None
+    task.advance(5)
+    left = task.remaining()
+    assert left is not None and 0 <= left <= task.elapsed * 1.01 + 0.01
+    assert progress.Task("t", None, progress._Silent()).remaining() is None
+
+
+def test_mode_follows_the_stream_and_quiet() -> None:
+    assert progress.pick_mode(io.StringIO()) is progress.Mode.PLAIN
+    assert progress.pick_mode(io.StringIO(), quiet=True) is progress.Mode.OFF
+    assert progress.pick_mode(io.StringIO(), enabled=False) is progress.Mode.OFF
+    leader, follower = os.openpty()
+    try:
+        with os.fdopen(follower, "w", closefd=False) as tty:
+            assert progress.pick_mode(tty) is progress.Mode.LIVE
+            assert progress.pick_mode(tty, quiet=True) is progress.Mode.OFF
+    finally:
+        os.close(leader)
+        os.close(follower)
+
+
+def test_live_display_on_a_terminal_draws_and_clears() -> None:
+    leader, follower = os.openpty()
+    try:
+        with os.fdopen(follower, "w", closefd=False) as tty:
+            progress.configure(progress.Mode.LIVE, stream=tty)
+            with progress.task("calibrating", total=2) as bar:
+                bar.advance(status="first")
+                progress.echo("INFO builder: a line above the bar")
+                bar.advance()
+            tty.flush()
+            drawn = os.read(leader, 1 << 16).decode("utf-8", "replace")
+    finally:
+        os.close(leader)
+        os.close(follower)
+    assert "calibrating" in drawn and "a line above the bar" in drawn
+    assert "\x1b[" in drawn  # cursor control: the bar is redrawn in place, then removed
+
+
+def test_perfclient_prints_window_progress_off_a_terminal(endpoints: Endpoints,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    assert perfclient(["-m", "mlp_fp32", "-u", endpoints.grpc, *QUICK]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert "[start] mlp_fp32 concurrency 1: windows (3 steps)" in err
+    assert any(line.startswith("[done] mlp_fp32 concurrency 1: windows (") for line in err), err
+
+
+def test_perfclient_quiet_prints_no_progress(endpoints: Endpoints, capsys: pytest.CaptureFixture[str]) -> None:
+    assert perfclient(["-m", "mlp_fp32", "-u", endpoints.grpc, *QUICK, "-q"]) == 0
+    captured = capsys.readouterr()
+    assert "windows" not in captured.err and "[start]" not in captured.err
+    assert "mlp_fp32" in captured.out  # the table still prints
