@@ -2,8 +2,11 @@
 
 The file holds `<model>/input/<name>` and `<model>/output/<name>` arrays with a leading sample axis:
 the samples sent and the outputs the local run (under the runtime that built the artifact) gave.
-Each payload is a slice of the samples, cut as `--input-data FILE.npz` cuts them, and carries the
-same slice of the expected outputs; an answer that differs counts as an error of kind `mismatch`.
+Each payload is a slice of the samples, cut as `--input-data FILE.npz` cuts them, and carries a `Check`:
+the same slice of the expected outputs, the tolerances (`--validate-atol`, `--validate-rtol`) and which of
+its answers to compare (`--validate-fraction`: the others are sent and counted without being decoded, so
+checking costs the drive rate only that share). An answer that differs counts as an error of kind
+`mismatch`, one that does not decode as `bad_response`.
 """
 
 from __future__ import annotations
@@ -30,6 +33,51 @@ RTOL = 1e-3
 MISMATCH = "mismatch"
 
 FLAG = "--validate"
+
+
+@dataclass(frozen=True)
+class ValidateOptions:
+    """How answers are compared: `allclose(got, want, atol, rtol)` on `fraction` of each payload's answers.
+
+    `mix`: the file's samples join the ordinary payloads (`--input-data`) in the rotation instead of
+    replacing them, so the server sees the load it is measured under and the checked inputs among it.
+    """
+
+    atol: float = ATOL
+    rtol: float = RTOL
+    fraction: float = 1.0
+    mix: bool = False
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        for flag, value in (("--validate-atol", self.atol), ("--validate-rtol", self.rtol)):
+            if not value >= 0 or value == float("inf"):
+                raise PerfClientError(f"{flag} {value}: expected a finite number >= 0")
+        if not 0 < self.fraction <= 1:
+            raise PerfClientError(f"--validate-fraction {self.fraction}: expected 0 < F <= 1")
+
+
+class Check:
+    """One payload's expected outputs, and which of its answers are compared (every 1/fraction-th, the
+    first one included: deterministic, so two runs check the same requests)."""
+
+    def __init__(self, outputs: Mapping[str, NDArray[Any]], tolerance: ValidateOptions) -> None:
+        self.outputs = outputs
+        self.tolerance = tolerance
+        self._credit = 1.0 - tolerance.fraction  # the first answer is due
+
+    def due(self) -> bool:
+        """Whether the next answer to this payload is to be decoded and compared."""
+        self._credit += self.tolerance.fraction
+        if self._credit >= 1.0 - 1e-9:
+            self._credit -= 1.0
+            return True
+        return False
+
+    def matches(self, got: Mapping[str, NDArray[Any]]) -> bool:
+        return outputs_match(got, self.outputs, atol=self.tolerance.atol, rtol=self.tolerance.rtol)
 
 
 @dataclass(frozen=True)
@@ -96,10 +144,11 @@ def validated_payloads(meta: ModelMeta, batch: int, expected: Expected,
             for inputs, part in zip(payloads, slices, strict=True)]
 
 
-def outputs_match(got: Mapping[str, NDArray[Any]], expected: Mapping[str, NDArray[Any]]) -> bool:
-    """Every expected output present, of the same shape, and allclose (ATOL, RTOL)."""
+def outputs_match(got: Mapping[str, NDArray[Any]], expected: Mapping[str, NDArray[Any]], *,
+                  atol: float = ATOL, rtol: float = RTOL) -> bool:
+    """Every expected output present, of the same shape, and allclose (atol, rtol)."""
     for name, want in expected.items():
         have = got.get(name)
-        if have is None or have.shape != want.shape or not np.allclose(have, want, atol=ATOL, rtol=RTOL):
+        if have is None or have.shape != want.shape or not np.allclose(have, want, atol=atol, rtol=rtol):
             return False
     return True

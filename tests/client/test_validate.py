@@ -143,7 +143,6 @@ def test_unusable_validate_arguments_are_one_line(
         ([str(tmp_path / "absent.npz")], "file not found"),
         ([str(garbled)], "not a readable .npz"),
         ([str(tmp_path / "expected.bin")], "expected a .npz file"),
-        ([str(saved), "--input-data", "zero"], "the inputs come from the file"),
         ([str(saved), "--shape", "x:4,32"], "the inputs come from the file"),
     ]
     for args, message in cases:
