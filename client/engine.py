@@ -23,7 +23,7 @@ from client.power import Meter, PowerFigures, PowerSource, Reading, window_power
 from client.protocol import Connection, Prepared, error_kind
 from client.server_stats import ServerBreakdown, ServerStats, server_breakdown
 from client.stats import Records, Tally, Window, close, is_stable, merge
-from client.validate import MISMATCH, outputs_match
+from client.validate import MISMATCH
 
 log = logging.getLogger(__name__)
 
@@ -246,9 +246,10 @@ class LoadRun:
     async def _request(self, request: Prepared) -> str | None:
         """Send one request; its error kind, or None when it succeeded."""
         try:
-            if request.expected is None:
+            check = request.expected  # --validate: compare this answer (or not: --validate-fraction)
+            if check is None or not check.due():
                 await self.conn.send(request)  # the load path: sent as bytes, the answer never decoded
-            elif not outputs_match(await self.conn.infer(request), request.expected):
+            elif not check.matches(await self.conn.infer(request)):
                 return MISMATCH
         except asyncio.CancelledError:
             raise

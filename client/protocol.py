@@ -14,7 +14,7 @@ import logging
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 import aiohttp
@@ -24,6 +24,7 @@ from numpy.typing import NDArray
 from client.choices import Choice
 from client.errors import PerfClientError
 from client.server_stats import ServerStats, parse_statistics
+from client.shared_memory import SharedMemory, SharedMemoryPool
 from client.wire import (
     GRPC_INFER_METHOD,
     HTTP_HEADER_LENGTH,
@@ -34,6 +35,9 @@ from client.wire import (
     http_infer_outputs,
     http_infer_request,
 )
+
+if TYPE_CHECKING:  # client.validate imports this module
+    from client.validate import Check
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +83,7 @@ class Prepared:
     model: str
     body: bytes
     headers: Mapping[str, str] = field(default_factory=dict)
-    expected: Mapping[str, NDArray[Any]] | None = None
+    expected: Check | None = None
 
 
 class HttpStatusError(Exception):
@@ -96,11 +100,15 @@ class Connection:
     Use `async with await Connection.open(...)`, or call `close()`.
     """
 
-    def __init__(self, protocol: Protocol, url: str, *, timeout_s: float = REQUEST_TIMEOUT_S) -> None:
+    def __init__(self, protocol: Protocol, url: str, *, timeout_s: float = REQUEST_TIMEOUT_S,
+                 shared_memory: SharedMemory | None = None) -> None:
         """Call from a running event loop (aiohttp and grpc.aio bind to it)."""
         self.protocol = protocol
         self.url = url
         self._timeout_s = timeout_s
+        # --shared-memory: payloads' tensors go through registered regions, released by close().
+        self._shm = (SharedMemoryPool(shared_memory, protocol=str(protocol), url=url)
+                     if shared_memory is not None and shared_memory.enabled else None)
         log.debug("connecting to %s over %s (request timeout %g s)", url, protocol, timeout_s)
         self._control: Any
         if protocol is Protocol.GRPC:
@@ -124,8 +132,9 @@ class Connection:
             self._urls: dict[str, str] = {}
 
     @classmethod
-    async def open(cls, protocol: Protocol, url: str, *, timeout_s: float = REQUEST_TIMEOUT_S) -> Connection:
-        return cls(protocol, url, timeout_s=timeout_s)
+    async def open(cls, protocol: Protocol, url: str, *, timeout_s: float = REQUEST_TIMEOUT_S,
+                   shared_memory: SharedMemory | None = None) -> Connection:
+        return cls(protocol, url, timeout_s=timeout_s, shared_memory=shared_memory)
 
     async def __aenter__(self) -> Connection:
         return self
@@ -135,6 +144,8 @@ class Connection:
         await self.close()
 
     async def close(self) -> None:
+        if self._shm is not None:
+            self._shm.close()  # first: whatever happens below, no region outlives the run
         await self._control.close()
         if self.protocol is Protocol.GRPC:
             await self._channel.close()
@@ -180,11 +191,13 @@ class Connection:
         return ModelMeta(name, max_batch, tensors(meta.get("inputs", [])), tensors(meta.get("outputs", [])))
 
     def prepare(self, model: str, arrays: Mapping[str, Any],
-                expected: Mapping[str, NDArray[Any]] | None = None) -> Prepared:
+                expected: Check | None = None) -> Prepared:
         """Serialize one payload (input name -> array, full shape) in this connection's wire format."""
+        # A validated payload's outputs come back in the answer, to be compared; others' go to shared memory.
+        shm = self._shm.layout(model, arrays, outputs=expected is None) if self._shm is not None else None
         if self.protocol is Protocol.GRPC:
-            return Prepared(model, grpc_infer_request(model, arrays), expected=expected)
-        body, headers = http_infer_request(arrays)
+            return Prepared(model, grpc_infer_request(model, arrays, shm), expected=expected)
+        body, headers = http_infer_request(arrays, shm)
         return Prepared(model, body, headers, expected)
 
     async def send(self, prepared: Prepared) -> None:
