@@ -92,3 +92,17 @@ def test_a_bad_tuned_file_is_one_line_naming_the_key(tmp_path: Path) -> None:
     path.write_text('[mlp]\nvariant = "mlp_fp32"\nmax_batch_size = 4\nmax_batch = 4\n')
     with pytest.raises(ManifestError, match="unknown key 'max_batch'"):
         load_tuned(path)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["serve", "--model-control", "poll"], "--model-control 'poll': expected one of none, explicit"),
+    (["tune", "mlp", "--grpc-url", "h:1"], "--grpc-url/--metrics-url: only with --url"),
+    (["tune", "mlp", "--url", "nohost"], "--url 'nohost': expected HOST:PORT"),
+    (["tune", "mlp", "--search", "random"], "--search"),
+    (["tune", "mlp", "--trials", "0"], "--trials 0: expected a positive integer"),
+])
+def test_tune_and_serve_flags_are_checked_in_one_line(
+        args: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*args, "--repository", str(tmp_path / "absent")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("trtbuild: error: ") and message in err[0]
