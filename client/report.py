@@ -62,7 +62,10 @@ def result_dict(result: LevelResult) -> dict[str, Any]:
         out["concurrency"] = result.level.concurrency
     else:
         out["request_rate"] = result.level.request_rate
-        out["distribution"] = str(result.level.distribution)
+        if result.level.intervals is not None:  # --request-intervals: the file replaced the distribution
+            out["request_intervals"] = str(result.level.intervals.path)
+        else:
+            out["distribution"] = str(result.level.distribution)
         out["max_inflight"] = result.level.max_inflight
         out["late_sends"] = s.late_sends  # left a whole mean inter-arrival gap after their scheduled time
         out["dropped_sends"] = s.dropped_sends  # not sent: --max-inflight requests were already out

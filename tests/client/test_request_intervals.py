@@ -90,6 +90,7 @@ def test_the_cli_replays_at_the_files_rate(endpoints: Endpoints, tmp_path: Path,
     assert code == 0
     (result,) = json.loads(out_json.read_text())["results"]
     assert result["request_rate"] == pytest.approx(20.0) and result["errors"] == {}
+    assert result["request_intervals"] == str(path) and "distribution" not in result
     assert result["throughput"] == pytest.approx(20.0, rel=0.3)  # 1 s windows of an uneven pattern
     assert "intervals intervals.txt" in out
 
