@@ -93,7 +93,7 @@ bench-gpu:
 TUNE_MODEL ?= efficientnet_lite0
 P99_BUDGET_MS ?= 150
 tune: $(STAMP)
-	$(BIN)/trtbuild tune $(TUNE_MODEL) --repository $(REPOSITORY) --concurrency $(CONCURRENCY) \
+	$(BIN)/trtbuild tune $(TUNE_MODEL) --manifest $(MANIFEST) --repository $(REPOSITORY) --concurrency $(CONCURRENCY) \
 	  --p99-budget-ms $(P99_BUDGET_MS) --search hill
 
 # Render every Kubernetes overlay (offline, plain `kubectl kustomize`, as `kubectl apply -k` does).
