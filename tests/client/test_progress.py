@@ -24,6 +24,7 @@ def silent_afterwards() -> Iterator[None]:
     saved = (root.level, ours.level, root.handlers[:])
     yield
     progress.configure(progress.Mode.OFF)
+    logging.captureWarnings(False)
     root.setLevel(saved[0])
     ours.setLevel(saved[1])
     root.handlers[:] = saved[2]
