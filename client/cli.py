@@ -9,15 +9,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from client import progress
-from client.engine import Distribution, LoadLevel, Measurement
+from client.engine import DEFAULT_MAX_INFLIGHT, Distribution, LoadLevel, Measurement
 from client.errors import PerfClientError, RunAborted
+from client.html_report import write_html
 from client.inputs import InputData, parse_shapes
+from client.intervals import load_intervals
 from client.logs import configure_logging
 from client.plot import plot
 from client.power import PowerSource
-from client.protocol import Protocol
+from client.protocol import REQUEST_TIMEOUT_S, Protocol
 from client.report import documents, table, write_csv, write_json
-from client.session import ModelResult, SessionConfig, run
+from client.session import WHOLE_RUN, ModelResult, SessionConfig, run
+from client.shared_memory import DEFAULT_OUTPUT_SIZE, SharedMemory, SharedMemoryKind
+from client.validate import ATOL as VALIDATE_ATOL
+from client.validate import RTOL as VALIDATE_RTOL
+from client.validate import ValidateOptions
 
 
 @dataclass(frozen=True)
@@ -28,6 +34,7 @@ class CliConfig:
     json_path: Path | None = None
     csv_path: Path | None = None
     plot_path: Path | None = None
+    html_path: Path | None = None
     progress: bool = True
     verbose: int = 0  # -v: our DEBUG lines; -vv: third-party libraries' too
     quiet: bool = False  # warnings and errors only
@@ -43,13 +50,40 @@ def _parser() -> argparse.ArgumentParser:
     load.add_argument("--concurrency", type=int, help="closed loop: N requests in flight")
     load.add_argument("--concurrency-range", help="closed-loop sweep START:END[:STEP]")
     load.add_argument("--request-rate", type=float, help="open loop: requests per second")
+    load.add_argument("--request-intervals", type=Path, metavar="FILE",
+                      help="open loop: replay FILE's gaps (microseconds, one per line), repeated")
     p.add_argument("--distribution", default="constant",
                    help=f"open-loop arrivals: {' | '.join(Distribution.values())}")
+    p.add_argument("--max-inflight", type=int, default=DEFAULT_MAX_INFLIGHT,
+                   help="open loop: at most N requests in flight; a send due beyond that is dropped and counted "
+                        f"(default {DEFAULT_MAX_INFLIGHT})")
+    p.add_argument("--request-timeout-ms", type=int, default=int(REQUEST_TIMEOUT_S * 1000),
+                   help="deadline of every inference request; a later answer counts as error kind timeout "
+                        f"(default {int(REQUEST_TIMEOUT_S * 1000)})")
+    p.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                   help="stop the whole run after this long, keeping the windows measured (exit 1, like Ctrl-C)")
+    p.add_argument("--simultaneous", action="store_true",
+                   help="load every -m model at once (default: one after another); energy for the whole run")
+    p.add_argument("--model-concurrency", action="append", default=[], metavar="MODEL=N",
+                   help="this model's own concurrency instead of the shared load (repeatable)")
+    p.add_argument("--model-request-rate", action="append", default=[], metavar="MODEL=R",
+                   help="this model's own request rate instead of the shared load (repeatable)")
     p.add_argument("-b", "--batch-size", type=int, default=1)
     p.add_argument("--input-data", default=None, help="random | zero | FILE.npz | DIR of NAME.npy (default: random)")
     p.add_argument("--validate", type=Path, default=None, metavar="FILE.npz",
-                   help="send the samples of `trtbuild verify --save FILE.npz` and check every answer against "
-                        "its expected outputs (mismatches count as errors)")
+                   help="send the samples of `trtbuild verify --save FILE.npz` (with --input-data: among those "
+                        "payloads) and check answers against its expected outputs (mismatches count as errors)")
+    p.add_argument("--validate-atol", type=float, default=VALIDATE_ATOL, metavar="A",
+                   help=f"--validate: absolute tolerance (default {VALIDATE_ATOL:g})")
+    p.add_argument("--validate-rtol", type=float, default=VALIDATE_RTOL, metavar="R",
+                   help=f"--validate: relative tolerance (default {VALIDATE_RTOL:g})")
+    p.add_argument("--validate-fraction", type=float, default=1.0, metavar="F",
+                   help="--validate: compare this share of the file's answers, 0 < F <= 1 (default 1: all)")
+    p.add_argument("--shared-memory", default="none",
+                   help=f"{' | '.join(SharedMemoryKind.values())}: send tensors through shared memory regions "
+                        "registered with a local server (cuda needs cuda-python and a GPU)")
+    p.add_argument("--output-shared-memory-size", type=int, default=DEFAULT_OUTPUT_SIZE, metavar="BYTES",
+                   help="bytes of each output's region with --shared-memory (0: outputs come in the answer)")
     p.add_argument("--shape", action="append", default=[], help="NAME:D1,D2 for dynamic dims (no batch dim)")
     p.add_argument("--measurement-interval", type=int, default=5000, help="window length in ms")
     p.add_argument("--request-count", type=int, default=0, help="close each window after N requests instead")
@@ -61,6 +95,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", type=Path)
     p.add_argument("--csv", type=Path)
     p.add_argument("--plot", type=Path, help="PNG: latency vs throughput, power over time")
+    p.add_argument("--html", type=Path, metavar="PATH",
+                   help="one self-contained HTML report: tables, plots, settings, tool versions")
     p.add_argument("--no-progress", action="store_true", help="no progress display")
     p.add_argument("-v", "--verbose", action="count", default=0,
                    help="-v: our debug messages; -vv: third-party libraries' too")
@@ -69,9 +105,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _levels(args: argparse.Namespace) -> tuple[LoadLevel, ...]:
+    if args.request_intervals is not None:
+        replay = load_intervals(args.request_intervals)
+        return (LoadLevel(request_rate=replay.rate, intervals=replay, max_inflight=args.max_inflight),)
     if args.request_rate is not None:
         distribution = Distribution.parse(args.distribution, "--distribution", error=PerfClientError)
-        return (LoadLevel(request_rate=args.request_rate, distribution=distribution),)
+        return (LoadLevel(request_rate=args.request_rate, distribution=distribution, max_inflight=args.max_inflight),)
     if args.concurrency_range:
         parts = args.concurrency_range.split(":")
         if len(parts) not in (2, 3) or not all(x.isdigit() for x in parts):
@@ -85,10 +124,32 @@ def _levels(args: argparse.Namespace) -> tuple[LoadLevel, ...]:
     return (LoadLevel(concurrency=args.concurrency if args.concurrency is not None else 1),)
 
 
+def _model_levels(args: argparse.Namespace) -> dict[str, tuple[LoadLevel, ...]]:
+    """--model-concurrency MODEL=N and --model-request-rate MODEL=R: a model's own load level."""
+    levels: dict[str, tuple[LoadLevel, ...]] = {}
+    for flag, items in (("--model-concurrency", args.model_concurrency), ("--model-request-rate",
+                                                                          args.model_request_rate)):
+        for item in items:
+            model, sep, value = item.rpartition("=")
+            try:
+                number = float(value) if flag == "--model-request-rate" else int(value)
+            except ValueError:
+                number = None
+            if not sep or not model or number is None or model in levels:
+                raise PerfClientError(f"{flag} {item!r}: expected MODEL=NUMBER, once per model")
+            levels[model] = ((LoadLevel(request_rate=float(number), max_inflight=args.max_inflight),)
+                             if flag == "--model-request-rate" else (LoadLevel(concurrency=int(number)),))
+    return levels
+
+
 def _input_data(args: argparse.Namespace) -> InputData:
-    if args.validate is not None and args.input_data is not None:
-        raise PerfClientError(f"--validate {args.validate}: the inputs come from the file; drop --input-data")
     return InputData.parse(args.input_data or "random")
+
+
+def _validate_options(args: argparse.Namespace) -> ValidateOptions:
+    # Given --input-data, the file's samples are sent among those payloads, not instead of them.
+    return ValidateOptions(atol=args.validate_atol, rtol=args.validate_rtol, fraction=args.validate_fraction,
+                           mix=args.validate is not None and args.input_data is not None)
 
 
 def parse_config(argv: Sequence[str] | None) -> CliConfig:
@@ -97,6 +158,7 @@ def parse_config(argv: Sequence[str] | None) -> CliConfig:
     protocol = Protocol.parse(args.protocol, "-i", error=PerfClientError)
     session = SessionConfig(
         models=tuple(args.model), url=args.url or f"localhost:{protocol.default_port}", protocol=protocol,
+        model_levels=_model_levels(args), simultaneous=args.simultaneous,
         levels=_levels(args), batch=args.batch_size, input_data=_input_data(args),
         shapes=parse_shapes(args.shape),
         measurement=Measurement(measurement_ms=args.measurement_interval,
@@ -104,21 +166,27 @@ def parse_config(argv: Sequence[str] | None) -> CliConfig:
                                 warmup_requests=args.warmup, request_count=args.request_count),
         metrics_url=args.metrics_url,
         power_source=PowerSource.parse(args.power_source, "--power-source", error=PerfClientError),
-        validate=args.validate,
+        validate=args.validate, validate_options=_validate_options(args),
+        shared_memory=SharedMemory(args.shared_memory, args.output_shared_memory_size),
+        request_timeout_ms=args.request_timeout_ms, time_limit_s=args.time_limit,
     )
-    return CliConfig(session=session, json_path=args.json, csv_path=args.csv, plot_path=args.plot,
+    return CliConfig(session=session, json_path=args.json, csv_path=args.csv, plot_path=args.plot, html_path=args.html,
                      progress=not args.no_progress and not args.quiet, verbose=args.verbose, quiet=args.quiet)
 
 
 def _write_outputs(config: CliConfig, rows: list[ModelResult], error: str | None = None) -> None:
-    for flag, path in (("--json", config.json_path), ("--csv", config.csv_path), ("--plot", config.plot_path)):
+    for flag, path in (("--json", config.json_path), ("--csv", config.csv_path), ("--plot", config.plot_path),
+                       ("--html", config.html_path)):
         if path is None or (flag == "--plot" and not rows):
             continue
         try:
             if flag == "--json":
                 write_json(path, documents(config.session, rows, error))
             elif flag == "--csv":
-                write_csv(path, [row.result for row in rows])
+                # perf_analyzer's CSV is per model: the whole-run row of --simultaneous is in the JSON only.
+                write_csv(path, [row.result for row in rows if row.model != WHOLE_RUN])
+            elif flag == "--html":
+                write_html(path, config.session, rows, error)
             else:
                 plot(path, rows)
         except OSError as exc:

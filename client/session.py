@@ -6,30 +6,44 @@
 
 Every type a config or a result is made of is importable from here too.
 
-Nothing here prints; progress goes to a callback. A run cut short by the server raises RunAborted
-whose `.partial` holds the rows measured before.
+Nothing here prints; progress goes to a callback. A run cut short (the server stopped, Ctrl-C under
+`run`, `time_limit_s`) raises RunAborted whose `.partial` holds the rows measured before, the last
+one with `result.complete` False. A level in which no request succeeded has `result.failed` True.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import signal
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from numpy.typing import NDArray
 
 from client import progress as progress_display
-from client.engine import Distribution, LevelResult, LoadLevel, LoadRun, Measurement, ServerStopped
+from client.engine import (
+    Abort,
+    Distribution,
+    LevelResult,
+    LevelStopped,
+    LoadLevel,
+    LoadRun,
+    Measurement,
+    Together,
+)
 from client.errors import PerfClientError, RunAborted
 from client.inputs import InputData, InputKind, build_payloads
-from client.power import PowerFigures, PowerSource, open_cross_checks, open_meter
-from client.protocol import TRANSPORT_ERRORS, Connection, ModelMeta, Prepared, Protocol, describe
+from client.power import Meter, NoMeter, PowerFigures, PowerSource, Reading, open_cross_checks, open_meter, window_power
+from client.protocol import REQUEST_TIMEOUT_S, TRANSPORT_ERRORS, Connection, ModelMeta, Prepared, Protocol, describe
 from client.server_stats import ServerBreakdown
-from client.stats import Latency, Window
-from client.validate import Expected, load_expected, validated_payloads
+from client.shared_memory import SharedMemory
+from client.stats import Latency, Window, latency_summary
+from client.validate import Check, Expected, ValidateOptions, load_expected, validated_payloads
 
 __all__ = [
     "Distribution", "InputData", "InputKind", "Latency", "LevelResult", "LoadLevel", "Measurement", "ModelResult",
@@ -40,6 +54,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 METRICS_PORT = 8002
+# The row of a --simultaneous run that covers every model together (energy is measured for it only).
+WHOLE_RUN = "(whole run)"
 
 # (model, load level, 1-based window index, the window just measured)
 ProgressFn = Callable[[str, LoadLevel, int, Window], None]
@@ -53,6 +69,11 @@ class SessionConfig:
     `metrics_url` defaults to Triton's metrics endpoint on the host of `url` (port 8002).
     `validate`: a `trtbuild verify --save` file; each model's payloads are its stored samples and every
     answer is checked against the stored outputs (a differing one counts as error kind "mismatch").
+    `request_timeout_ms`: the deadline of every inference request (a late one counts as kind "timeout").
+    `time_limit_s`: the whole run stops there, as on Ctrl-C (RunAborted with what was measured).
+    `model_levels`: a model's own load levels instead of `levels`.
+    `simultaneous`: every model under load at once (level i of each together); each model's row has its
+    own client and server figures, energy is measured for the whole run (row WHOLE_RUN).
     """
 
     models: tuple[str, ...]
@@ -66,12 +87,19 @@ class SessionConfig:
     metrics_url: str | None = None
     power_source: PowerSource = PowerSource.AUTO
     validate: Path | None = None
+    validate_options: ValidateOptions = field(default_factory=ValidateOptions)  # tolerances, fraction, mix
+    request_timeout_ms: int = int(REQUEST_TIMEOUT_S * 1000)
+    time_limit_s: float | None = None
+    model_levels: Mapping[str, tuple[LoadLevel, ...]] = field(default_factory=dict)
+    simultaneous: bool = False
+    shared_memory: SharedMemory = field(default_factory=SharedMemory)  # --shared-memory, its output size
 
     def __post_init__(self) -> None:
         # Plain strings ("http", "nvml") and lists work too: stored as the enum members and tuples.
         object.__setattr__(self, "models", tuple(self.models))
         object.__setattr__(self, "levels", tuple(self.levels))
         object.__setattr__(self, "shapes", dict(self.shapes))
+        object.__setattr__(self, "model_levels", {m: tuple(levels) for m, levels in self.model_levels.items()})
         if self.validate is not None:
             object.__setattr__(self, "validate", Path(self.validate))
         object.__setattr__(self, "protocol", Protocol.parse(self.protocol, "-i", error=PerfClientError))
@@ -96,14 +124,35 @@ class SessionConfig:
                 raise PerfClientError(f"--shape {name}:{','.join(map(str, dims))}: expected NAME:D1,D2,... "
                                       f"with positive integers")
         self.measurement.check()
+        if self.request_timeout_ms < 1:
+            raise PerfClientError(f"--request-timeout-ms {self.request_timeout_ms}: expected a positive integer")
+        unknown = sorted(set(self.model_levels) - set(self.models))
+        if unknown:
+            raise PerfClientError(f"--model-concurrency/--model-request-rate {', '.join(unknown)}: not among -m "
+                                  f"{', '.join(self.models)}")
+        for levels in self.model_levels.values():
+            for level in levels:
+                level.check()
+        if self.simultaneous:
+            if len(self.models) < 2:
+                raise PerfClientError(f"--simultaneous: expected two or more -m models, got {len(self.models)}")
+            counts = {len(self.levels_of(m)) for m in self.models}
+            if len(counts) != 1 or WHOLE_RUN in self.models:
+                raise PerfClientError("--simultaneous: expected the same number of load levels for every model")
+        if self.time_limit_s is not None and not self.time_limit_s > 0:
+            raise PerfClientError(f"--time-limit {self.time_limit_s}: expected a positive number of seconds")
         if self.metrics_url is not None and not self.metrics_url.startswith(("http://", "https://")):
             raise PerfClientError(f"--metrics-url {self.metrics_url!r}: expected http://HOST:PORT/metrics")
         if self.validate is not None:
             if Path(self.validate).suffix != ".npz":
                 raise PerfClientError(f"--validate {self.validate}: expected a .npz file from trtbuild verify --save")
-            if self.input_data != InputData() or self.shapes:
+            self.validate_options.check()
+            if not self.validate_options.mix and (self.input_data != InputData() or self.shapes):
                 raise PerfClientError(f"--validate {self.validate}: the inputs come from the file; "
                                       "drop --input-data and --shape")
+
+    def levels_of(self, model: str) -> tuple[LoadLevel, ...]:
+        return self.model_levels.get(model, self.levels)
 
     @property
     def metrics_endpoint(self) -> str:
@@ -122,18 +171,31 @@ class ModelResult:
     result: LevelResult
 
 
-async def measure(config: SessionConfig, progress: ProgressFn | None = None) -> list[ModelResult]:
-    """Every model at every load level, in order. RunAborted carries the rows measured before a failure."""
+async def measure(config: SessionConfig, progress: ProgressFn | None = None,
+                  abort: Abort | None = None) -> list[ModelResult]:
+    """Every model at every load level, in order. RunAborted carries the rows measured before a failure,
+    `config.time_limit_s` or `abort` (set from outside, e.g. by a signal handler) stopped the run."""
     config.check()
+    abort = abort if abort is not None else Abort()
     rows: list[ModelResult] = []
-    async with await Connection.open(config.protocol, config.url) as conn:
+    async with await Connection.open(config.protocol, config.url, timeout_s=config.request_timeout_ms / 1000,
+                                     shared_memory=config.shared_memory) as conn:
         plans = await _prepare(conn, config)
         meter = open_meter(config.power_source, config.metrics_endpoint)
         cross_checks = open_cross_checks(meter, config.metrics_endpoint)
         log.debug("power source %s; cross-checks: %s", meter.source, [m.source for m in cross_checks])
+        timer = None
+        if config.time_limit_s is not None:
+            timer = asyncio.get_running_loop().call_later(
+                config.time_limit_s, abort.set, f"--time-limit {config.time_limit_s:g} s reached")
         try:
+            if config.simultaneous:
+                for step in range(len(config.levels_of(config.models[0]))):
+                    rows.extend(await _measure_together(conn, plans, step, config, meter=meter, abort=abort,
+                                                        progress=progress, done=rows))
+                return rows
             for model, payloads in plans:
-                for level in config.levels:
+                for level in config.levels_of(model):
                     log.debug("measuring %s at %s", model, level.label)
                     # Windows until stable, at most max_trials: the bar may end early.
                     with progress_display.task(f"{model} {level.label}: windows",
@@ -141,29 +203,118 @@ async def measure(config: SessionConfig, progress: ProgressFn | None = None) -> 
                         run_level = LoadRun(conn, model=model, payloads=payloads, batch=config.batch, meter=meter,
                                             measurement=config.measurement,
                                             on_window=_bind(progress, model, level, bar),
-                                            cross_checks=cross_checks)
+                                            cross_checks=cross_checks, abort=abort)
                         try:
                             result = await run_level.run(level)
-                        except ServerStopped as exc:
-                            rows.append(ModelResult(model, exc.result))
+                        except LevelStopped as exc:
+                            if exc.result is not None:
+                                rows.append(ModelResult(model, exc.result))
                             raise RunAborted(str(exc), rows) from exc
                     rows.append(ModelResult(model, result))
         finally:
+            if timer is not None:
+                timer.cancel()
             for each in (meter, *cross_checks):
                 each.close()
     return rows
 
 
+async def _measure_together(conn: Connection, plans: list[tuple[str, list[Prepared]]], step: int,
+                            config: SessionConfig, *, meter: Meter, abort: Abort, progress: ProgressFn | None,
+                            done: list[ModelResult]) -> list[ModelResult]:
+    """Load level `step` of every model at once; one row per model and a WHOLE_RUN row with the energy.
+
+    The meter reads the whole device: it is read once when every model's first window has opened and
+    once when the last model's last window has closed (the load of each stays on until then), and the
+    whole run's inferences are counted over exactly that interval.
+    """
+    together = Together()
+    shared = NoMeter("energy is measured for the whole run with --simultaneous")
+    runs, tasks = [], []
+    for model, payloads in plans:
+        level = config.levels_of(model)[step]
+        run_level = LoadRun(conn, model=model, payloads=payloads, batch=config.batch, meter=shared,
+                            measurement=config.measurement, on_window=_bind(progress, model, level, None),
+                            abort=abort, together=together)
+        runs.append(run_level)
+        tasks.append(asyncio.create_task(run_level.run(level)))
+
+    async def all_set(events: list[asyncio.Event]) -> None:
+        await asyncio.gather(*(e.wait() for e in events))
+
+    await all_set([r.started for r in runs])  # set too by a level that ends before its first window
+    t0, count0, before = time.monotonic_ns(), together.inferences, await asyncio.to_thread(meter.read)
+    await all_set([r.measured for r in runs])
+    t1, count1, after = time.monotonic_ns(), together.inferences, await asyncio.to_thread(meter.read)
+    together.release.set()
+    outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+    rows, stopped = [], None
+    for (model, _), outcome in zip(plans, outcomes, strict=True):
+        if isinstance(outcome, LevelStopped):
+            stopped = stopped or outcome
+            if outcome.result is not None:
+                rows.append(ModelResult(model, outcome.result))
+        elif isinstance(outcome, BaseException):
+            raise outcome
+        else:
+            rows.append(ModelResult(model, outcome))
+    if rows:
+        rows.append(ModelResult(WHOLE_RUN, _whole_run(rows, (t0, t1), count1 - count0, meter,
+                                                      (before, after), stopped)))
+    if stopped is not None:
+        raise RunAborted(str(stopped), [*done, *rows]) from stopped
+    return rows
+
+
+def _whole_run(rows: list[ModelResult], span_ns: tuple[int, int], inferences: int, meter: Meter,
+               readings: tuple[Reading, Reading], stopped: LevelStopped | None) -> LevelResult:
+    """Every model's row together: throughput and energy over the interval all of them were measured in,
+    latency percentiles over every model's summary latencies pooled."""
+    start, end = span_ns
+    seconds = max(end - start, 1) / 1e9
+    pooled = np.sort(np.concatenate([r.result.summary.latencies_ns for r in rows]))
+    errors: dict[str, int] = {}
+    for r in rows:
+        for kind, count in r.result.summary.errors.items():
+            errors[kind] = errors.get(kind, 0) + count
+    summary = Window(start_ns=start, end_ns=end, requests=int(pooled.size), inferences=inferences,
+                     throughput=inferences / seconds, latency_us=latency_summary(pooled), errors=errors,
+                     latencies_ns=pooled)
+    return LevelResult(level=rows[0].result.level, windows=(), summary=summary,
+                       stable=stopped is None and all(r.result.stable for r in rows), server=ServerBreakdown(),
+                       power=window_power(meter, readings[0], readings[1], inferences),
+                       complete=stopped is None, stop_reason=str(stopped) if stopped is not None else None)
+
+
 def run(config: SessionConfig, progress: ProgressFn | None = None) -> list[ModelResult]:
-    """`measure` on a fresh event loop, for callers that are not async themselves."""
-    return asyncio.run(measure(config, progress))
+    """`measure` on a fresh uvloop event loop, for callers that are not async themselves. From the main
+    thread, Ctrl-C ends the run like `time_limit_s` (RunAborted with what was measured)."""
+    import uvloop
+
+    return uvloop.run(_run_interruptible(config, progress))
+
+
+async def _run_interruptible(config: SessionConfig, progress: ProgressFn | None) -> list[ModelResult]:
+    abort = Abort()
+    loop = asyncio.get_running_loop()
+    try:
+        loop.add_signal_handler(signal.SIGINT, abort.set, "interrupted (Ctrl-C)")
+        handled = True
+    except (ValueError, RuntimeError, NotImplementedError):  # not the main thread: Ctrl-C stays KeyboardInterrupt
+        handled = False
+    try:
+        return await measure(config, progress, abort)
+    finally:
+        if handled:
+            loop.remove_signal_handler(signal.SIGINT)
 
 
 def _bind(progress: ProgressFn | None, model: str, level: LoadLevel,
-          bar: progress_display.Task) -> Callable[[int, Window], None]:
+          bar: progress_display.Task | None) -> Callable[[int, Window], None]:
     def on_window(index: int, window: Window) -> None:
         p99 = f"{window.latency_us.p99 / 1e3:.1f} ms" if window.latency_us is not None else "-"
-        bar.advance(status=f"{window.throughput:.1f} infer/s, p99 {p99}")
+        if bar is not None:
+            bar.advance(status=f"{window.throughput:.1f} infer/s, p99 {p99}")
         if progress is not None:
             progress(model, level, index, window)
 
@@ -180,10 +331,11 @@ async def _prepare(conn: Connection, config: SessionConfig) -> list[tuple[str, l
     expected = load_expected(config.validate, config.models) if config.validate is not None else None
     plans = []
     for meta in metas:
-        if expected is None:
+        payloads = []
+        if expected is None or config.validate_options.mix:
             payloads = [conn.prepare(meta.name, arrays) for arrays in _payloads(meta, config)]
-        else:
-            payloads = _validated(conn, meta, config, expected[meta.name])
+        if expected is not None:
+            payloads += _validated(conn, meta, config, expected[meta.name])
         plans.append((meta.name, payloads))
     for name, payloads in plans:
         # One request first: wrong names, shapes or dtypes fail here with the server's reason.
@@ -202,4 +354,4 @@ def _payloads(meta: ModelMeta, config: SessionConfig) -> list[dict[str, NDArray[
 
 def _validated(conn: Connection, meta: ModelMeta, config: SessionConfig, expected: Expected) -> list[Prepared]:
     pairs = validated_payloads(meta, config.batch, expected, str(config.validate))
-    return [conn.prepare(meta.name, arrays, outputs) for arrays, outputs in pairs]
+    return [conn.prepare(meta.name, arrays, Check(outputs, config.validate_options)) for arrays, outputs in pairs]

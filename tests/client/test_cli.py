@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import signal
 import subprocess
 import sys
 import time
@@ -66,7 +67,7 @@ def test_concurrency_mode_writes_the_documented_json_and_csv(
                                "--json", str(out_json), "--csv", str(out_csv), "--plot", str(tmp_path / "p.png"),
                                "--metrics-url", endpoints.metrics, *quick_args], capsys)
     assert code == 0
-    assert "mlp_fp32" in out and "power source: none" in out
+    assert "mlp_fp32" in out
     doc = json.loads(out_json.read_text())
     assert doc["model"] == "mlp_fp32" and doc["protocol"] == protocol
     (result,) = doc["results"]
@@ -77,7 +78,13 @@ def test_concurrency_mode_writes_the_documented_json_and_csv(
     assert set(result["server"]) == {"queue_us", "compute_input_us", "compute_infer_us", "compute_output_us",
                                      "avg_batch"}
     assert result["server"]["compute_infer_us"] > 0 and result["server"]["avg_batch"] >= 1
-    assert result["power"]["source"] == "none" and result["power"]["reason"]
+    # Whatever source this host has (none on a CPU machine, nvml on a GPU host): named in the table and
+    # the JSON, with energy figures when it measured, a reason when it did not.
+    power = result["power"]
+    assert f"power source: {power['source']}" in out
+    assert power["source"] in ("none", "nvml", "triton", "rapl")
+    assert power.get("reason") if power["source"] == "none" else power.get("energy_j") is not None
+    assert result["partial"] is False
     assert isinstance(result["stable"], bool) and 1 <= result["windows"] <= 4
     assert result["stable"] or result["windows"] == 4  # a level stops early only when stable
     assert len(result["window_seconds"]) == result["windows"] and min(result["window_seconds"]) >= 0.4
@@ -159,27 +166,53 @@ def test_bad_input_is_one_line_and_exit_1(args: list[str], message: str, endpoin
     assert "Traceback" not in err
 
 
-def test_server_dying_mid_run_keeps_the_windows_and_exits_non_zero(private_server: PrivateServer,
-                                                                     tmp_path: Path) -> None:
-    out = tmp_path / "partial.json"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "client", "-m", "mlp_fp32", "-u", private_server.endpoints.grpc, "--concurrency",
-         "2", "--measurement-interval", "500", "--max-trials", "40", "--stability-percentage", "0.001",
-         "--json", str(out), "--no-progress"],
+def _assert_partial_outputs(tmp_path: Path, stdout: str, stderr: str, reason: str) -> None:
+    """What a cut-short run leaves: JSON, CSV and plot of the completed windows, marked partial."""
+    doc = json.loads((tmp_path / "partial.json").read_text())
+    assert reason in doc["error"]
+    (result,) = doc["results"]
+    assert result["partial"] is True and result["stable"] is False and reason in result["stop_reason"]
+    assert result["throughput"] > 0 and result["windows"] >= 2
+    assert result["latency_us"] is not None and result["latency_us"]["p50"] > 0
+    (row,) = csv.DictReader((tmp_path / "partial.csv").open(newline=""))
+    assert float(row["Inferences/Second"]) > 0 and int(row["p50 latency"]) > 0
+    assert (tmp_path / "partial.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "mlp_fp32" in stdout and "partial" in stdout  # the table of what was measured
+    assert "Traceback" not in stderr
+
+
+def _perfclient_process(url: str, tmp_path: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "client", "-m", "mlp_fp32", "-u", url, "--concurrency", "2", "--measurement-interval",
+         "500", "--max-trials", "40", "--stability-percentage", "0.001", "--json", str(tmp_path / "partial.json"),
+         "--csv", str(tmp_path / "partial.csv"), "--plot", str(tmp_path / "partial.png"), "--no-progress"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
+
+
+def test_server_dying_mid_run_keeps_the_windows_and_exits_non_zero(private_server: PrivateServer,
+                                                                     tmp_path: Path) -> None:
+    proc = _perfclient_process(private_server.endpoints.grpc, tmp_path)
     try:
-        time.sleep(4)
+        time.sleep(5)
     finally:
         private_server.stop()
     stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 1, stderr
     assert "server stopped answering" in stderr.strip().splitlines()[-1]
-    doc = json.loads(out.read_text())
-    assert "stopped answering" in doc["error"]
-    assert doc["results"] and doc["results"][0]["throughput"] > 0 and doc["results"][0]["windows"] >= 2
-    assert "mlp_fp32" in stdout  # the table of what was measured
-    assert "Traceback" not in stderr
+    _assert_partial_outputs(tmp_path, stdout, stderr, "stopped answering")
+
+
+def test_ctrl_c_keeps_the_windows_and_exits_non_zero(endpoints: Endpoints, tmp_path: Path) -> None:
+    proc = _perfclient_process(endpoints.grpc, tmp_path)
+    try:
+        time.sleep(5)
+    finally:
+        proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 1, stderr
+    assert "interrupted (Ctrl-C)" in stderr.strip().splitlines()[-1]
+    _assert_partial_outputs(tmp_path, stdout, stderr, "interrupted (Ctrl-C)")
 
 
 @pytest.mark.parametrize(
@@ -212,3 +245,34 @@ def test_verbose_reaches_the_terminal(flags: list[str], shown: bool, dead_url: s
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and proc.stderr.splitlines()[-1].startswith("perfclient: error: ")
     assert (f"DEBUG client.protocol: connecting to {dead_url} over grpc" in proc.stderr) is shown
+
+
+def test_simultaneous_models_give_one_row_each_and_a_whole_run(endpoints: Endpoints, quick_args: list[str],
+                                                               tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = perfclient(["-m", "mlp_fp32", "-m", "mlp_int8", "--simultaneous", "-u", endpoints.grpc,
+                                 "--concurrency", "2", "--model-concurrency", "mlp_int8=1", "--power-source", "none",
+                                 "--json", str(tmp_path / "s.json"), "--csv", str(tmp_path / "s.csv"), *quick_args],
+                                capsys)
+    assert code == 0, err
+    runs = {d["model"]: d["results"] for d in json.loads((tmp_path / "s.json").read_text())["runs"]}
+    assert set(runs) == {"mlp_fp32", "mlp_int8", "(whole run)"}
+    assert runs["mlp_fp32"][0]["concurrency"] == 2 and runs["mlp_int8"][0]["concurrency"] == 1
+    assert runs["(whole run)"][0]["throughput"] > 0
+    assert "(whole run)" in out
+    rows = list(csv.DictReader((tmp_path / "s.csv").open(newline="")))
+    assert sorted(r["Concurrency"] for r in rows) == ["1", "2"]  # per model, as perf_analyzer's
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--model-concurrency", "mlp_fp32"], "--model-concurrency 'mlp_fp32': expected MODEL=NUMBER, once per model"),
+    (["--model-request-rate", "mlp_fp32=fast"],
+     "--model-request-rate 'mlp_fp32=fast': expected MODEL=NUMBER, once per model"),
+    (["--simultaneous"], "--simultaneous: expected two or more -m models, got 1"),
+    (["--request-timeout-ms", "0"], "--request-timeout-ms 0: expected a positive integer"),
+    (["--request-rate", "5", "--max-inflight", "0"], "--max-inflight 0: expected a positive integer"),
+    (["--time-limit", "-1"], "--time-limit -1.0: expected a positive number of seconds"),
+])
+def test_new_flags_check_their_values(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = perfclient(["-m", "mlp_fp32", *args], capsys)
+    assert code == 1 and err.strip() == f"perfclient: error: {message}"

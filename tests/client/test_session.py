@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import http.server
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -12,12 +14,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from client.engine import Distribution, LoadLevel, Measurement
+from client.engine import Abort, Distribution, LoadLevel, Measurement
 from client.errors import PerfClientError, RunAborted
 from client.inputs import InputData
 from client.power import PowerSource
 from client.protocol import Connection, Protocol
-from client.session import ModelResult, SessionConfig, measure, run
+from client.session import WHOLE_RUN, ModelResult, SessionConfig, measure, run
 from client.stats import Window
 from tests.helpers.servers import Endpoints, PrivateServer
 
@@ -137,19 +139,107 @@ def test_open_loop_holds_the_rate_and_reports_a_client_stall_as_late_sends(endpo
 
 def test_the_server_dying_mid_run_gives_the_windows_measured_so_far(private_server: PrivateServer,
                                                                      quick: Measurement) -> None:
-    def stop_after_two(model: str, level: LoadLevel, index: int, window: Window) -> None:
-        if index == 2:
+    def stop_after_three(model: str, level: LoadLevel, index: int, window: Window) -> None:
+        if index == 3:
             private_server.stop()
 
     measurement = dataclasses.replace(quick, stability_percentage=0.001, max_trials=40)
     with pytest.raises(RunAborted) as caught:
-        run(config(private_server.endpoints.grpc, measurement, levels=(LoadLevel(concurrency=2),)), stop_after_two)
+        run(config(private_server.endpoints.grpc, measurement, levels=(LoadLevel(concurrency=2),)), stop_after_three)
     assert "the server stopped answering during concurrency 2" in str(caught.value)
     (row,) = caught.value.partial
     assert isinstance(row, ModelResult) and row.model == "mlp_fp32"
-    assert not row.result.complete and not row.result.stable
-    assert 3 <= len(row.result.windows) < 40 and row.result.windows[0].throughput > 0
-    assert row.result.windows[-1].requests == 0 and row.result.windows[-1].errors
+    r = row.result
+    assert not r.complete and not r.stable and not r.failed and "stopped answering" in (r.stop_reason or "")
+    # The windows measured before the server went: each with successes and no sign of its end; the
+    # summary over the last three of them, with real figures.
+    assert 3 <= len(r.windows) < 40
+    assert all(w.requests > 0 and not {"unavailable", "unknown_model"} & w.errors.keys() for w in r.windows)
+    assert r.summary.throughput > 0 and r.summary.latency_us is not None and r.summary.latency_us.p50 > 0
+    assert r.summary.requests == sum(w.requests for w in r.windows[-3:])
+    assert r.server.requests is not None and r.server.requests > 0  # counters read at those windows' ends
+
+
+def test_an_abort_keeps_the_completed_windows_and_drops_the_open_one(endpoints: Endpoints,
+                                                                      quick: Measurement) -> None:
+    measurement = dataclasses.replace(quick, stability_percentage=0.001, max_trials=40)
+
+    async def go() -> list[ModelResult]:
+        abort = Abort()
+
+        def abort_in_window_three(model: str, level: LoadLevel, index: int, window: Window) -> None:
+            if index == 2:
+                asyncio.get_running_loop().call_later(0.2, abort.set, "interrupted (test)")
+
+        return await measure(config(endpoints.grpc, measurement, levels=(LoadLevel(concurrency=2),)),
+                             abort_in_window_three, abort)
+
+    with pytest.raises(RunAborted, match="interrupted \\(test\\)") as caught:
+        asyncio.run(go())
+    (row,) = caught.value.partial
+    r = row.result
+    assert not r.complete and not r.stable and r.stop_reason == "interrupted (test)"
+    assert len(r.windows) == 2 and all(w.seconds >= 0.4 for w in r.windows)  # the cut third is left out
+    assert r.summary.throughput > 0 and r.summary.latency_us is not None
+
+
+def test_the_time_limit_ends_the_run_with_what_was_measured(endpoints: Endpoints, quick: Measurement) -> None:
+    measurement = dataclasses.replace(quick, stability_percentage=0.001, max_trials=40)
+    started = time.monotonic()
+    with pytest.raises(RunAborted, match=r"--time-limit 1\.5 s reached") as caught:
+        run(config(endpoints.grpc, measurement, levels=(LoadLevel(concurrency=1), LoadLevel(concurrency=2)),
+                   time_limit_s=1.5))
+    assert time.monotonic() - started < 10
+    (row,) = caught.value.partial
+    assert row.result.level.concurrency == 1 and not row.result.complete and 1 <= len(row.result.windows) <= 3
+
+
+class SlowMetrics(http.server.BaseHTTPRequestHandler):
+    """Triton-like metrics with a GPU energy counter, each answer 200 ms late."""
+
+    joules = 0.0
+
+    def do_GET(self) -> None:
+        time.sleep(0.2)
+        SlowMetrics.joules += 10.0
+        body = f'nv_energy_consumption{{gpu_uuid="GPU-test"}} {SlowMetrics.joules}\n'.encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def test_a_slow_metrics_endpoint_does_not_delay_requests(endpoints: Endpoints) -> None:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), SlowMetrics)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    measurement = Measurement(measurement_ms=400, stability_percentage=0.001, max_trials=5, warmup_requests=5)
+    slow_url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
+    try:
+        p50s: dict[str, list[float]] = {"none": [], "slow": []}
+        worst = 0.0
+        for _ in range(2):  # alternating, so a busy moment on the machine hits both alike
+            for kind in ("none", "slow"):
+                power = {"power_source": PowerSource.NONE} if kind == "none" else {
+                    "power_source": PowerSource.TRITON, "metrics_url": slow_url}
+                (row,) = run(config(endpoints.grpc, measurement, levels=(LoadLevel(concurrency=2),), **power))
+                lat = row.result.summary.latency_us
+                assert lat is not None
+                p50s[kind].append(lat.p50)
+                if kind == "slow":
+                    # The meter was read (energy per window) while requests kept going.
+                    assert row.result.power.source is PowerSource.TRITON and row.result.power.energy_j is not None
+                    assert all(w.power is not None and w.power.energy_j is not None for w in row.result.windows)
+                    worst = max(worst, max(w.latency_us.max for w in row.result.windows if w.latency_us))
+    finally:
+        server.shutdown()
+    # A read on the event loop would hold every request in flight for 200 ms at each boundary.
+    assert worst < 150_000
+    assert abs(float(np.median(p50s["slow"])) - float(np.median(p50s["none"]))) < 1_000  # µs
+    assert SlowMetrics.joules > 0
 
 
 @pytest.mark.parametrize(
@@ -181,3 +271,58 @@ def test_a_request_the_server_rejects_is_reported_with_its_reason(
 def test_unreachable_server(dead_url: str, quick: Measurement) -> None:
     with pytest.raises(PerfClientError, match=f"-u {dead_url}: cannot reach Triton over grpc"):
         asyncio.run(measure(config(dead_url, quick)))
+
+
+def test_simultaneous_models_share_the_time_and_the_whole_run_has_the_energy(endpoints: Endpoints) -> None:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FastMetrics)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    measurement = Measurement(measurement_ms=400, stability_percentage=60, max_trials=4, warmup_requests=5)
+    try:
+        rows = run(SessionConfig(
+            models=("mlp_fp32", "mlp_int8"), url=endpoints.grpc, measurement=measurement,
+            levels=(LoadLevel(concurrency=2),), model_levels={"mlp_int8": (LoadLevel(concurrency=1),)},
+            simultaneous=True, power_source=PowerSource.TRITON,
+            metrics_url=f"http://127.0.0.1:{server.server_address[1]}/metrics"))
+    finally:
+        server.shutdown()
+    assert [r.model for r in rows] == ["mlp_fp32", "mlp_int8", WHOLE_RUN]
+    fp32, int8, whole = (r.result for r in rows)
+    assert (fp32.level.concurrency, int8.level.concurrency) == (2, 1)
+    for r in (fp32, int8):
+        assert r.complete and r.summary.requests > 0 and r.server.requests is not None and r.server.requests > 0
+        assert r.power.energy_j is None and r.power.reason and "whole run" in r.power.reason
+    # Under load together: each model's measured windows lie inside the span where both were loaded.
+    assert max(fp32.windows[0].start_ns, int8.windows[0].start_ns) < min(fp32.windows[-1].end_ns,
+                                                                        int8.windows[-1].end_ns)
+    # The whole run spans from the moment both were measuring to the moment both were done, and counts
+    # every inference completed in it: at the sum of the two models' rates.
+    assert whole.summary.start_ns >= max(fp32.windows[0].start_ns, int8.windows[0].start_ns)
+    assert whole.summary.end_ns >= max(fp32.windows[-1].end_ns, int8.windows[-1].end_ns)
+    assert whole.summary.throughput == pytest.approx(fp32.summary.throughput + int8.summary.throughput, rel=0.5)
+    assert whole.summary.requests == fp32.summary.requests + int8.summary.requests  # pooled latencies
+    assert whole.power.source is PowerSource.TRITON and whole.power.energy_j is not None
+    assert whole.power.energy_j > 0 and whole.power.j_per_infer is not None
+
+
+def test_simultaneous_needs_two_models_and_equal_sweeps() -> None:
+    with pytest.raises(PerfClientError, match="--simultaneous: expected two or more -m models"):
+        SessionConfig(models=("a",), url="h:1", simultaneous=True)
+    with pytest.raises(PerfClientError, match="the same number of load levels"):
+        SessionConfig(models=("a", "b"), url="h:1", simultaneous=True,
+                      levels=(LoadLevel(concurrency=1), LoadLevel(concurrency=2)),
+                      model_levels={"b": (LoadLevel(concurrency=4),)})
+    with pytest.raises(PerfClientError, match="--model-concurrency/--model-request-rate c: not among -m a, b"):
+        SessionConfig(models=("a", "b"), url="h:1", model_levels={"c": (LoadLevel(concurrency=4),)})
+
+
+class FastMetrics(SlowMetrics):
+    """The same counter, answered at once."""
+
+    def do_GET(self) -> None:
+        SlowMetrics.joules += 10.0
+        body = f'nv_energy_consumption{{gpu_uuid="GPU-test"}} {SlowMetrics.joules}\n'.encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
