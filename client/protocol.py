@@ -266,11 +266,22 @@ TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (
     grpc.aio.AioRpcError, HttpStatusError, aiohttp.ClientError, asyncio.TimeoutError, TimeoutError, ConnectionError)
 
 # Error kinds by gRPC status and by HTTP status: the labels results count errors under.
+# Every gRPC status code has its kind (Triton: NOT_FOUND = no such model, RESOURCE_EXHAUSTED = queue
+# full or message too large, UNAVAILABLE = server not ready or not reachable).
 _GRPC_KINDS = {
     grpc.StatusCode.UNAVAILABLE: "unavailable", grpc.StatusCode.DEADLINE_EXCEEDED: "timeout",
     grpc.StatusCode.NOT_FOUND: "unknown_model", grpc.StatusCode.INVALID_ARGUMENT: "invalid_argument",
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "resource_exhausted", grpc.StatusCode.INTERNAL: "internal",
+    grpc.StatusCode.UNKNOWN: "unknown", grpc.StatusCode.CANCELLED: "cancelled",
+    grpc.StatusCode.UNIMPLEMENTED: "unimplemented", grpc.StatusCode.FAILED_PRECONDITION: "failed_precondition",
+    grpc.StatusCode.ABORTED: "aborted", grpc.StatusCode.OUT_OF_RANGE: "out_of_range",
+    grpc.StatusCode.ALREADY_EXISTS: "already_exists", grpc.StatusCode.PERMISSION_DENIED: "permission_denied",
+    grpc.StatusCode.UNAUTHENTICATED: "unauthenticated", grpc.StatusCode.DATA_LOSS: "data_loss",
+    grpc.StatusCode.OK: "ok_without_answer",
 }
-_HTTP_KINDS = {400: "invalid_argument", 404: "unknown_model", 408: "timeout", 503: "unavailable", 504: "timeout"}
+# HTTP statuses Triton (or a proxy in front of it) answers with; any other is counted as http_<status>.
+_HTTP_KINDS = {400: "invalid_argument", 404: "unknown_model", 408: "timeout", 429: "resource_exhausted",
+               500: "internal", 501: "unimplemented", 502: "unavailable", 503: "unavailable", 504: "timeout"}
 
 
 def error_kind(exc: BaseException) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 from numpy.typing import NDArray
@@ -89,8 +90,19 @@ def test_nobody_listening_is_unavailable(protocol: Protocol, dead_url: str) -> N
 def test_timeouts_and_unknown_errors_keep_distinct_labels() -> None:
     assert error_kind(TimeoutError()) == "timeout"
     assert error_kind(HttpStatusError(503, b'{"error":"overloaded"}')) == "unavailable"
-    assert error_kind(HttpStatusError(500, b"")) == "http_500"
+    assert error_kind(HttpStatusError(500, b"")) == "internal"
+    assert error_kind(HttpStatusError(418, b"")) == "http_418"
     assert error_kind(ValueError("bad")) == "ValueError"
+
+
+def test_every_grpc_status_code_has_its_own_kind() -> None:
+    # By code, never by message: the same text under two codes gives two kinds.
+    kinds = {code: error_kind(grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), "same words"))
+             for code in grpc.StatusCode}
+    assert len(set(kinds.values())) == len(kinds)
+    assert kinds[grpc.StatusCode.UNAVAILABLE] == "unavailable" and kinds[grpc.StatusCode.NOT_FOUND] == "unknown_model"
+    assert kinds[grpc.StatusCode.RESOURCE_EXHAUSTED] == "resource_exhausted"
+    assert kinds[grpc.StatusCode.DEADLINE_EXCEEDED] == "timeout"
 
 
 @pytest.mark.parametrize("protocol", list(Protocol))
