@@ -284,6 +284,7 @@ def build_all(
     with repository_lock(options.repository, what=f"the build of {', '.join(s.name for s in specs)}",
                          wait=options.wait):
         staging = Staging(options.repository)
+        errors: list[BuilderError] = []
         try:
             for spec in specs:
                 try:
@@ -292,11 +293,17 @@ def build_all(
                     # The model failed before its variants (export, checks, data): the other models go on.
                     if options.all_or_nothing:
                         raise
+                    errors.append(exc)
                     results.append(_model_failed(spec, exc, options.repository))
             if options.all_or_nothing:
                 staging.commit()
         finally:
             staging.discard()
+    if errors and len(errors) == len(specs):
+        # Every model failed before building anything: nothing was written, not even a report.
+        if len(errors) == 1:
+            raise errors[0]
+        raise BuilderError("\n".join(str(e) for e in errors))
     if report_path is not None:
         write_json(report_path, {
             "command": command,

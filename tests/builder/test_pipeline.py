@@ -142,18 +142,21 @@ def test_bad_calibration_data_fails_before_anything_is_written(
     spec = replace(specs[0], calibration=replace(specs[0].calibration,
                                                  data=replace(specs[0].calibration.data, source=str(bad))))
     before = snapshot(repo_copy)
-    # A model that fails before its variants: listed with its reason, none of its variants touched.
-    (result,) = build_all([spec], options(repo_copy, tmp_path / "cache"), None, ["pytest"])
-    assert result.status is ModelStatus.FAILED and result.variants == []
-    assert result.error is not None and "input 'x' has dtype float64, expected float32" in result.error
-    assert [f.variant for f in result.failures] == ["mlp_fp32", "mlp_fp16", "mlp_int8"]
-    assert all(f.kept_previous for f in result.failures)
-    assert snapshot(repo_copy) == before
-    opts = options(repo_copy, tmp_path / "cache")
-    opts.all_or_nothing = True
     with pytest.raises(DataError, match="input 'x' has dtype float64, expected float32"):
-        build_all([spec], opts, None, ["pytest"])
-    assert snapshot(repo_copy) == before
+        build_all([spec], options(repo_copy, tmp_path / "cache"), repo_copy / "build_report.json", ["pytest"])
+    assert snapshot(repo_copy) == before  # the report included
+    # Beside a model that builds: that one is written, this one listed with its reason, untouched.
+    opts = options(repo_copy, tmp_path / "cache")
+    opts.force = True
+    bad, good = build_all([spec, specs[1]], opts, None, ["pytest"])
+    assert bad.status is ModelStatus.FAILED and bad.variants == []
+    assert bad.error is not None and "input 'x' has dtype float64, expected float32" in bad.error
+    assert [f.variant for f in bad.failures] == ["mlp_fp32", "mlp_fp16", "mlp_int8"]
+    assert all(f.kept_previous for f in bad.failures)
+    after = snapshot(repo_copy)
+    assert {k: v for k, v in after.items() if k.startswith("mlp_")} == \
+        {k: v for k, v in before.items() if k.startswith("mlp_")}
+    assert good.status is ModelStatus.BUILT and after != before
 
 
 def test_pytorch_source_is_exported_with_a_dynamic_batch_axis(tmp_path: Path) -> None:
