@@ -261,15 +261,20 @@ class SharedMemoryPool:
         deadline = time.monotonic() + IN_USE_WAIT_S
         while pending:
             busy = []
-            for region in pending:
+            for index, region in enumerate(pending):
                 try:
                     self._unregister(region)
                 except Exception as exc:  # noqa: BLE001 - a dead server cannot answer; the local part still goes
                     # Requests the run abandoned may still be answering into a region: Triton refuses until then.
                     if "in use" in str(exc) and time.monotonic() < deadline:
                         busy.append(region)
-                    else:
-                        log.debug("unregistering %s: %s", region.name, _first_line(exc))
+                        continue
+                    # Any other failure: the server is gone or hung; asking about every other region would
+                    # only add a timeout each.
+                    log.debug("unregistering %s: %s; skipping %d more", region.name, _first_line(exc),
+                              len(pending) - index - 1)
+                    busy = []
+                    break
             pending = busy
             if pending:
                 time.sleep(0.05)

@@ -215,3 +215,30 @@ def test_a_server_killed_mid_run_leaves_no_region_behind(
             process.wait(timeout=30)
         server.stop()
     assert leftovers(process.pid) == [], log.read_text()
+
+
+def test_a_hung_server_costs_one_timeout_not_one_per_region(
+    tiny_repository: tuple[Path, list[ModelSpec]], tmp_path: Path,
+) -> None:
+    from client.shared_memory import CONTROL_TIMEOUT_S
+
+    repository, _ = tiny_repository
+    server = TritonServer(repository, tmp_path / "state", Ports(*free_ports(3)))
+    server.start(timeout=120)
+    assert server.process is not None
+    try:
+        pool = SharedMemoryPool(SharedMemory("system"), protocol="grpc", url=f"127.0.0.1:{server.ports.grpc}")
+        for seed in range(6):
+            pool.layout("mlp_fp32", {"x": np.full((2, 4, 32), seed, np.float32)}, outputs=True)
+        assert len(pool.region_names) == 7 and len(leftovers(os.getpid())) == 7
+        server.process.send_signal(signal.SIGSTOP)  # alive, listening, answering nothing
+        try:
+            started = time.monotonic()
+            pool.close()
+            took = time.monotonic() - started
+        finally:
+            server.process.send_signal(signal.SIGCONT)
+        assert took < 2 * CONTROL_TIMEOUT_S, took
+        assert leftovers(os.getpid()) == []
+    finally:
+        server.stop()
