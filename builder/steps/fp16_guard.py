@@ -31,6 +31,7 @@ from typing import Any
 import onnx
 from numpy.typing import NDArray
 
+from builder.errors import ToolError
 from builder.spec.enums import Precision
 from builder.spec.model import Tolerance
 from builder.steps import accuracy
@@ -89,16 +90,17 @@ class Fp16Attempt:
 
     lever: str  # "nodes", "op_types" or "thresholds"
     settings: dict[str, object]
-    fp16_nodes: int
+    fp16_nodes: int | None  # None: autocast refused these settings
     passes: bool
-    metrics: Metrics
+    metrics: Metrics | None
+    error: str | None = None  # autocast's one-line reason, when it refused
 
 
 @dataclass(frozen=True)
 class NodeSensitivity:
     node: str
     op_type: str
-    damage: float  # 1 - mean cosine (+ top-1 disagreement) with only this node in FP16
+    damage: float | None  # 1 - mean cosine (+ top-1 disagreement) with only this node in FP16; None: refused
 
 
 @dataclass
@@ -116,7 +118,7 @@ class Fp16GuardReport:
     conversions: int
     search: list[Fp16Attempt] = field(default_factory=list)
     most_sensitive: list[NodeSensitivity] = field(default_factory=list)
-    op_type_damage: dict[str, float] = field(default_factory=dict)
+    op_type_damage: dict[str, float | None] = field(default_factory=dict)  # None: autocast refused
     seconds: float = 0.0
 
 
@@ -129,14 +131,24 @@ class _Search:
     conversions: int = 0
     attempts: list[Fp16Attempt] = field(default_factory=list)
 
-    def run(self, settings: Fp16Settings, tag: str) -> tuple[Metrics, Path, int]:
+    def run(self, settings: Fp16Settings, tag: str) -> tuple[Metrics, Path, int] | ToolError:
+        """One conversion and its figures; autocast refusing these settings (where plain FP16 worked)
+        is a candidate that failed, not the end of the search."""
         out = self.work / f"{tag}.onnx"
-        self.convert(settings, out)
         self.conversions += 1
+        try:
+            self.convert(settings, out)
+        except ToolError as exc:
+            log.debug("FP16 guard: %s: %s", tag, exc)
+            return exc
         return self.evaluate(out), out, len(fp16_nodes(onnx.load(str(out))))
 
-    def attempt(self, settings: Fp16Settings, lever: str, tag: str) -> tuple[bool, Metrics, Path, int]:
-        metrics, out, count = self.run(settings, tag)
+    def attempt(self, settings: Fp16Settings, lever: str, tag: str) -> tuple[bool, Metrics | None, Path, int]:
+        done = self.run(settings, tag)
+        if isinstance(done, ToolError):
+            self.attempts.append(Fp16Attempt(lever, settings.record(), None, False, None, str(done)))
+            return False, None, self.work / f"{tag}.onnx", 0
+        metrics, out, count = done
         # A mix with no node left in FP16 is the FP32 fallback in disguise: never a pass.
         passes = count > 0 and accuracy.violation(metrics, self.tolerance, "candidate") is None
         self.attempts.append(Fp16Attempt(lever, settings.record(), count, passes, metrics))
@@ -144,8 +156,12 @@ class _Search:
         return passes, metrics, out, count
 
 
-def _rank(metrics: Metrics) -> tuple[float, float]:
-    return (metrics.damage(), metrics.max_rel)
+def _rank(done: tuple[Metrics, Path, int] | ToolError) -> tuple[float, float]:
+    """Sort key, most damaging first when reversed. A conversion autocast refused ranks last: plain FP16
+    converted that node, so the refusal says nothing about its damage."""
+    if isinstance(done, ToolError):
+        return (-math.inf, -math.inf)
+    return (done[0].damage(), done[0].max_rel)
 
 
 def guard(convert: Convert, evaluate: Evaluate, *, plain: Path, tolerance: Tolerance, work: Path,
@@ -167,8 +183,8 @@ def guard(convert: Convert, evaluate: Evaluate, *, plain: Path, tolerance: Toler
         op_types = sorted({op_of[n] for n in candidates})
         for index, op_type in enumerate(op_types):
             others = tuple(t for t in op_types if t != op_type)
-            metrics, _, _ = search.run(Fp16Settings(op_types_to_exclude=others), f"type_alone_{index}")
-            type_damage[op_type] = metrics.damage()
+            type_damage[op_type] = _rank(search.run(Fp16Settings(op_types_to_exclude=others),
+                                                    f"type_alone_{index}"))[0]
         measured = []
         for op_type in sorted(op_types, key=lambda t: type_damage[t], reverse=True):
             of_type = [n for n in candidates if op_of[n] == op_type]
@@ -181,20 +197,17 @@ def guard(convert: Convert, evaluate: Evaluate, *, plain: Path, tolerance: Toler
             others = tuple(n for n in candidates if n != node)
             # data_max = inf skips autocast's reference run (the costly part on a large graph): every
             # other node is excluded by name, and this one is within the thresholds (plain FP16 has it).
-            metrics, _, _ = search.run(Fp16Settings(nodes_to_exclude=others, data_max=math.inf),
-                                       f"node_alone_{index}")
-            sensitivity[node] = _rank(metrics)
+            sensitivity[node] = _rank(search.run(Fp16Settings(nodes_to_exclude=others, data_max=math.inf),
+                                                 f"node_alone_{index}"))
             bar.advance(status=node)
     order = sorted(measured, key=lambda n: sensitivity[n], reverse=True)
-    for op_type, damage in type_damage.items():
-        type_damage[op_type] = round(damage, 9)
     if not type_damage:
         for node in measured:
             type_damage[op_of[node]] = max(type_damage.get(op_of[node], 0.0), sensitivity[node][0])
 
     # 2. The fewest nodes kept in FP32.
     found: tuple[Fp16Settings, Metrics, Path, int] | None = None
-    cache: dict[int, tuple[bool, Metrics, Path, int]] = {}
+    cache: dict[int, tuple[bool, Metrics | None, Path, int]] = {}
 
     def keep(k: int) -> bool:
         if k not in cache:
@@ -219,6 +232,7 @@ def guard(convert: Convert, evaluate: Evaluate, *, plain: Path, tolerance: Toler
             else:
                 low = mid + 1
         _, metrics, out, count = cache[high]
+        assert metrics is not None, "a passing candidate was measured"
         found = (Fp16Settings(nodes_to_exclude=tuple(order[:high])), metrics, out, count)
 
     # 3. Whole op types, most damaging first; then the range thresholds.
@@ -227,7 +241,7 @@ def guard(convert: Convert, evaluate: Evaluate, *, plain: Path, tolerance: Toler
         for count_types in range(1, len(ranked_types)):
             settings = Fp16Settings(op_types_to_exclude=tuple(ranked_types[:count_types]))
             passes, metrics, out, count = search.attempt(settings, "op_types", f"types_{count_types}")
-            if passes:
+            if passes and metrics is not None:
                 found = (settings, metrics, out, count)
                 break
     if found is None:
@@ -235,24 +249,28 @@ def guard(convert: Convert, evaluate: Evaluate, *, plain: Path, tolerance: Toler
         for value in THRESHOLDS:
             settings = Fp16Settings(data_max=value, init_max=value)
             passes, metrics, out, count = search.attempt(settings, "thresholds", f"max_{value:g}")
-            if passes:
+            if passes and metrics is not None:
                 passing.append((settings, metrics, out, count))
         if passing:
             found = max(passing, key=lambda item: item[3])  # the one that keeps the most nodes in FP16
 
-    top = [NodeSensitivity(n, op_of[n], round(sensitivity[n][0], 9)) for n in order[:10]]
+    def figure(damage: float) -> float | None:  # refused by autocast: no figure
+        return None if math.isinf(damage) else round(damage, 9)
+
+    top = [NodeSensitivity(n, op_of[n], figure(sensitivity[n][0])) for n in order[:10]]
+    recorded_types = {t: figure(d) for t, d in type_damage.items()}
     seconds = round(time.perf_counter() - started, 2)
     if found is None:
         log.warning("FP16 guard: no FP16 mix meets the tolerance (%d conversions)", search.conversions)
         return Fp16GuardReport([], [], {}, Precision.FP32, before, None, len(candidates), 0, search.conversions,
-                               search.attempts, top, type_damage, seconds), None
+                               search.attempts, top, recorded_types, seconds), None
     settings, after, path, count = found
     log.info("FP16 guard: kept in FP32: %s; %d of %d nodes still in FP16",
              ", ".join(settings.nodes_to_exclude or settings.op_types_to_exclude)
              or f"nodes beyond data_max={settings.data_max:g}", count, len(candidates))
     return Fp16GuardReport(list(settings.nodes_to_exclude), list(settings.op_types_to_exclude), settings.record(),
                            None, before, after, len(candidates), count, search.conversions, search.attempts, top,
-                           type_damage, seconds), path
+                           recorded_types, seconds), path
 
 
 def guard_fp16(*, fp32_path: Path, feeds: Sequence[Mapping[str, NDArray[Any]]], variant_onnx: Path,

@@ -14,12 +14,13 @@ import pytest
 from numpy.typing import NDArray
 from onnx import TensorProto, helper, numpy_helper
 
-from builder.errors import AccuracyError
+from builder.errors import AccuracyError, ToolError
 from builder.pipeline import BuildOptions, build_all
 from builder.runtimes.onnxruntime import OnnxRuntimeCPU, run_file
 from builder.spec import DataSpec, DimRange, ModelSpec, Precision, Task, Tolerance
 from builder.steps import accuracy, precision
-from builder.steps.fp16_guard import fp16_nodes
+from builder.steps.fp16_guard import fp16_nodes, guard
+from builder.steps.precision import Fp16Settings
 
 FEATURES = 16
 OFFSET = 300.0
@@ -116,3 +117,31 @@ def test_when_no_fp16_mix_meets_the_tolerance_fp32_is_served_under_the_fp16_name
     assert guard["before"]["cosine_min"] < 0.999 and record["accuracy"]["max_abs"] == 0.0
     served = onnx.load(str(tmp_path / "repo" / "offset_fp16" / "1" / "model.onnx"))
     assert not fp16_nodes(served)
+
+
+def test_a_candidate_autocast_refuses_is_recorded_and_the_search_goes_on(tmp_path: Path) -> None:
+    model = offset_model(tmp_path / "offset.onnx")
+    evaluation = offset_samples(32, seed=1)
+    feeds = precision.autocast_feeds([evaluation], 8)
+    reference = run_file(model, evaluation, 8)
+    plain = tmp_path / "plain.onnx"
+    precision.to_fp16(model, plain, feeds=feeds, what="offset")
+    refused: list[Fp16Settings] = []
+
+    def convert(settings: Fp16Settings, out: Path) -> None:
+        if len(settings.nodes_to_exclude) == 4 and "relu" not in settings.nodes_to_exclude:
+            refused.append(settings)  # relu alone in FP16: refused, as autocast may refuse a combination
+            raise ToolError("model 'offset': FP16 conversion (ModelOpt autocast) failed: refused (full output: -)")
+        precision.to_fp16(model, out, feeds=feeds, what="offset", settings=settings)
+
+    def evaluate(path: Path) -> accuracy.Metrics:
+        return accuracy.compare(reference, run_file(path, evaluation, 8), Task.GENERIC)
+
+    work = tmp_path / "work"
+    work.mkdir()
+    report, path = guard(convert, evaluate, plain=plain, tolerance=Tolerance(cosine_min=0.999), work=work)
+    assert len(refused) == 1 and path is not None
+    assert report.kept_fp32_nodes == ["centre"] and report.fallback is None
+    relu = next(s for s in report.most_sensitive if s.node == "relu")
+    assert relu.damage is None and report.most_sensitive[-1].node == "relu"  # no figure, ranked last
+    assert report.conversions == 5 + len(report.search)  # five alone, then the search
