@@ -62,6 +62,8 @@ def _parser() -> argparse.ArgumentParser:
                         f"(default {int(REQUEST_TIMEOUT_S * 1000)})")
     p.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
                    help="stop the whole run after this long, keeping the windows measured (exit 1, like Ctrl-C)")
+    p.add_argument("--processes", type=int, default=1, metavar="N",
+                   help="generate the load from N worker processes (their records merge exactly; default 1)")
     p.add_argument("--simultaneous", action="store_true",
                    help="load every -m model at once (default: one after another); energy for the whole run")
     p.add_argument("--model-concurrency", action="append", default=[], metavar="MODEL=N",
@@ -168,7 +170,7 @@ def parse_config(argv: Sequence[str] | None) -> CliConfig:
         power_source=PowerSource.parse(args.power_source, "--power-source", error=PerfClientError),
         validate=args.validate, validate_options=_validate_options(args),
         shared_memory=SharedMemory(args.shared_memory, args.output_shared_memory_size),
-        request_timeout_ms=args.request_timeout_ms, time_limit_s=args.time_limit,
+        request_timeout_ms=args.request_timeout_ms, time_limit_s=args.time_limit, processes=args.processes,
     )
     return CliConfig(session=session, json_path=args.json, csv_path=args.csv, plot_path=args.plot, html_path=args.html,
                      progress=not args.no_progress and not args.quiet, verbose=args.verbose, quiet=args.quiet)

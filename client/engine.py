@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -189,6 +190,18 @@ class Together:
             aborted.cancel()
 
 
+class WorkerPool(Protocol):
+    """Load generated in other processes (client.workers): started, warmed up, tallied, stopped."""
+
+    async def start(self, level: LoadLevel) -> None: ...
+
+    async def warm_up(self, requests: int, limit_s: float) -> None: ...
+
+    async def swap(self) -> Tally: ...
+
+    async def stop(self) -> None: ...
+
+
 WindowFn = Callable[[int, Window], None]  # (1-based window index, window) as each window closes
 
 # One snapshot per window boundary: the server's counters and every meter's reading.
@@ -207,7 +220,9 @@ class LoadRun:
     def __init__(self, conn: Connection, *, model: str, payloads: Sequence[Prepared], batch: int, meter: Meter,
                  measurement: Measurement, on_window: WindowFn | None = None,
                  cross_checks: Sequence[Meter] = (), abort: Abort | None = None, keep_records: bool = False,
-                 together: Together | None = None) -> None:
+                 together: Together | None = None, pool: WorkerPool | None = None) -> None:
+        """`pool`: worker processes generate the load instead of this loop (--processes); this loop
+        only sets the window boundaries, reads the server and the meters, and merges their tallies."""
         self.conn = conn
         self.model = model
         self.payloads = list(payloads)
@@ -225,6 +240,9 @@ class LoadRun:
         self._tasks: set[asyncio.Task[None]] = set()
         self._count = 0
         self.together = together
+        self.pool = pool
+        if pool is not None and measurement.request_count > 0:
+            raise PerfClientError("--processes: not with --request-count (windows are timed by the parent)")
         self.started = asyncio.Event()  # the first window opened
         self.measured = asyncio.Event()  # the last window closed (or the level stopped)
 
@@ -292,12 +310,12 @@ class LoadRun:
         while True:
             yield mean_ns
 
-    async def _open_loop(self, level: LoadLevel) -> None:
+    async def _open_loop(self, level: LoadLevel, offset_ns: float = 0.0) -> None:
         assert level.request_rate is not None
         # Late: left a whole mean inter-arrival gap after its time, i.e. the client fell a send behind
         # its schedule (sub-millisecond event-loop jitter is not lateness; the lag is in the latency anyway).
         late_ns = 1e9 / level.request_rate
-        next_t = float(time.monotonic_ns())
+        next_t = float(time.monotonic_ns()) + offset_ns
         for gap in self._gaps_ns(level):
             if self._stop.is_set():
                 break
@@ -312,13 +330,34 @@ class LoadRun:
                 task.add_done_callback(self._tasks.discard)
             next_t += gap
 
-    async def run(self, level: LoadLevel) -> LevelResult:
-        """Measure `level`; LevelStopped (with what was measured) if the server stops or the run is aborted."""
+    def start_drivers(self, level: LoadLevel, *, offset_ns: float = 0.0) -> list[asyncio.Task[None]]:
+        """The tasks that generate `level`'s load on this loop (`offset_ns` delays an open loop's schedule)."""
         if level.concurrency is not None:
             step = max(len(self.payloads) // level.concurrency, 1)  # workers start on different payloads
-            drivers = [asyncio.create_task(self._closed_loop_worker(i * step)) for i in range(level.concurrency)]
-        else:
-            drivers = [asyncio.create_task(self._open_loop(level))]
+            return [asyncio.create_task(self._closed_loop_worker(i * step)) for i in range(level.concurrency)]
+        return [asyncio.create_task(self._open_loop(level, offset_ns))]
+
+    @property
+    def completed_so_far(self) -> int:
+        """Requests completed in the open window (warm-up included before the first)."""
+        return self._tally.completed
+
+    def swap(self) -> Tally:
+        """The open window's tally, replaced by a fresh one (synchronous: no completion slips in between)."""
+        tally, self._tally = self._tally, Tally()
+        return tally
+
+    async def stop_drivers(self, drivers: list[asyncio.Task[None]]) -> None:
+        self._stop.set()
+        for task in [*drivers, *self._tasks]:
+            task.cancel()
+        await asyncio.gather(*drivers, *self._tasks, return_exceptions=True)
+
+    async def run(self, level: LoadLevel) -> LevelResult:
+        """Measure `level`; LevelStopped (with what was measured) if the server stops or the run is aborted."""
+        drivers = self.start_drivers(level) if self.pool is None else []
+        if self.pool is not None:
+            await self.pool.start(level)
         trace = self.meter.trace
         trace_start = len(trace.samples) if trace is not None else 0
         windows: list[Window] = []
@@ -327,12 +366,12 @@ class LoadRun:
         try:
             await self._warm_up()
             start = self._boundary(snapshots)
-            self._tally = Tally()  # warm-up requests are in no window
+            await self._take_tally()  # warm-up requests are in no window
             self.started.set()
             while len(windows) < self.m.max_trials and stop_reason is None:
                 aborted = await self._wait_window(start)
                 end = self._boundary(snapshots)
-                tally, self._tally = self._tally, Tally()  # no await since `end`: nothing slipped in between
+                tally = await self._take_tally()
                 if aborted:  # the open window is incomplete: left out
                     stop_reason = self.abort.reason
                     break
@@ -357,10 +396,9 @@ class LoadRun:
         finally:
             self.started.set()  # also when the level ended before its first window: nobody waits forever
             self.measured.set()
-            self._stop.set()
-            for task in [*drivers, *self._tasks]:
-                task.cancel()
-            await asyncio.gather(*drivers, *self._tasks, return_exceptions=True)
+            await self.stop_drivers(drivers)
+            if self.pool is not None:
+                await self.pool.stop()
         power_trace = tuple(trace.samples[trace_start:]) if trace is not None else ()
         if stop_reason is None:
             return await self._result(level, windows, snapshots, stable=stable, power_trace=power_trace)
@@ -404,7 +442,16 @@ class LoadRun:
         finally:
             aborted.cancel()
 
+    async def _take_tally(self) -> Tally:
+        """The tally of the window that just closed: this loop's own, or every worker process's merged."""
+        if self.pool is None:
+            return self.swap()  # no await since the boundary: nothing slipped in between
+        return await self.pool.swap()
+
     async def _warm_up(self) -> None:
+        if self.pool is not None:
+            await self.pool.warm_up(self.m.warmup_requests, _WARMUP_LIMIT_S)
+            return
         deadline = time.monotonic() + _WARMUP_LIMIT_S
         while (self._tally.completed < self.m.warmup_requests and time.monotonic() < deadline
                and not self.abort.is_set):

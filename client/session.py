@@ -44,6 +44,7 @@ from client.server_stats import ServerBreakdown
 from client.shared_memory import SharedMemory
 from client.stats import Latency, Window, latency_summary
 from client.validate import Check, Expected, ValidateOptions, load_expected, validated_payloads
+from client.workers import ProcessPool
 
 __all__ = [
     "Distribution", "InputData", "InputKind", "Latency", "LevelResult", "LoadLevel", "Measurement", "ModelResult",
@@ -72,6 +73,7 @@ class SessionConfig:
     `request_timeout_ms`: the deadline of every inference request (a late one counts as kind "timeout").
     `time_limit_s`: the whole run stops there, as on Ctrl-C (RunAborted with what was measured).
     `model_levels`: a model's own load levels instead of `levels`.
+    `processes`: worker processes that generate the load (their windows' records merged exactly).
     `simultaneous`: every model under load at once (level i of each together); each model's row has its
     own client and server figures, energy is measured for the whole run (row WHOLE_RUN).
     """
@@ -92,6 +94,7 @@ class SessionConfig:
     time_limit_s: float | None = None
     model_levels: Mapping[str, tuple[LoadLevel, ...]] = field(default_factory=dict)
     simultaneous: bool = False
+    processes: int = 1
     shared_memory: SharedMemory = field(default_factory=SharedMemory)  # --shared-memory, its output size
 
     def __post_init__(self) -> None:
@@ -133,6 +136,10 @@ class SessionConfig:
         for levels in self.model_levels.values():
             for level in levels:
                 level.check()
+        if self.processes < 1:
+            raise PerfClientError(f"--processes {self.processes}: expected a positive integer")
+        if self.processes > 1 and (self.simultaneous or self.measurement.request_count > 0):
+            raise PerfClientError(f"--processes {self.processes}: not with --simultaneous or --request-count")
         if self.simultaneous:
             if len(self.models) < 2:
                 raise PerfClientError(f"--simultaneous: expected two or more -m models, got {len(self.models)}")
@@ -200,10 +207,14 @@ async def measure(config: SessionConfig, progress: ProgressFn | None = None,
                     # Windows until stable, at most max_trials: the bar may end early.
                     with progress_display.task(f"{model} {level.label}: windows",
                                                total=config.measurement.max_trials) as bar:
+                        pool = (ProcessPool(config.processes, protocol=config.protocol, url=config.url,
+                                            timeout_s=config.request_timeout_ms / 1000, model=model,
+                                            payloads=payloads, batch=config.batch)
+                                if config.processes > 1 else None)
                         run_level = LoadRun(conn, model=model, payloads=payloads, batch=config.batch, meter=meter,
                                             measurement=config.measurement,
                                             on_window=_bind(progress, model, level, bar),
-                                            cross_checks=cross_checks, abort=abort)
+                                            cross_checks=cross_checks, abort=abort, pool=pool)
                         try:
                             result = await run_level.run(level)
                         except LevelStopped as exc:

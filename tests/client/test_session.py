@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import http.server
+import multiprocessing
 import threading
 import time
 from pathlib import Path
@@ -20,7 +21,8 @@ from client.inputs import InputData
 from client.power import PowerSource
 from client.protocol import Connection, Protocol
 from client.session import WHOLE_RUN, ModelResult, SessionConfig, measure, run
-from client.stats import Window
+from client.stats import Tally, Window
+from client.workers import merge_tallies, shares
 from tests.helpers.servers import Endpoints, PrivateServer
 
 
@@ -326,3 +328,33 @@ class FastMetrics(SlowMetrics):
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
+
+
+def test_worker_processes_drive_the_load_and_their_counts_add_up(endpoints: Endpoints) -> None:
+    measurement = Measurement(measurement_ms=500, stability_percentage=60, max_trials=3, warmup_requests=10)
+    (row,) = run(config(endpoints.grpc, measurement, levels=(LoadLevel(concurrency=4),), processes=2))
+    r = row.result
+    assert r.complete and r.summary.errors == {} and r.summary.requests > 0 and r.summary.latency_us is not None
+    # The server counted what the two processes' merged tallies say, up to the requests in flight at
+    # the two boundaries (at most the concurrency at each).
+    assert r.server.requests is not None and abs(r.server.requests - r.summary.requests) <= 2 * 4
+    assert multiprocessing.active_children() == []  # the workers are gone
+
+
+def test_merged_tallies_keep_every_record() -> None:
+    a, b = Tally(), Tally()
+    for value in (5, 1, 9):
+        a.ok(value)
+    b.ok(3)
+    a.failed("timeout")
+    b.failed("timeout")
+    b.failed("unavailable")
+    b.lag(7, late=True)
+    merged = merge_tallies([a, b])
+    assert sorted(merged.latencies) == [1, 3, 5, 9] and merged.errors == {"timeout": 2, "unavailable": 1}
+    assert (merged.late, merged.max_lag_ns, merged.completed) == (1, 7, 7)
+    assert [level.concurrency for level, _ in shares(LoadLevel(concurrency=5), 2)] == [3, 2]
+    halves = shares(LoadLevel(request_rate=100.0), 2)
+    assert [(level.request_rate, offset) for level, offset in halves] == [(50.0, 0.0), (50.0, 1e7)]
+    with pytest.raises(PerfClientError, match="--processes 3: more processes than --concurrency 2"):
+        shares(LoadLevel(concurrency=2), 3)
