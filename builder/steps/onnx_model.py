@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,7 +127,16 @@ def check_runs_at_levels(path: Path, inputs: tuple[TensorSpec, ...], shapes: Mod
         except ORT_ERRORS as exc:
             given = ",".join(f"{name}:{format_shape(shape)}" for name, shape in at.items())
             raise OnnxModelError(f"{what}: the FP32 model does not run at the {level} shapes ({given}): "
-                                 f"{last_line(exc, 200)}") from exc
+                                 f"{ort_reason(last_line(exc, 400))}") from exc
+
+
+def ort_reason(text: str) -> str:
+    """ONNX Runtime's error without its framing: `Concat node 'concat': Non concat axis dimensions must
+    match: …` instead of `[ONNXRuntimeError] : 1 : FAIL : Non-zero status code returned while running
+    Concat node. Name:'concat' Status Message: concatbase.h:133 PrepareForComputeImpl Non concat …`."""
+    text = re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "", text)
+    return re.sub(r"Non-zero status code returned while running (\w+) node\. Name:('[^']*') Status Message: "
+                  r"(\S+\.\w+:\d+ \w+ )?", r"\1 node \2: ", text)
 
 
 # protobuf cannot serialize one message over 2 GB: larger models keep their weights in a data file.

@@ -123,7 +123,7 @@ def hold_out(calibration: Samples) -> tuple[Samples, Samples]:
 
 def synthetic(inputs: tuple[TensorSpec, ...], shapes: ModelShapes, count: int, seed: int, *,
               level: Level = Level.OPT, value_ranges: Mapping[str, ValueRange] | None = None,
-              integers: bool = False) -> Samples:
+              integers: bool = False, what: str = "") -> Samples:
     """`count` synthetic samples at one level (min, opt or max) of every input's shape range. Floats are
     standard normal (uniform in a declared range); integer and bool inputs need a declared value range,
     unless `integers`: then they get 0s and 1s (valid token ids, masks and class indices alike) — enough
@@ -147,7 +147,8 @@ def synthetic(inputs: tuple[TensorSpec, ...], shapes: ModelShapes, count: int, s
             out[tensor.name] = rng.integers(0, 2, size=shape).astype(dtype)
         else:
             raise DataError(
-                f"input {tensor.name!r} is {tensor.dtype}: random values would be meaningless; expected "
+                f"{what + ': ' if what else ''}input {tensor.name!r} is {tensor.dtype}: random values would be "
+                "meaningless; expected "
                 f"real data (--calibration/--eval-data FILE.npz) or a value range (--input-range "
                 f"{tensor.name}:LOW:HIGH, input_ranges.{tensor.name} = [LOW, HIGH] in models.toml)"
             )
@@ -156,12 +157,12 @@ def synthetic(inputs: tuple[TensorSpec, ...], shapes: ModelShapes, count: int, s
 
 def shape_sets(inputs: tuple[TensorSpec, ...], shapes: ModelShapes, count: int, seed: int, *,
                value_ranges: Mapping[str, ValueRange] | None = None,
-               integers: bool = False) -> dict[Level, Samples]:
+               integers: bool = False, what: str = "") -> dict[Level, Samples]:
     """Synthetic samples at the min, opt and max shapes (levels with equal shapes given once): what a
     step that runs the graph gets instead of its own guesses (e.g. ModelOpt autocast's
     `calibration_data`, one set per call). For a batching model each set holds `count` batch elements."""
     return {level: synthetic(inputs, shapes, count, seed + i, level=level, value_ranges=value_ranges,
-                             integers=integers)
+                             integers=integers, what=what)
             for i, level in enumerate(shapes.levels())}
 
 

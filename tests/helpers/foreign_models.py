@@ -164,14 +164,16 @@ def stateful(folder: Path) -> ForeignModel:
 
 
 def int32_classifier(folder: Path) -> ForeignModel:
-    """bytes[batch, 256] int32 (values 0..255) → embedding Gather → mean → MatMul → logits[batch, 5]."""
+    """bytes[batch, 256] int32 (values 0..255) → embedding Gather → mean → MatMul → an `ai.onnx.ml`
+    Normalizer (a non-default domain) → logits[batch, 5]."""
     rng = np.random.default_rng(4)
     nodes = [
         helper.make_node("Gather", ["table", "bytes"], ["emb"], name="embed"),  # [b, 256, 16]
         helper.make_node("MatMul", ["emb", "proj"], ["h"], name="proj"),  # [b, 256, 16]
         helper.make_node("Relu", ["h"], ["r"]),
         helper.make_node("ReduceMean", ["r"], ["pooled"], axes=[1], keepdims=0),
-        helper.make_node("MatMul", ["pooled", "head"], ["logits"], name="head"),
+        helper.make_node("MatMul", ["pooled", "head"], ["raw"], name="head"),
+        helper.make_node("Normalizer", ["raw"], ["logits"], domain="ai.onnx.ml", norm="L2", name="normalize"),
     ]
     graph = helper.make_graph(
         nodes, "filetype",
@@ -180,9 +182,9 @@ def int32_classifier(folder: Path) -> ForeignModel:
         initializer=[_init(rng, "table", 256, 16, scale=1.0), _init(rng, "proj", 16, 16),
                      _init(rng, "head", 16, 5, scale=1.0)],
     )
-    path = _save(graph, folder / "filetype.onnx")
+    path = _save(graph, folder / "filetype.onnx", domains=(("ai.onnx.ml", 3),))
     data = _npz(folder / "filetype.npz", {"bytes": rng.integers(0, 256, (SAMPLES, 256)).astype(np.int32)})
-    return ForeignModel("filetype", "int32 input with a declared value range", path, data,
+    return ForeignModel("filetype", "int32 input with a declared value range, an `ai.onnx.ml` op", path, data,
                         ("--input-range", "bytes:0:255", "--max-batch", "8"),
                         "batch = [1, 4, 8]\n[model.input_ranges]\nbytes = [0, 255]\n", True)
 
