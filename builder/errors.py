@@ -36,8 +36,17 @@ def tool_cause(exc: BaseException, output: str = "", *, hide: Mapping[Path, str]
     text = _ANSI.sub("", str(exc))
     if type(exc) is Exception and output:
         text = _ANSI.sub("", output)
-    reasons = _ORT_REASON.findall(text)
-    cause = reasons[-1].strip() if reasons else last_line(exc, limit=10_000)
+    reasons = list(_ORT_REASON.finditer(text))
+    if reasons:
+        # ONNX Runtime continues some reasons on the next lines (" index: 1 Got: 2 Expected: 8"): keep
+        # those, up to its closing advice or a line that is not indented.
+        cause = reasons[-1].group(1).strip()
+        for extra in text[reasons[-1].end():].splitlines()[1:]:
+            if not extra.startswith((" ", "\t")) or not extra.strip() or "Please fix" in extra:
+                break
+            cause += f"; {extra.strip()}"
+    else:
+        cause = last_line(exc, limit=10_000)
     node = _ORT_NODE.search(cause)
     if node is not None:
         cause = f"{node.group(1)} node {node.group(2)!r}: {node.group(3)}"

@@ -4,6 +4,7 @@ with its full output; anything else keeps its traceback; ModelOpt's logging is l
 from __future__ import annotations
 
 import logging
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +12,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from builder.errors import BuilderError, ToolError
+from builder.errors import BuilderError, ToolError, tool_cause
 from builder.spec import CalibrationMethod, CalibrationSpec, DataSpec, Int8Recipe
 from builder.steps import precision
 from builder.steps.onnx_model import sha256_file
@@ -99,3 +100,15 @@ def test_a_stuck_quantizer_subprocess_is_stopped_by_its_timeout(tmp_path: Path,
         precision.to_int8(model, fp32_sha=sha256_file(model), calibration=mlp_samples(8), data_digest="d",
                           spec=spec, out_path=tmp_path / "int8.onnx", cache_dir=tmp_path / "cache")
     assert not list(tmp_path.glob("cache/calibration/*.onnx"))  # nothing cached from a failed calibration
+
+
+def test_onnx_runtime_reasons_keep_their_continuation_lines_and_lose_our_temporary_paths() -> None:
+    exc = RuntimeError(
+        "\x1b[1;31m[ONNXRuntimeError] : 2 : INVALID_ARGUMENT : Got invalid dimensions for input: x for the "
+        "following indices\n index: 1 Got: 2 Expected: 8\n Please fix either the inputs/outputs or the model.\x1b[m")
+    assert tool_cause(exc) == ("Got invalid dimensions for input: x for the following indices; "
+                               "index: 1 Got: 2 Expected: 8")
+    temp = Path(tempfile.gettempdir()) / "trtbuild-m-abc" / "reference.onnx"
+    assert tool_cause(ValueError(f"Load model from {temp} failed"), hide={temp: "the model"}) == \
+        "Load model from the model failed"
+    assert tool_cause(ValueError(f"cannot read {temp.parent / 'feeds' / '00001.npz'}")) == "cannot read 00001.npz"
