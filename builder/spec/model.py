@@ -130,9 +130,9 @@ class ModelSpec:
             if tensor.shape and tensor.shape[0] != -1:
                 found.append((key, f"input {tensor.name!r}: shape[0] must be -1 (the batch axis)"))
             for dim in tensor.sample_shape:
-                if isinstance(dim, str) and dim not in self.dims:
+                if isinstance(dim, str) and dim not in self.dims and tensor.name not in self.shapes:
                     found.append((key, f"input {tensor.name!r}: dynamic dim {dim!r} has no range; "
-                                       f"add dims.{dim} = [min, opt, max]"))
+                                       f"add dims.{dim} = [min, opt, max] or shapes.{tensor.name}"))
                 if isinstance(dim, int) and dim < 1:
                     found.append((key, f"input {tensor.name!r}: non-batch dims must be >= 1 or a named range, "
                                        f"got {dim}"))

@@ -12,6 +12,7 @@ import torch
 
 from builder.errors import BuilderError, ManifestError
 from builder.spec.model import ModelSpec
+from builder.spec.shapes import for_model
 from builder.steps import onnx_model
 from builder.steps.samples import resolve
 from client import progress
@@ -22,10 +23,12 @@ _EXAMPLE_BATCH = 2  # not 1, so the exporter cannot specialise the batch axis aw
 
 
 def example_inputs(spec: ModelSpec) -> tuple[torch.Tensor, ...]:
+    """One batch of the declared inputs at their opt shapes (named dims or per-input shapes)."""
     rng = np.random.default_rng(0)
+    shapes = for_model(spec, spec.inputs, f"model {spec.name!r}")
     tensors = []
     for tensor in spec.inputs:
-        shape = [_EXAMPLE_BATCH, *(spec.dims[d].opt if isinstance(d, str) else d for d in tensor.sample_shape)]
+        shape = [_EXAMPLE_BATCH, *shapes.sample_range(tensor.name).opt]
         if np.issubdtype(np.dtype(tensor.dtype), np.floating):
             array = rng.standard_normal(shape).astype(tensor.dtype)
         else:

@@ -103,7 +103,8 @@ batch = { min = 1, opt = 2, max = 4 }
     assert _error_lines(_write(tmp_path, body)) == [
         "stray: unknown key; expected one of model",
         "model[0].batch: expected [min, opt, max] or { min = …, opt = …, max = … }, got [1, 2]",
-        "model[1].inputs[0].shape: input 'x': dynamic dim 'seq' has no range; add dims.seq = [min, opt, max]",
+        "model[1].inputs[0].shape: input 'x': dynamic dim 'seq' has no range; "
+        "add dims.seq = [min, opt, max] or shapes.x",
         "model[1].precisions: int8 needs a [model.calibration] table",
         'model[2].name: duplicate model name "a" (also model[0])',
     ]
@@ -123,7 +124,8 @@ batch = { min = 1, opt = 2, max = 4 }
         ('name = "x"', None),  # a duplicate key is TOML's error, below
         ('task = "detection"', 'model[0].task: expected one of classification, embedding, generic, got "detection"'),
         ('inputs = [{ name = "x", dtype = "float32", shape = [-1, "seq"] }]',
-         "model[0].inputs[0].shape: input 'x': dynamic dim 'seq' has no range; add dims.seq = [min, opt, max]"),
+         "model[0].inputs[0].shape: input 'x': dynamic dim 'seq' has no range; "
+         "add dims.seq = [min, opt, max] or shapes.x"),
         ('inputs = [{ name = "x", dtype = "float32", shape = [3, 3] }]',
          "model[0].inputs[0].shape: expected -1 (the batch axis) first, got [3, 3]"),
         ('inputs = [{ name = "x", dtype = "float32", shape = [-1, true] }]',
