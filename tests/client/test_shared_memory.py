@@ -99,14 +99,17 @@ def _prepared(protocol: str, model: str, arrays: dict[str, NDArray[Any]], layout
     return Prepared(model, body, headers)
 
 
-@pytest.mark.parametrize("protocol", ["grpc", "http"])
+@pytest.mark.parametrize(("protocol", "processes"), [("grpc", 1), ("http", 1), ("grpc", 2)])
 def test_a_run_over_shared_memory_measures_and_leaves_nothing_behind(
-    protocol: str, endpoints: Endpoints, quick_args: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    protocol: str, processes: int, endpoints: Endpoints, quick_args: list[str], tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
+    # With --processes, the workers send the requests the parent prepared: through the parent's regions.
     before = set(registered(endpoints))
     out_json = tmp_path / "r.json"
     code = main(["-m", "mlp_fp32", "-u", endpoints.url(protocol), "-i", protocol, "-b", "2", "--concurrency", "4",
-                 "--shared-memory", "system", "--power-source", "none", "--json", str(out_json), *quick_args])
+                 "--processes", str(processes), "--shared-memory", "system", "--power-source", "none",
+                 "--json", str(out_json), *quick_args])
     capsys.readouterr()
     assert code == 0
     (result,) = json.loads(out_json.read_text())["results"]
