@@ -93,14 +93,19 @@ class _Region:
 
 def _load_cuda_module() -> Any:
     """tritonclient's CUDA shared-memory module, or one line saying what is missing."""
-    if importlib.util.find_spec("pkg_resources") is None:
-        # tritonclient 2.50 imports pkg_resources there without using it; setuptools >= 81 has none.
-        sys.modules.setdefault("pkg_resources", types.ModuleType("pkg_resources"))
+    # tritonclient 2.50 imports pkg_resources there without using it; setuptools >= 81 has none. An empty
+    # stand-in only for that import, removed again so nothing else mistakes it for the real one.
+    stand_in = "pkg_resources" not in sys.modules and importlib.util.find_spec("pkg_resources") is None
+    if stand_in:
+        sys.modules["pkg_resources"] = types.ModuleType("pkg_resources")
     try:
         import tritonclient.utils.cuda_shared_memory as cudashm
     except (ImportError, RuntimeError) as exc:  # RuntimeError: tritonclient's own "requires cuda-python"
         raise PerfClientError(f"{FLAG} cuda: needs cuda-python and an NVIDIA GPU (pip install '.[gpu]'); "
                               f"{_first_line(exc)}") from exc
+    finally:
+        if stand_in:
+            sys.modules.pop("pkg_resources", None)
     return cudashm
 
 
