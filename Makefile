@@ -14,9 +14,26 @@ CONCURRENCY ?= 32
 VARIANTS := efficientnet_lite0_fp32 efficientnet_lite0_fp16 efficientnet_lite0_int8 \
             minilm_l6_v2_fp32 minilm_l6_v2_fp16 minilm_l6_v2_int8
 
-.PHONY: install demo test test-gpu engines serve serve-bg stop verify perf lint bench bench-gpu perf-compare k8s-render tune clean
+.PHONY: install install-gpu demo test test-gpu engines serve serve-bg stop verify perf lint bench bench-gpu perf-compare k8s-render tune clean
 
-install: $(STAMP)
+# GPU hosts: onnxruntime-gpu (ONNX Runtime's CUDA provider) instead of the CPU wheel. Set by itself
+# where nvidia-smi answers; `make install GPU=1` / `GPU=` forces either way.
+GPU ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
+GPU_STAMP := $(VENV)/.installed-gpu
+GPU_DEP := $(if $(GPU),$(GPU_STAMP))
+
+install: $(STAMP) $(GPU_DEP)
+
+install-gpu: $(GPU_STAMP)
+
+# onnxruntime and onnxruntime-gpu both install the `onnxruntime` module: remove the CPU wheel, then
+# reinstall the GPU one so none of its files is missing. Runs again after every CPU reinstall.
+$(GPU_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[dev,gpu]'
+	$(BIN)/python -m pip uninstall -q -y onnxruntime
+	$(BIN)/python -m pip install -q --disable-pip-version-check --force-reinstall --no-deps 'onnxruntime-gpu>=1.31'
+	$(BIN)/python -c "import onnxruntime as o; p = o.get_available_providers(); assert 'CUDAExecutionProvider' in p, p"
+	touch $@
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -38,7 +55,7 @@ $(STAMP): pyproject.toml
 	  .typestubs/tensorrt_bindings/tensorrt.pyi
 	touch $@
 
-engines: $(STAMP)
+engines: $(STAMP) $(GPU_DEP)
 	$(BIN)/trtbuild engines --manifest $(MANIFEST) --repository $(REPOSITORY)
 
 serve: $(STAMP)

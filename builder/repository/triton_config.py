@@ -44,6 +44,12 @@ class BackendConfig:
     cuda_graphs: bool = False
     warmup: tuple[dict[str, Any], ...] = ()
     cc_model_filenames: tuple[tuple[str, str], ...] = ()  # (compute capability, plan file)
+    # Extra config parameters: the python runner's provider settings, or the native onnxruntime
+    # backend's CUDA provider keys (cudnn_conv_algo_search, ...).
+    parameters: tuple[tuple[str, str], ...] = ()
+    # The native onnxruntime backend on a GPU: hand subgraphs to TensorRT with these parameters
+    # (precision_mode FP16, ...); empty = CUDA provider only.
+    tensorrt_accelerator: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -89,10 +95,15 @@ def build(cfg: ConfigInputs) -> model_config_pb2.ModelConfig:
         doc["parameters"] = {
             "onnx_file": {"string_value": backend.artifact},
             "intra_op_threads": {"string_value": str(cfg.serving.ort_intra_op_threads)},
-        }
+        } | {k: {"string_value": v} for k, v in backend.parameters}
     elif backend.backend is TritonBackend.ONNXRUNTIME:
         doc["platform"] = "onnxruntime_onnx"
         doc["default_model_filename"] = backend.artifact
+        if backend.parameters:
+            doc["parameters"] = {k: {"string_value": v} for k, v in backend.parameters}
+        if backend.tensorrt_accelerator:
+            doc["optimization"] = {"execution_accelerators": {"gpu_execution_accelerator": [
+                {"name": "tensorrt", "parameters": dict(backend.tensorrt_accelerator)}]}}
     else:
         doc["platform"] = "tensorrt_plan"
         doc["default_model_filename"] = backend.artifact

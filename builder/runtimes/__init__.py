@@ -1,5 +1,6 @@
-"""Where variants execute: ONNX Runtime on the CPU, or TensorRT where it and a GPU exist; `select()`
-picks one behind the `Runtime` seam."""
+"""Where variants execute: ONNX Runtime on the CPU, ONNX Runtime's CUDA provider where onnxruntime-gpu
+and an NVIDIA GPU exist, or TensorRT where it and a GPU exist; `select()` picks one behind the
+`Runtime` seam."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 from builder.errors import RuntimeUnavailableError
 from builder.runtimes.base import CompileTarget, Outputs, Runtime
 from builder.runtimes.onnxruntime import OnnxRuntimeCPU
+from builder.runtimes.onnxruntime_cuda import CudaOptions, OnnxRuntimeCUDA, cuda_available
 from builder.runtimes.tensorrt import tensorrt_available
 from builder.runtimes.tensorrt_plan import TrtBuildOptions
 from builder.spec.enums import RuntimeChoice, ServingBackend
@@ -16,15 +18,23 @@ from builder.spec.settings import default_cache_dir
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CompileTarget", "OnnxRuntimeCPU", "Outputs", "Runtime", "select", "tensorrt_available"]
+__all__ = ["CompileTarget", "CudaOptions", "OnnxRuntimeCPU", "OnnxRuntimeCUDA", "Outputs", "Runtime",
+           "cuda_available", "select", "tensorrt_available"]
 
 
 def select(requested: RuntimeChoice, *, serving_backend: ServingBackend = ServingBackend.PYTHON,
-           trt_options: TrtBuildOptions | None = None, cache_dir: Path | None = None) -> Runtime:
+           trt_options: TrtBuildOptions | None = None, cache_dir: Path | None = None,
+           cuda_options: CudaOptions | None = None) -> Runtime:
+    """The runtime asked for; `auto` takes TensorRT, else ONNX Runtime CUDA, else ONNX Runtime CPU."""
     requested = RuntimeChoice.parse(requested, "--runtime", error=RuntimeUnavailableError)
     serving_backend = ServingBackend.parse(serving_backend, "--serving-backend", error=RuntimeUnavailableError)
     if requested is RuntimeChoice.AUTO:
-        requested = RuntimeChoice.TENSORRT if tensorrt_available() else RuntimeChoice.ONNXRUNTIME
+        if tensorrt_available():
+            requested = RuntimeChoice.TENSORRT
+        elif cuda_available():
+            requested = RuntimeChoice.ONNXRUNTIME_CUDA
+        else:
+            requested = RuntimeChoice.ONNXRUNTIME
         log.debug("runtime: %s (auto)", requested)
     if requested is RuntimeChoice.TENSORRT:
         if not tensorrt_available():
@@ -35,4 +45,6 @@ def select(requested: RuntimeChoice, *, serving_backend: ServingBackend = Servin
         from builder.runtimes.tensorrt import TensorRTRuntime
 
         return TensorRTRuntime(trt_options or TrtBuildOptions(), cache_dir or default_cache_dir())
+    if requested is RuntimeChoice.ONNXRUNTIME_CUDA:
+        return OnnxRuntimeCUDA(serving_backend, cuda_options)
     return OnnxRuntimeCPU(serving_backend)

@@ -40,4 +40,5 @@ class ServingBackend(Choice):
 class RuntimeChoice(Choice):
     AUTO = "auto"
     ONNXRUNTIME = "onnxruntime"
+    ONNXRUNTIME_CUDA = "onnxruntime-cuda"  # ONNX Runtime's CUDA provider (onnxruntime-gpu)
     TENSORRT = "tensorrt"

@@ -1,0 +1,329 @@
+"""The product's EfficientNet-Lite0 variants on an NVIDIA GPU through ONNX Runtime's CUDA provider:
+the in-process ceiling and the served figures from one script in one run.
+
+    python bench/gpu/bench_ort.py --models REPOSITORY [--out DIR] [--interval-ms 3000]
+
+REPOSITORY is a `trtbuild engines` output holding efficientnet_lite0_{fp32,fp16,int8}/1/model.onnx.
+Steps, each printed as one JSON line and gathered in DIR/ort_gpu_bench.json and .md:
+1. the shape-change stall: one FP16 session fed alternating batch sizes vs the runner's bucket sessions;
+2. in-process, per precision at batch 64: the ceiling (IO binding, input and output on the GPU, no
+   copies) and the runner's own path (host buffer -> device -> host), NVML energy over each;
+3. served by the bundled Triton through the python-backend runner (builder/repository/python_model.py,
+   provider cuda), loaded by perfclient over gRPC: each precision at concurrency 32 and 256 with dynamic
+   batching, FP16 at 32 without it, FP16 at 256 without shared memory, and FP16 at 256 with two instances;
+   NVML energy per window cross-checked against Triton's nv_energy_consumption; CPU seconds of the
+   client, the Triton server and the python stubs per second of load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from builder.repository import python_model  # the runner copied into each model folder (untyped)
+from builder.repository.triton_config import BackendConfig, ConfigInputs, InstanceKind, TritonBackend, build, to_text
+from builder.serving.triton_server import Ports, TritonServer, free_ports
+from builder.spec import DimRange, ServingSpec, TensorSpec
+from client.engine import LevelResult, LoadLevel, Measurement
+from client.power import PowerSource
+from client.report import result_dict
+from client.session import SessionConfig, run
+from client.shared_memory import SharedMemory, SharedMemoryKind
+
+PRECISIONS = ("fp32", "fp16", "int8")
+MAX_BATCH = 64
+INPUT = TensorSpec("input", "float32", (-1, 3, 224, 224))
+OUTPUT = TensorSpec("logits", "float32", (-1, 1000))
+SEARCH = "EXHAUSTIVE"
+RUNNER: Any = python_model  # untyped: it is copied into model folders, where Triton imports it
+
+
+class Nvml:
+    """The energy counter (mJ) of GPU 0, and its name and driver."""
+
+    def __init__(self) -> None:
+        import pynvml
+
+        self.nv = pynvml
+        pynvml.nvmlInit()
+        self.handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        self.gpu = str(pynvml.nvmlDeviceGetName(self.handle))
+        self.driver = str(pynvml.nvmlSystemGetDriverVersion())
+
+    def energy_j(self) -> float:
+        return float(self.nv.nvmlDeviceGetTotalEnergyConsumption(self.handle)) / 1000.0
+
+
+def onnx_path(models: Path, precision: str) -> Path:
+    path = models / f"efficientnet_lite0_{precision}" / "1" / "model.onnx"
+    if not path.is_file():
+        raise SystemExit(f"--models {models}: {path} missing (build with trtbuild engines --only efficientnet_lite0)")
+    return path
+
+
+def timed(fn: Any, *, seconds: float, nvml: Nvml, per_call: int) -> dict[str, float]:
+    """fn() repeated for `seconds` after warm-up: inferences/s, avg W and J/inference from NVML's counter."""
+    for _ in range(5):
+        fn()
+    calls, e0, t0 = 0, nvml.energy_j(), time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        fn()
+        calls += 1
+    elapsed, joules = time.perf_counter() - t0, nvml.energy_j() - e0
+    n = calls * per_call
+    return {"infer_per_s": n / elapsed, "avg_w": joules / elapsed, "j_per_infer": joules / n,
+            "ms_per_call": 1000 * elapsed / calls}
+
+
+def shape_change(models: Path) -> dict[str, Any]:
+    """Per-run seconds when consecutive batches differ: one session vs one session per bucket."""
+    import onnxruntime as ort
+
+    ort.preload_dlls()
+    path = str(onnx_path(models, "fp16"))
+    sizes = [21, 32, 64, 21, 32]
+    rng = np.random.default_rng(0)
+    out: dict[str, Any] = {"sizes": sizes}
+    for search in ("HEURISTIC", "DEFAULT"):
+        session = ort.InferenceSession(path, providers=[("CUDAExecutionProvider", {"cudnn_conv_algo_search": search})])
+        for b in sorted(set(sizes)):  # every shape seen once before timing
+            session.run(None, {"input": rng.standard_normal((b, 3, 224, 224), dtype=np.float32)})
+        times = []
+        for b in sizes:
+            x = rng.standard_normal((b, 3, 224, 224), dtype=np.float32)
+            t0 = time.perf_counter()
+            session.run(None, {"input": x})
+            times.append(round(time.perf_counter() - t0, 4))
+        out[f"one_session_{search}_s"] = times
+        del session
+    runner = RUNNER.CudaBucketRunner(path, max_batch=MAX_BATCH,
+                                           provider_options={"cudnn_conv_algo_search": SEARCH})
+    times = []
+    for b in sizes:
+        x = rng.standard_normal((b, 3, 224, 224), dtype=np.float32)
+        t0 = time.perf_counter()
+        runner.run({"input": x})
+        times.append(round(time.perf_counter() - t0, 4))
+    out["bucket_runner_s"] = times
+    out["bucket_runner"] = runner.describe()
+    return out
+
+
+def in_process(models: Path, nvml: Nvml, seconds: float) -> dict[str, Any]:
+    rows: dict[str, Any] = {}
+    x = np.random.default_rng(1).standard_normal((MAX_BATCH, 3, 224, 224), dtype=np.float32)
+    for precision in PRECISIONS:
+        try:
+            rows[precision] = in_process_one(onnx_path(models, precision), nvml, seconds, x)
+        except Exception as exc:  # noqa: BLE001 - one precision's failure is a result; the others still run
+            rows[precision] = {"error": str(exc).strip().splitlines()[-1][:300]}
+        print(json.dumps({"in_process": precision} | rows[precision]), flush=True)
+    return rows
+
+
+def in_process_one(path: Path, nvml: Nvml, seconds: float, x: Any) -> dict[str, Any]:
+    runner = RUNNER.CudaBucketRunner(str(path), max_batch=MAX_BATCH,
+                                     provider_options={"cudnn_conv_algo_search": SEARCH})
+    bucket = runner.buckets[MAX_BATCH]
+    bucket.run({"input": x}, MAX_BATCH)
+    ceiling = timed(lambda: bucket.session.run_with_iobinding(bucket.binding), seconds=seconds, nvml=nvml,
+                    per_call=MAX_BATCH)
+    with_copies = timed(lambda: runner.run({"input": x}), seconds=seconds, nvml=nvml, per_call=MAX_BATCH)
+    return {"ceiling_iobinding": ceiling, "runner_with_copies": with_copies, "runner": runner.describe()}
+
+
+def write_model(root: Path, name: str, onnx: Path, *, batching: bool, instances: int, delay_us: int,
+                graphs: bool = True) -> None:
+    serving = ServingSpec(instances=instances, dynamic_batching=batching, max_queue_delay_us=delay_us)
+    backend = BackendConfig(TritonBackend.PYTHON, "model.onnx", InstanceKind.GPU,
+                            parameters=(("provider", "cuda"), ("cudnn_conv_algo_search", SEARCH),
+                                        ("cuda_graphs", "1" if graphs else "0")))
+    config = build(ConfigInputs(name=name, inputs=(INPUT,), outputs=(OUTPUT,), batch=DimRange(1, 32, MAX_BATCH),
+                                serving=serving, backend=backend))
+    version = root / name / "1"
+    version.mkdir(parents=True)
+    shutil.copyfile(onnx, version / "model.onnx")
+    shutil.copyfile(Path(python_model.__file__), version / "model.py")
+    (root / name / "config.pbtxt").write_text(to_text(config))
+
+
+def stub_pids() -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if (entry / "comm").read_text().startswith("triton_python"):
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+def cpu_seconds(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def window_checks(level: LevelResult) -> list[dict[str, float | None]]:
+    rows: list[dict[str, float | None]] = []
+    for w in level.windows:
+        p = w.power
+        nvml_j = p.energy_j if p else None
+        triton_j = p.cross_checks.get(PowerSource.TRITON) if p else None
+        rows.append({"seconds": round(w.seconds, 3), "nvml_j": nvml_j, "triton_j": triton_j,
+                     "triton_vs_nvml": triton_j / nvml_j if triton_j and nvml_j else None})
+    return rows
+
+
+def served(models: Path, *, interval_ms: int, delay_us: int, tmp: Path, instances: int = 1) -> list[dict[str, Any]]:
+    repository = tmp / "repository"
+    plan: list[tuple[str, int, bool]] = []  # (model, concurrency, shared memory)
+    for precision in PRECISIONS:
+        name = f"{precision}_batched"
+        # INT8 Q/DQ: ONNX Runtime leaves some nodes on the CPU and refuses CUDA graphs (in-process step).
+        write_model(repository, name, onnx_path(models, precision), batching=True, instances=instances,
+                    delay_us=delay_us, graphs=precision != "int8")
+        plan += [(name, 32, True), (name, 256, True)]
+    write_model(repository, "fp16_unbatched", onnx_path(models, "fp16"), batching=False, instances=instances,
+                delay_us=0)
+    plan += [("fp16_unbatched", 32, True), ("fp16_batched", 256, False)]
+    if instances == 1:  # does a second instance help? (each is its own python stub process)
+        write_model(repository, "fp16_batched_x2", onnx_path(models, "fp16"), batching=True, instances=2,
+                    delay_us=delay_us)
+        plan.append(("fp16_batched_x2", 256, True))
+    http, grpc, metrics = free_ports(3)
+    server = TritonServer(repository, tmp / "state", Ports(http, grpc, metrics),
+                          # Loading a CUDA runner (a session and a cuDNN search per bucket) outlasts the
+                          # python backend's default 30 s stub timeout.
+                          extra_args=["--metrics-interval-ms=100", "--backend-config=python,stub-timeout-seconds=600"])
+    t0 = time.perf_counter()
+    try:
+        server.start(timeout=540)
+    except Exception:
+        log = (tmp / "state" / "tritonserver.log")
+        text = log.read_text(errors="replace").splitlines() if log.is_file() else []
+        wanted = [line[:400] for line in text if "Fallback mode" not in line
+                  and any(k in line for k in ("rror", "failed", "UNAVAILABLE", "Exception", "memory"))]
+        print("\n".join(wanted)[-8000:], flush=True)
+        raise
+    print(json.dumps({"server_ready_s": round(time.perf_counter() - t0, 1)}), flush=True)
+    rows: list[dict[str, Any]] = []
+    try:
+        assert server.process is not None
+        stubs = stub_pids()
+        for model, concurrency, shm in plan:
+            config = SessionConfig(
+                models=(model,), url=f"127.0.0.1:{grpc}", levels=(LoadLevel(concurrency=concurrency),),
+                measurement=Measurement(measurement_ms=interval_ms, max_trials=5, warmup_requests=2 * concurrency),
+                metrics_url=f"http://127.0.0.1:{metrics}/metrics", power_source=PowerSource.NVML,
+                shared_memory=SharedMemory(SharedMemoryKind.SYSTEM if shm else SharedMemoryKind.NONE, 0),
+            )
+            cpu0 = (resource.getrusage(resource.RUSAGE_SELF), cpu_seconds(server.process.pid),
+                    sum(cpu_seconds(p) for p in stubs), time.perf_counter())
+            (row,) = run(config)
+            me, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter() - cpu0[3]
+            result = result_dict(row.result)
+            result |= {"model": model, "shared_memory": shm, "window_checks": window_checks(row.result),
+                       "cpu_cores_busy": {
+                           "client": round((me.ru_utime + me.ru_stime - cpu0[0].ru_utime - cpu0[0].ru_stime) / wall, 2),
+                           "tritonserver": round((cpu_seconds(server.process.pid) - cpu0[1]) / wall, 2),
+                           "python_stubs": round((sum(cpu_seconds(p) for p in stubs) - cpu0[2]) / wall, 2)}}
+            rows.append(result)
+            brief = {k: result[k] for k in ("model", "concurrency", "shared_memory", "throughput", "stable",
+                                            "cpu_cores_busy", "power", "server")}
+            latency = {"p50_ms": result["latency_us"]["p50"] / 1e3, "p99_ms": result["latency_us"]["p99"] / 1e3}
+            print(json.dumps(brief | latency), flush=True)
+    finally:
+        log_tail = server.log_tail(40)
+        server.stop()
+    rows.append({"server_log_tail": log_tail})
+    return rows
+
+
+def f(x: Any, spec: str) -> str:
+    return format(x, spec) if isinstance(x, int | float) else "-"
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    lines = [f"GPU: {doc['gpu']}, driver {doc['driver']}, onnxruntime-gpu {doc['onnxruntime']}", "",
+             "In-process, batch 64 (ONNX Runtime CUDA, IO binding):", "",
+             "| precision | ceiling img/s | avg W | J/inf | with host copies img/s | J/inf |",
+             "|---|---|---|---|---|---|"]
+    for p, r in doc["in_process"].items():
+        if "error" in r:
+            lines.append(f"| {p} | error: {r['error']} | | | | |")
+            continue
+        c, w = r["ceiling_iobinding"], r["runner_with_copies"]
+        lines.append(f"| {p} | {c['infer_per_s']:.0f} | {c['avg_w']:.0f} | {c['j_per_infer']:.4f} | "
+                     f"{w['infer_per_s']:.0f} | {w['j_per_infer']:.4f} |")
+    lines += ["", "Served (bundled Triton 2.51, python-backend runner on CUDA, perfclient gRPC):", "",
+              "| model | conc. | shm | infer/s | x ceiling | p50 ms | p99 ms | avg W | J/inf | avg batch "
+              "| Triton/NVML J (worst window) | CPU cores client/server/stubs |", "|" + "---|" * 12]
+    ceilings = {p: r["ceiling_iobinding"]["infer_per_s"] for p, r in doc["in_process"].items() if "error" not in r}
+    for r in doc["served"]:
+        if "model" not in r:
+            continue
+        p = r["model"].split("_")[0]
+        ratios = [w["triton_vs_nvml"] for w in r["window_checks"] if w["triton_vs_nvml"] is not None]
+        worst = max(ratios, key=lambda x: abs(x - 1)) if ratios else None
+        cpu = r["cpu_cores_busy"]
+        lines.append(
+            f"| {r['model']} | {r['concurrency']} | {'system' if r['shared_memory'] else 'no'} | "
+            f"{r['throughput']:.0f} | {f(r['throughput'] / ceilings[p] if p in ceilings else None, '.2f')} | "
+            f"{r['latency_us']['p50'] / 1e3:.1f} | "
+            f"{r['latency_us']['p99'] / 1e3:.1f} | {f(r['power'].get('avg_w'), '.0f')} | "
+            f"{f(r['power'].get('j_per_infer'), '.4f')} | {f(r['server'].get('avg_batch'), '.1f')} | "
+            f"{f(worst, '.3f')} | {cpu['client']}/{cpu['tritonserver']}/{cpu['python_stubs']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", type=Path, required=True, help="repository with efficientnet_lite0_{fp32,fp16,int8}")
+    p.add_argument("--out", type=Path, default=Path("reports/gpu"))
+    p.add_argument("--interval-ms", type=int, default=3000)
+    p.add_argument("--in-process-seconds", type=float, default=3.0)
+    p.add_argument("--delay-us", type=int, default=1000, help="dynamic batching max queue delay")
+    p.add_argument("--instances", type=int, default=1, help="model instances (python stubs) per served model")
+    p.add_argument("--skip", default="", help="comma-separated steps to skip: shape,inprocess,served")
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    skip = set(filter(None, args.skip.split(",")))
+    import onnxruntime as ort
+
+    nvml = Nvml()
+    doc: dict[str, Any] = {"gpu": nvml.gpu, "driver": nvml.driver, "onnxruntime": ort.__version__,
+                           "command": " ".join(sys.argv), "cudnn_conv_algo_search": SEARCH, "max_batch": MAX_BATCH,
+                           "delay_us": args.delay_us}
+    if "shape" not in skip:
+        doc["shape_change"] = shape_change(args.models)
+        print(json.dumps({"shape_change": doc["shape_change"]}), flush=True)
+    doc["in_process"] = {} if "inprocess" in skip else in_process(args.models, nvml, args.in_process_seconds)
+    if "served" not in skip:
+        with tempfile.TemporaryDirectory(prefix="ort-gpu-bench-") as tmp:
+            doc["served"] = served(args.models, interval_ms=args.interval_ms, delay_us=args.delay_us, tmp=Path(tmp),
+                                   instances=args.instances)
+    doc["instances"] = args.instances
+    (args.out / "ort_gpu_bench.json").write_text(json.dumps(doc, indent=2) + "\n")
+    if doc["in_process"] and doc.get("served"):
+        table = markdown(doc)
+        (args.out / "ort_gpu_bench.md").write_text(table)
+        print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,192 @@
+"""ONNX Runtime's CUDA execution provider (the onnxruntime-gpu wheel): the GPU runtime where TensorRT
+is absent. The variant ONNX is the artifact; Triton serves it on a GPU instance group, either through
+our python-backend runner (one session per batch bucket, IO binding, CUDA graphs) or through the NGC
+image's native onnxruntime backend (CUDA provider, optionally handing subgraphs to TensorRT in FP16)."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+from numpy.typing import NDArray
+
+from builder.errors import RuntimeUnavailableError
+from builder.repository.triton_config import BackendConfig, InstanceKind, TritonBackend
+from builder.runtimes.base import CompileTarget, Outputs
+from builder.runtimes.onnxruntime import run_session
+from builder.spec.enums import ServingBackend
+from client.choices import Choice
+
+log = logging.getLogger(__name__)
+
+CUDA_PROVIDER = "CUDAExecutionProvider"
+
+
+class CudnnSearch(Choice):
+    """ONNX Runtime's cudnn_conv_algo_search. Each bucket session sees one shape, so EXHAUSTIVE
+    benchmarks the algorithms once per bucket at load and never again."""
+
+    EXHAUSTIVE = "EXHAUSTIVE"
+    HEURISTIC = "HEURISTIC"
+    DEFAULT = "DEFAULT"
+
+    @property
+    def triton_code(self) -> str:
+        # The native onnxruntime backend takes the search mode as a number (0 = EXHAUSTIVE).
+        return str(list(CudnnSearch).index(self))
+
+
+@dataclass(frozen=True)
+class CudaOptions:
+    device_id: int = 0
+    cudnn_conv_algo_search: CudnnSearch = CudnnSearch.EXHAUSTIVE
+    cuda_graphs: bool = True  # python runner: one CUDA graph per bucket where every node is on the GPU
+    tensorrt_fp16: bool = False  # native onnxruntime backend: gpu_execution_accelerator tensorrt, FP16
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "cudnn_conv_algo_search", CudnnSearch.parse(
+            self.cudnn_conv_algo_search, "--cudnn-conv-algo-search", error=RuntimeUnavailableError))
+        if self.device_id < 0:
+            raise RuntimeUnavailableError(f"CUDA device id {self.device_id}: expected 0 or more")
+
+    def provider_options(self) -> dict[str, str]:
+        return {"device_id": str(self.device_id), "cudnn_conv_algo_search": self.cudnn_conv_algo_search.value}
+
+    def record(self) -> dict[str, str]:
+        """What build.json keeps: the provider and each option that changes how the artifact runs."""
+        return {"provider": CUDA_PROVIDER, **self.provider_options(),
+                "cuda_graphs": str(self.cuda_graphs).lower(), "tensorrt_fp16": str(self.tensorrt_fp16).lower()}
+
+
+def _gpu_count() -> tuple[int, str | None]:
+    """NVIDIA GPUs NVML sees, and why none where it sees none."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return int(pynvml.nvmlDeviceGetCount()), None
+        finally:
+            pynvml.nvmlShutdown()
+    except ImportError:
+        return 0, "nvidia-ml-py is not installed"
+    except Exception as exc:  # noqa: BLE001 - pynvml raises its own NVMLError family
+        return 0, f"NVML: {exc}"
+
+
+def cuda_unavailable_reason() -> str | None:
+    """None where ONNX Runtime's CUDA provider can run here; otherwise why not, in a few words."""
+    if CUDA_PROVIDER not in ort.get_available_providers():
+        return (f"onnxruntime {ort.__version__} here has no CUDA provider (the CPU wheel is installed; "
+                "`make install GPU=1` replaces it with onnxruntime-gpu)")
+    count, why = _gpu_count()
+    if count == 0:
+        return f"no NVIDIA GPU answers ({why or 'NVML counts none'})"
+    return None
+
+
+def cuda_available() -> bool:
+    return cuda_unavailable_reason() is None
+
+
+def cuda_session(path: Path, options: CudaOptions) -> ort.InferenceSession:
+    if hasattr(ort, "preload_dlls"):
+        ort.preload_dlls()  # CUDA and cuDNN from the nvidia-* pip packages, where installed
+    session_options = ort.SessionOptions()
+    session_options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    session_options.log_severity_level = 3
+    session = ort.InferenceSession(str(path), sess_options=session_options,
+                                   providers=[(CUDA_PROVIDER, options.provider_options()), "CPUExecutionProvider"])
+    if CUDA_PROVIDER not in session.get_providers():
+        raise RuntimeUnavailableError(f"{path}: ONNX Runtime did not start its CUDA provider (CUDA or cuDNN "
+                                      "libraries missing?); run with -v for ONNX Runtime's log")
+    return session
+
+
+def run_padded(session: ort.InferenceSession, samples: Mapping[str, NDArray[Any]], batch_size: int) -> Outputs:
+    """Every sample in batches of exactly batch_size (the last one padded, its padding dropped): a CUDA
+    session whose input shape changes rebuilds its cuDNN state, seconds per change in FP16."""
+    count = len(next(iter(samples.values())))
+    names = [o.name for o in session.get_outputs()]
+    chunks: dict[str, list[NDArray[Any]]] = {n: [] for n in names}
+    for start in range(0, count, batch_size):
+        rows = min(batch_size, count - start)
+        feed = {}
+        for k, v in samples.items():
+            part = v[start : start + rows]
+            if rows < batch_size and count >= batch_size:
+                part = np.concatenate([part, v[: batch_size - rows]])
+            feed[k] = np.ascontiguousarray(part)
+        for name, value in zip(names, session.run(names, feed), strict=True):
+            chunks[name].append(np.asarray(value)[:rows])
+    return {n: np.concatenate(parts) for n, parts in chunks.items()}
+
+
+class OnnxRuntimeCUDA:
+    """The variant ONNX is the artifact; it runs (accuracy check, serving) on ONNX Runtime's CUDA provider."""
+
+    name = "onnxruntime-cuda"
+    artifact = "model.onnx"
+
+    def __init__(self, serving_backend: ServingBackend = ServingBackend.PYTHON,
+                 options: CudaOptions | None = None) -> None:
+        reason = cuda_unavailable_reason()
+        if reason is not None:
+            raise RuntimeUnavailableError(f"--runtime {self.name}: {reason}")
+        self.serving_backend = serving_backend
+        self.options = options or CudaOptions()
+        if self.options.tensorrt_fp16 and serving_backend is not ServingBackend.ONNXRUNTIME:
+            raise RuntimeUnavailableError("--ort-tensorrt-fp16: needs --serving-backend onnxruntime (the NGC "
+                                          "image's native backend); the bundled server has no TensorRT")
+
+    def identity(self) -> dict[str, str]:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(self.options.device_id)
+            gpu, driver = str(pynvml.nvmlDeviceGetName(handle)), str(pynvml.nvmlSystemGetDriverVersion())
+        finally:
+            pynvml.nvmlShutdown()
+        return {"onnxruntime": ort.__version__, "serving_backend": self.serving_backend.value, "gpu": gpu,
+                "driver": driver, **self.options.record()}
+
+    def carry_over(self, previous: Path, version_dir: Path, target: CompileTarget) -> None:
+        """Nothing to carry: the artifact is the variant ONNX itself."""
+
+    def compile(self, onnx_path: Path, out_path: Path, target: CompileTarget) -> None:
+        shutil.copyfile(onnx_path, out_path)
+
+    def run(self, artifact: Path, samples: Mapping[str, NDArray[Any]], batch_size: int | None) -> Outputs:
+        session = cuda_session(artifact, self.options)
+        if batch_size is None:  # no batch axis: each sample whole, as on the CPU
+            return run_session(session, samples, None)
+        return run_padded(session, samples, batch_size)
+
+    def backend_config(self, target: CompileTarget, version_dir: Path) -> BackendConfig:
+        return cuda_backend_config(self.serving_backend, self.options)
+
+
+def cuda_backend_config(serving_backend: ServingBackend, o: CudaOptions) -> BackendConfig:
+    """A GPU instance group; the python runner gets provider cuda and its options, the native
+    onnxruntime backend the CUDA provider's search mode and, with tensorrt_fp16, TensorRT in FP16."""
+    if serving_backend is ServingBackend.ONNXRUNTIME:
+        accelerator: tuple[tuple[str, str], ...] = ()
+        if o.tensorrt_fp16:
+            accelerator = (("precision_mode", "FP16"), ("trt_engine_cache_enable", "1"),
+                           ("trt_engine_cache_path", "/tmp/triton-trt-cache"))
+        return BackendConfig(backend=TritonBackend.ONNXRUNTIME, artifact=OnnxRuntimeCUDA.artifact,
+                             instance_kind=InstanceKind.GPU,
+                             parameters=(("cudnn_conv_algo_search", o.cudnn_conv_algo_search.triton_code),),
+                             tensorrt_accelerator=accelerator)
+    return BackendConfig(backend=TritonBackend.PYTHON, artifact=OnnxRuntimeCUDA.artifact,
+                         instance_kind=InstanceKind.GPU,
+                         parameters=(("provider", "cuda"), ("device_id", str(o.device_id)),
+                                     ("cudnn_conv_algo_search", o.cudnn_conv_algo_search.value),
+                                     ("cuda_graphs", "1" if o.cuda_graphs else "0")))

@@ -1,0 +1,166 @@
+"""ONNX Runtime CUDA: chosen by name or by auto only where onnxruntime-gpu and a GPU exist (one clear line
+otherwise), GPU configs for both serving backends, and the python runner's bucket logic; the `gpu` tests
+run the runner on the device and show that changing batch sizes no longer stalls it."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from builder.errors import RuntimeUnavailableError
+from builder.repository import python_model
+from builder.repository.triton_config import ConfigInputs, InstanceKind, TritonBackend, build, parse, to_text
+from builder.runtimes import OnnxRuntimeCPU, select, tensorrt_available
+from builder.runtimes.onnxruntime_cuda import (
+    CudaOptions,
+    CudnnSearch,
+    OnnxRuntimeCUDA,
+    cuda_available,
+    cuda_backend_config,
+    cuda_unavailable_reason,
+)
+from builder.spec import DimRange, RuntimeChoice, ServingBackend, ServingSpec, TensorSpec
+from tests.helpers.tiny_models import mlp_onnx, mlp_samples
+
+RUNNER: Any = python_model  # untyped: copied into model folders, where Triton imports it
+needs_cuda = pytest.mark.skipif(not cuda_available(), reason=f"ONNX Runtime CUDA unusable: {cuda_unavailable_reason()}")
+
+
+def conv_onnx(path: Path, seed: int = 0) -> Path:
+    """x[batch, 3, 32, 32] → Conv → Relu → Conv → GlobalAveragePool → Flatten → y[batch, 8]."""
+    rng = np.random.default_rng(seed)
+    w1 = (rng.standard_normal((16, 3, 3, 3)) * 0.2).astype(np.float32)
+    w2 = (rng.standard_normal((8, 16, 3, 3)) * 0.1).astype(np.float32)
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c1"], ["r1"]),
+             helper.make_node("Conv", ["r1", "w2"], ["c2"], pads=[1, 1, 1, 1]),
+             helper.make_node("GlobalAveragePool", ["c2"], ["p"]),
+             helper.make_node("Flatten", ["p"], ["y"])]
+    graph = helper.make_graph(nodes, "conv",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 32, 32])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 8])],
+                              initializer=[numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(w2, "w2")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(path))
+    return path
+
+
+@pytest.mark.skipif(cuda_available(), reason="onnxruntime-gpu and a GPU are here")
+def test_asked_by_name_without_a_usable_cuda_provider_is_one_clear_line() -> None:
+    with pytest.raises(RuntimeUnavailableError) as info:
+        select(RuntimeChoice.ONNXRUNTIME_CUDA)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith("--runtime onnxruntime-cuda: ")
+    assert "CUDA provider" in message or "GPU" in message
+
+
+@pytest.mark.skipif(cuda_available() or tensorrt_available(), reason="a GPU runtime is usable here")
+def test_auto_takes_the_cpu_where_no_gpu_runtime_is_usable() -> None:
+    assert isinstance(select(RuntimeChoice.AUTO), OnnxRuntimeCPU)
+    assert select("auto", serving_backend="onnxruntime").name == "onnxruntime"  # type: ignore[arg-type]
+
+
+def test_options_name_the_flag_and_record_the_provider() -> None:
+    with pytest.raises(RuntimeUnavailableError, match="--cudnn-conv-algo-search 'FAST': expected one of"):
+        CudaOptions(cudnn_conv_algo_search="FAST")  # type: ignore[arg-type]
+    options = CudaOptions(cudnn_conv_algo_search="HEURISTIC", cuda_graphs=False)  # type: ignore[arg-type]
+    assert options.cudnn_conv_algo_search is CudnnSearch.HEURISTIC
+    assert options.record() == {"provider": "CUDAExecutionProvider", "device_id": "0",
+                                "cudnn_conv_algo_search": "HEURISTIC", "cuda_graphs": "false", "tensorrt_fp16": "false"}
+    # Triton's onnxruntime backend numbers the modes: 0 EXHAUSTIVE, 1 HEURISTIC, 2 DEFAULT.
+    assert [m.triton_code for m in CudnnSearch] == ["0", "1", "2"]
+
+
+def _config_text(serving: ServingBackend, options: CudaOptions) -> str:
+    config = build(ConfigInputs(
+        name="m", inputs=(TensorSpec("x", "float32", (-1, 4, 32)),),
+        outputs=(TensorSpec("logits", "float32", (-1, 16)),),
+        batch=DimRange(1, 8, 16), serving=ServingSpec(), backend=cuda_backend_config(serving, options)))
+    return to_text(config)
+
+
+def test_python_runner_config_runs_on_a_gpu_instance_with_the_cuda_provider() -> None:
+    config = parse(_config_text(ServingBackend.PYTHON, CudaOptions(device_id=0)))
+    assert config.backend == "python" and [g.kind for g in config.instance_group] == [1]  # KIND_GPU
+    params = {k: v.string_value for k, v in config.parameters.items()}
+    assert params["provider"] == "cuda" and params["cudnn_conv_algo_search"] == "EXHAUSTIVE"
+    assert params["cuda_graphs"] == "1" and params["onnx_file"] == "model.onnx"
+    assert not config.optimization.execution_accelerators.gpu_execution_accelerator
+
+
+@pytest.mark.parametrize("tensorrt_fp16", [False, True])
+def test_native_onnxruntime_config_for_the_ngc_image(tensorrt_fp16: bool) -> None:
+    text = _config_text(ServingBackend.ONNXRUNTIME, CudaOptions(
+        cudnn_conv_algo_search=CudnnSearch.HEURISTIC, tensorrt_fp16=tensorrt_fp16))
+    config = parse(text)
+    assert config.platform == "onnxruntime_onnx" and config.instance_group[0].kind == 1  # KIND_GPU
+    assert config.parameters["cudnn_conv_algo_search"].string_value == "1"
+    accelerators = config.optimization.execution_accelerators.gpu_execution_accelerator
+    if tensorrt_fp16:
+        assert [a.name for a in accelerators] == ["tensorrt"]
+        assert accelerators[0].parameters["precision_mode"] == "FP16"
+    else:
+        assert not accelerators
+    assert InstanceKind.GPU.value in text and TritonBackend.ONNXRUNTIME.value in text
+
+
+def test_buckets_cover_every_batch_with_under_half_padding() -> None:
+    for max_batch in (1, 2, 5, 16, 64, 100):
+        sizes = python_model.buckets(max_batch)  # type: ignore[no-untyped-call]
+        assert sizes == sorted(set(sizes)) and sizes[-1] == max_batch
+        for rows in range(1, max_batch + 1):
+            bucket = next(s for s in sizes if s >= rows)
+            assert bucket < 2 * rows or bucket == 1
+
+
+def test_cpu_runner_is_todays_session(tmp_path: Path) -> None:
+    path = mlp_onnx(tmp_path / "model.onnx")
+    samples = mlp_samples(5, seed=2)
+    runner = RUNNER.make_runner(str(path), {"intra_op_threads": "1"}, 16)
+    assert runner.describe() == {"provider": "cpu"}
+    direct = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(["logits"], samples)[0]
+    np.testing.assert_allclose(runner.run(samples)[0], direct, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="parameter provider 'rocm': expected cpu or cuda"):
+        RUNNER.make_runner(str(path), {"provider": "rocm"}, 16)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_bucket_runner_matches_the_cpu_and_does_not_stall_when_batch_sizes_change(tmp_path: Path) -> None:
+    path = conv_onnx(tmp_path / "conv.onnx")
+    runner = RUNNER.CudaBucketRunner(str(path), max_batch=16, provider_options={"cudnn_conv_algo_search": "EXHAUSTIVE"})
+    assert runner.sizes == [1, 2, 4, 8, 16]
+    cpu = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(0)
+    seconds = []
+    for rows in (3, 16, 1, 9, 5, 16, 2, 13, 40):  # 40: more than the largest bucket, run in chunks
+        x = rng.standard_normal((rows, 3, 32, 32), dtype=np.float32)
+        start = time.perf_counter()
+        (y,) = runner.run({"x": x})
+        seconds.append(time.perf_counter() - start)
+        assert y.shape == (rows, 8)
+        np.testing.assert_allclose(y, cpu.run(["y"], {"x": x})[0], rtol=1e-3, atol=1e-4)
+    # Every shape was prepared at load: no run pays a cuDNN rebuild (a one-session shape change does).
+    assert max(seconds) < 0.25, seconds
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_the_runtime_runs_padded_batches_like_the_cpu(tmp_path: Path) -> None:
+    path = conv_onnx(tmp_path / "conv.onnx")
+    samples = {"x": np.random.default_rng(1).standard_normal((10, 3, 32, 32), dtype=np.float32)}
+    runtime = select(RuntimeChoice.ONNXRUNTIME_CUDA)
+    assert isinstance(runtime, OnnxRuntimeCUDA)
+    identity = runtime.identity()
+    assert identity["provider"] == "CUDAExecutionProvider" and identity["gpu"]
+    got = runtime.run(path, samples, 4)["y"]  # batches 4, 4 and 2 padded to 4
+    want = OnnxRuntimeCPU().run(path, samples, 4)["y"]
+    assert got.shape == (10, 8)
+    np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4)
+    assert select(RuntimeChoice.AUTO).name in ("onnxruntime-cuda", "tensorrt")
