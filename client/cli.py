@@ -200,7 +200,7 @@ def _measure(config: CliConfig) -> list[ModelResult]:
     # plain lines in a log, nothing with -q or --no-progress.
     progress.configure(progress.pick_mode(sys.stderr, enabled=config.progress))
     try:
-        return run(config.session)
+        return run(config.session, ctrl_c_keeps_results=True)
     finally:
         progress.configure(progress.Mode.OFF)  # gone before the table or any message
 

@@ -297,22 +297,29 @@ def _whole_run(rows: list[ModelResult], span_ns: tuple[int, int], inferences: in
                        complete=stopped is None, stop_reason=str(stopped) if stopped is not None else None)
 
 
-def run(config: SessionConfig, progress: ProgressFn | None = None) -> list[ModelResult]:
-    """`measure` on a fresh uvloop event loop, for callers that are not async themselves. From the main
-    thread, Ctrl-C ends the run like `time_limit_s` (RunAborted with what was measured)."""
+def run(config: SessionConfig, progress: ProgressFn | None = None, *,
+        ctrl_c_keeps_results: bool = False) -> list[ModelResult]:
+    """`measure` on a fresh uvloop event loop, for callers that are not async themselves.
+
+    Ctrl-C raises KeyboardInterrupt as usual; with `ctrl_c_keeps_results` (the perfclient CLI, from the
+    main thread) it ends the run like `time_limit_s` instead: RunAborted with what was measured.
+    """
     import uvloop
 
-    return uvloop.run(_run_interruptible(config, progress))
+    return uvloop.run(_run_interruptible(config, progress, ctrl_c_keeps_results))
 
 
-async def _run_interruptible(config: SessionConfig, progress: ProgressFn | None) -> list[ModelResult]:
+async def _run_interruptible(config: SessionConfig, progress: ProgressFn | None,
+                             ctrl_c_keeps_results: bool) -> list[ModelResult]:
     abort = Abort()
     loop = asyncio.get_running_loop()
-    try:
-        loop.add_signal_handler(signal.SIGINT, abort.set, "interrupted (Ctrl-C)")
-        handled = True
-    except (ValueError, RuntimeError, NotImplementedError):  # not the main thread: Ctrl-C stays KeyboardInterrupt
-        handled = False
+    handled = False
+    if ctrl_c_keeps_results:
+        try:
+            loop.add_signal_handler(signal.SIGINT, abort.set, "interrupted (Ctrl-C)")
+            handled = True
+        except (ValueError, RuntimeError, NotImplementedError):  # not the main thread: stays KeyboardInterrupt
+            pass
     try:
         return await measure(config, progress, abort)
     finally:
