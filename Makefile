@@ -14,7 +14,7 @@ CONCURRENCY ?= 32
 VARIANTS := efficientnet_lite0_fp32 efficientnet_lite0_fp16 efficientnet_lite0_int8 \
             minilm_l6_v2_fp32 minilm_l6_v2_fp16 minilm_l6_v2_int8
 
-.PHONY: install install-gpu demo test test-gpu engines serve serve-bg stop verify perf lint bench bench-gpu perf-compare k8s-render tune clean
+.PHONY: install install-gpu demo test test-gpu engines serve serve-bg stop verify perf lint bench bench-gpu bench-gpu-ort perf-compare k8s-render tune clean
 
 # GPU hosts: onnxruntime-gpu (ONNX Runtime's CUDA provider) instead of the CPU wheel. Set by itself
 # where nvidia-smi answers; `make install GPU=1` / `GPU=` forces either way.
@@ -105,6 +105,13 @@ perf-compare: $(STAMP)
 GPU_PYTHON ?= python3
 bench-gpu:
 	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) bench/gpu/bench_gpu.py --out reports/gpu
+
+# On a machine with an NVIDIA GPU and onnxruntime-gpu (make install-gpu): the product's own
+# EfficientNet-Lite0 variants (make engines) in-process and served, watts and joules per inference.
+GPU_INSTANCES ?= 4
+bench-gpu-ort: $(STAMP) $(GPU_STAMP)
+	PYTHONPATH=$(CURDIR) $(BIN)/python bench/gpu/bench_ort.py --models $(REPOSITORY) --out reports/gpu \
+	  --instances $(GPU_INSTANCES)
 
 # Measure serving configurations of one model and write the best into the repository.
 TUNE_MODEL ?= efficientnet_lite0
