@@ -423,7 +423,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from builder.serving.verify import check_models, expected_archive, npz_bytes
+    from builder.serving.verify import check_models, expected_archive, npz_bytes, table_lines
     from client.files import write_atomic
     from client.protocol import Protocol
 
@@ -432,9 +432,8 @@ def _verify(args: argparse.Namespace) -> int:
     checks = check_models(load_manifest(args.manifest), args.repository,
                           {Protocol.GRPC: args.grpc_url, Protocol.HTTP: args.http_url}, args.samples)
     results = [r for check in checks for r in check.results]
-    for r in results:
-        print(f"{r.variant:<28} {r.protocol:<5} {r.samples:>3} {r.source} samples  "
-              f"max |server - onnxruntime| = {r.max_abs_diff:.2e}  {'OK' if r.ok else 'MISMATCH'}")
+    for line in table_lines(checks):
+        print(line)
     if args.save is not None:
         # Written also when answers differ: the file holds what the local run expects, not what the server said.
         try:

@@ -19,6 +19,8 @@ share one console, so log lines printed while a bar is live land above the bar i
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import sys
 import threading
 import time
@@ -39,7 +41,9 @@ from rich.progress import (
 
 from client.choices import Choice
 
-__all__ = ["Mode", "Task", "configure", "echo", "mode", "pick_mode", "task"]
+__all__ = ["ENV", "Mode", "Task", "configure", "echo", "mode", "pick_mode", "task"]
+
+log = logging.getLogger(__name__)
 
 
 class Mode(Choice):
@@ -245,11 +249,19 @@ _renderer: _Renderer = _Silent()
 _mode = Mode.OFF
 
 
+ENV = "TRTSERVE_PROGRESS"  # live | plain | off: overrides the terminal check (a CI that fakes a TTY, tests)
+
+
 def pick_mode(stream: TextIO, *, quiet: bool = False, enabled: bool = True) -> Mode:
-    """What a CLI shows on `stream`: nothing with -q (or progress turned off), a live display on a
-    terminal, plain lines otherwise."""
+    """What a CLI shows on `stream`: nothing with -q (or progress turned off), else what $TRTSERVE_PROGRESS
+    says, else a live display on a terminal and plain lines otherwise."""
     if quiet or not enabled:
         return Mode.OFF
+    chosen = os.environ.get(ENV, "").strip().lower()
+    if chosen in Mode.values():
+        return Mode(chosen)
+    if chosen:
+        log.warning("$%s=%r: expected one of %s; choosing by the terminal", ENV, chosen, ", ".join(Mode.values()))
     return Mode.LIVE if stream.isatty() else Mode.PLAIN
 
 

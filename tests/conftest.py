@@ -42,15 +42,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session", autouse=True)
 def build_logs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """trtbuild's default build logs go to a temporary folder, not the checkout's .logs/."""
+    """trtbuild's default build logs go to a temporary folder, not the checkout's .logs/; the CLIs show no
+    progress (tests read their stderr line by line; tests/client/test_progress.py turns it on)."""
     folder = tmp_path_factory.mktemp("logs")
-    saved = os.environ.get("TRTBUILD_LOG_DIR")
+    saved = {name: os.environ.get(name) for name in ("TRTBUILD_LOG_DIR", "TRTSERVE_PROGRESS")}
     os.environ["TRTBUILD_LOG_DIR"] = str(folder)
+    os.environ["TRTSERVE_PROGRESS"] = "off"
     yield folder
-    if saved is None:
-        os.environ.pop("TRTBUILD_LOG_DIR", None)
-    else:
-        os.environ["TRTBUILD_LOG_DIR"] = saved
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 @pytest.fixture(scope="session")

@@ -28,6 +28,7 @@ from builder.spec.names import variant_name
 from builder.spec.shapes import for_model
 from builder.steps import onnx_model
 from builder.steps import samples as samples_mod
+from client import progress
 from client.datatypes import triton_datatype
 from client.protocol import Protocol
 from client.validate import ATOL, RTOL  # one pair of tolerances for verify and perfclient --validate
@@ -172,10 +173,13 @@ def check_models(
     checks: list[VariantCheck] = []
     for spec in specs:
         chosen, source = verification_samples(spec, repository, samples)
-        if source != "held-out":
-            log.info("%s: no evaluation data in the manifest; verifying with %s samples", spec.name, source)
-        for prec in spec.precisions:
-            checks.append(check_variant(repository, variant_name(spec.name, prec), chosen, urls, source=source))
+        if source != "held-out":  # the table's samples column says which
+            log.debug("%s: no evaluation data in the manifest; verifying with %s samples", spec.name, source)
+        with progress.task(f"verify {spec.name}", total=len(spec.precisions)) as bar:
+            for prec in spec.precisions:
+                name = variant_name(spec.name, prec)
+                checks.append(check_variant(repository, name, chosen, urls, source=source))
+                bar.advance(status=name)
     return checks
 
 
@@ -183,3 +187,23 @@ def verify_models(
     specs: list[ModelSpec], repository: Path, urls: Mapping[Protocol, str], samples: int = 16
 ) -> list[VerifyResult]:
     return [r for check in check_models(specs, repository, urls, samples) for r in check.results]
+
+
+def table_lines(checks: Sequence[VariantCheck]) -> list[str]:
+    """A title, then one row per variant and one column per protocol: OK or MISMATCH with the largest
+    difference from the same artifact run locally."""
+    protocols = list(dict.fromkeys(r.protocol for check in checks for r in check.results))
+    width = max([len("variant"), *(len(c.variant) for c in checks)])
+    samples = {c.variant: f"{c.results[0].samples} {c.results[0].source}" if c.results else "-" for c in checks}
+    swidth = max([len("samples"), *(len(s) for s in samples.values())])
+    lines = ["verify: the server's answers against the same artifact run here (max |difference|)",
+             f"{'variant':<{width}}  {'samples':<{swidth}}  " + "  ".join(f"{p!s:<18}" for p in protocols).rstrip()]
+    for check in checks:
+        by_protocol = {r.protocol: r for r in check.results}
+        cells = []
+        for protocol in protocols:
+            r = by_protocol.get(protocol)
+            cell = "-" if r is None else f"{'OK' if r.ok else 'MISMATCH'} {r.max_abs_diff:.1e}"
+            cells.append(f"{cell:<18}")
+        lines.append(f"{check.variant:<{width}}  {samples[check.variant]:<{swidth}}  " + "  ".join(cells).rstrip())
+    return lines

@@ -73,11 +73,11 @@ def test_every_class_serves_and_verify_passes(foreign: tuple[Path, list[ForeignM
     capsys.readouterr()
     code = main(["verify", "--manifest", str(manifest), "--repository", str(repository),
                  "--http-url", f"localhost:{server.http}", "--grpc-url", f"localhost:{server.grpc}"])
-    lines = [ln for ln in capsys.readouterr().out.splitlines() if "max |server - onnxruntime|" in ln]
-    assert code == 0, lines
-    checked = {ln.split()[0] for ln in lines if ln.rstrip().endswith("OK")}
-    assert checked == {f"{m.name}_{p}" for m in models for p in PRECISIONS}
-    assert len(lines) == 2 * len(checked)  # gRPC and HTTP each
+    expected = {f"{m.name}_{p}" for m in models for p in PRECISIONS}
+    rows = [ln.split() for ln in capsys.readouterr().out.splitlines() if ln.split()[:1] and ln.split()[0] in expected]
+    assert code == 0, rows
+    checked = {row[0] for row in rows if row.count("OK") == 2}  # one row per variant: gRPC and HTTP columns
+    assert checked == expected and len(rows) == len(expected)
 
 
 def _last_error(capsys: pytest.CaptureFixture[str]) -> str:
