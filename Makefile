@@ -56,31 +56,34 @@ $(STAMP): pyproject.toml
 	touch $@
 
 engines: $(STAMP) $(GPU_DEP)
-	$(BIN)/trtbuild engines --manifest $(MANIFEST) --repository $(REPOSITORY)
+	@$(BIN)/trtbuild engines --manifest $(MANIFEST) --repository $(REPOSITORY)
 
 serve: $(STAMP)
 	$(BIN)/trtbuild serve --repository $(REPOSITORY) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
 
 serve-bg: $(STAMP)
-	$(BIN)/trtbuild serve --background --repository $(REPOSITORY) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
+	@$(BIN)/trtbuild serve --background --repository $(REPOSITORY) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
 
 stop: $(STAMP)
-	$(BIN)/trtbuild stop
+	@$(BIN)/trtbuild stop
 
 verify: $(STAMP)
-	$(BIN)/trtbuild verify --manifest $(MANIFEST) --repository $(REPOSITORY) --http-url localhost:$(HTTP_PORT) --grpc-url localhost:$(GRPC_PORT)
+	@$(BIN)/trtbuild verify --manifest $(MANIFEST) --repository $(REPOSITORY) --http-url localhost:$(HTTP_PORT) --grpc-url localhost:$(GRPC_PORT)
 
 perf: $(STAMP)
-	$(BIN)/perfclient $(addprefix -m ,$(VARIANTS)) -u localhost:$(GRPC_PORT) --concurrency $(CONCURRENCY) \
+	@$(BIN)/perfclient $(addprefix -m ,$(VARIANTS)) -u localhost:$(GRPC_PORT) --concurrency $(CONCURRENCY) \
 	  --shape input_ids:64 --shape attention_mask:64 --measurement-interval 3000 --max-trials 5 \
-	  --metrics-url http://localhost:$(METRICS_PORT)/metrics --json reports/demo_perf.json --csv reports/demo_perf.csv --no-progress
+	  --metrics-url http://localhost:$(METRICS_PORT)/metrics --json reports/demo_perf.json --csv reports/demo_perf.csv
 
 # Build every model, start Triton, check its answers against ONNX Runtime over gRPC and HTTP,
 # load every variant at concurrency 32, print one comparison table, stop the server.
+# Commands are not echoed: the output is the build summary, the verify table and the perfclient table.
 demo: engines
-	$(MAKE) --no-print-directory serve-bg
-	status=0; $(MAKE) --no-print-directory verify && $(MAKE) --no-print-directory perf || status=$$?; \
-	  $(MAKE) --no-print-directory stop; exit $$status
+	@$(MAKE) --no-print-directory serve-bg
+	@status=0; $(MAKE) --no-print-directory verify && $(MAKE) --no-print-directory perf || status=$$?; \
+	  $(MAKE) --no-print-directory stop; \
+	  echo "reports: $(REPOSITORY)/build_report.json, reports/demo_perf.json, reports/demo_perf.csv; logs: .logs/, .run/tritonserver.log"; \
+	  exit $$status
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
