@@ -8,7 +8,6 @@ axis 0. Every consumer (samples, the TensorRT profile, config.pbtxt, verify) rea
 
 from __future__ import annotations
 
-import logging
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -19,8 +18,6 @@ from client.choices import Choice
 
 if TYPE_CHECKING:
     from builder.spec.model import ModelSpec, TensorSpec
-
-log = logging.getLogger(__name__)
 
 Shape = tuple[int, ...]
 

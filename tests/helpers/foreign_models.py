@@ -190,42 +190,45 @@ def int32_classifier(folder: Path) -> ForeignModel:
 
 
 def opset11(folder: Path) -> ForeignModel:
-    """An opset 11 export: x[batch, 16] → Gemm → Relu → Gemm → y[batch, 8] (ReduceMean with axes attributes)."""
+    """An opset 11 export: x[batch, 8, 32] → MatMul → Add → Relu → MatMul → y[batch, 8, 16], and a
+    ReduceMean with the `axes` attribute (an input from opset 18 on). Three-dimensional, so ModelOpt's
+    INT8 mode quantizes the MatMuls (it leaves GEMV-shaped ones in high precision)."""
     rng = np.random.default_rng(5)
     nodes = [
-        helper.make_node("Gemm", ["x", "w1", "b1"], ["h"], transB=1),
+        helper.make_node("MatMul", ["x", "w1"], ["h0"]),
+        helper.make_node("Add", ["h0", "b1"], ["h"]),
         helper.make_node("Relu", ["h"], ["r"]),
-        helper.make_node("Gemm", ["r", "w2", "b2"], ["y"], transB=1),
-        helper.make_node("ReduceMean", ["r"], ["energy"], axes=[1], keepdims=1),
+        helper.make_node("MatMul", ["r", "w2"], ["y"]),
+        helper.make_node("ReduceMean", ["r"], ["energy"], axes=[2], keepdims=0),
     ]
     graph = helper.make_graph(
         nodes, "old",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 16])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 8]),
-         helper.make_tensor_value_info("energy", TensorProto.FLOAT, ["batch", 1])],
-        initializer=[_init(rng, "w1", 32, 16), _init(rng, "b1", 32, scale=0.1),
-                     _init(rng, "w2", 8, 32), _init(rng, "b2", 8, scale=0.1)],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8, 32])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 8, 16]),
+         helper.make_tensor_value_info("energy", TensorProto.FLOAT, ["batch", 8])],
+        initializer=[_init(rng, "w1", 32, 64), _init(rng, "b1", 64, scale=0.1), _init(rng, "w2", 64, 16)],
     )
     path = _save(graph, folder / "opset11.onnx", opset=11)
-    data = _npz(folder / "opset11.npz", {"x": rng.standard_normal((SAMPLES, 16)).astype(np.float32)})
+    data = _npz(folder / "opset11.npz", {"x": rng.standard_normal((SAMPLES, 8, 32)).astype(np.float32)})
     return ForeignModel("opset11", "opset 11 export", path, data, (), "", True)
 
 
 def external_data(folder: Path) -> ForeignModel:
-    """Weights in a separate file beside the .onnx (save_as_external_data): x[batch, 64] → MatMul → y."""
+    """Weights in a separate file beside the .onnx (save_as_external_data): x[batch, 8, 64] → MatMul →
+    Relu → MatMul → y[batch, 8, 32]."""
     rng = np.random.default_rng(6)
     nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Relu", ["h"], ["r"]),
              helper.make_node("MatMul", ["r", "w2"], ["y"])]
     graph = helper.make_graph(
         nodes, "external",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 64])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 32])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8, 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 8, 32])],
         initializer=[_init(rng, "w", 64, 128), _init(rng, "w2", 128, 32)],
     )
     sub = folder / "external"
     sub.mkdir(exist_ok=True)
     path = _save(graph, sub / "model.onnx", external=True)
-    data = _npz(folder / "external.npz", {"x": rng.standard_normal((SAMPLES, 64)).astype(np.float32)})
+    data = _npz(folder / "external.npz", {"x": rng.standard_normal((SAMPLES, 8, 64)).astype(np.float32)})
     return ForeignModel("external", "weights in an external data file", path, data, (), "", True)
 
 
