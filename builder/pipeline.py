@@ -132,7 +132,8 @@ def _load_samples(spec: ModelSpec, sig: onnx_model.Signature,
             )
         calibration, evaluation = samples.hold_out(calibration)
     else:
-        evaluation = samples.synthetic(sig.inputs, shapes, 16, seed=1, value_ranges=spec.input_ranges)
+        evaluation = samples.synthetic(sig.inputs, shapes, 16, seed=1, value_ranges=spec.input_ranges,
+                                       what=f"model {spec.name!r}")
     return evaluation, calibration
 
 

@@ -11,6 +11,7 @@ from tritonclient.grpc import model_config_pb2
 from builder.spec.dtypes import to_triton_config
 from builder.spec.enums import ServingBackend
 from builder.spec.model import DimRange, ServingSpec, TensorSpec
+from builder.spec.shapes import ModelShapes
 from client.choices import Choice
 
 
@@ -60,16 +61,51 @@ class ConfigInputs:
     batch: DimRange
     serving: ServingSpec
     backend: BackendConfig
+    shapes: ModelShapes | None = None  # every input's resolved range; None: from the inputs' dims and batch
+
+    @property
+    def batching(self) -> bool:
+        return self.shapes is None or self.shapes.batching
+
+    @property
+    def batch_range(self) -> DimRange:
+        return (self.shapes.batch if self.shapes is not None else None) or self.batch
 
     @property
     def max_batch_size(self) -> int:
+        if not self.batching:
+            return 0  # Triton's "does not batch": dims are whole shapes, no dynamic batcher
         # Never accept a batch the artifact cannot run.
         limit = self.backend.max_batch
-        return self.batch.max if limit is None else min(self.batch.max, limit)
+        return self.batch_range.max if limit is None else min(self.batch_range.max, limit)
+
+    def input_dims(self, tensor: TensorSpec) -> list[int]:
+        if self.shapes is not None:
+            return self.shapes.config_dims(tensor.name)
+        return _dims(tensor.shape)
+
+    def output_dims(self, tensor: TensorSpec) -> list[int]:
+        if self.batching:
+            return _dims(tensor.shape)
+        return [d if isinstance(d, int) and d > 0 else -1 for d in tensor.shape]
 
 
 def _dims(shape: tuple[int | str, ...]) -> list[int]:
-    return [d if isinstance(d, int) else -1 for d in shape[1:]]
+    return [d if isinstance(d, int) and d > 0 else -1 for d in shape[1:]]
+
+
+def _tensor(tensor: TensorSpec, dims: list[int], batching: bool) -> dict[str, Any]:
+    """One input or output. Triton needs a dim: a scalar is declared [1]; a batching model reshapes it
+    to [] (a non-batching one may not: its runner reshapes, see `scalar_inputs`)."""
+    entry: dict[str, Any] = {"name": tensor.name, "data_type": to_triton_config(tensor.dtype), "dims": dims or [1]}
+    if not dims and batching:
+        entry["reshape"] = {"shape": []}
+    return entry
+
+
+def scalar_inputs(cfg: ConfigInputs) -> list[str]:
+    """Inputs of a non-batching model that are scalars in the graph but [1] in config.pbtxt."""
+    return [] if cfg.batching else [t.name for t in cfg.inputs if not cfg.input_dims(t)]
 
 
 def preferred_batch_sizes(batch: DimRange, max_batch_size: int) -> list[int]:
@@ -82,12 +118,8 @@ def build(cfg: ConfigInputs) -> model_config_pb2.ModelConfig:
     doc: dict[str, Any] = {
         "name": cfg.name,
         "max_batch_size": max_batch,
-        "input": [
-            {"name": t.name, "data_type": to_triton_config(t.dtype), "dims": _dims(t.shape)} for t in cfg.inputs
-        ],
-        "output": [
-            {"name": t.name, "data_type": to_triton_config(t.dtype), "dims": _dims(t.shape)} for t in cfg.outputs
-        ],
+        "input": [_tensor(t, cfg.input_dims(t), cfg.batching) for t in cfg.inputs],
+        "output": [_tensor(t, cfg.output_dims(t), cfg.batching) for t in cfg.outputs],
         "instance_group": [{"count": cfg.serving.instances, "kind": backend.instance_kind.value}],
     }
     if backend.backend is TritonBackend.PYTHON:
@@ -96,6 +128,8 @@ def build(cfg: ConfigInputs) -> model_config_pb2.ModelConfig:
             "onnx_file": {"string_value": backend.artifact},
             "intra_op_threads": {"string_value": str(cfg.serving.ort_intra_op_threads)},
         } | {k: {"string_value": v} for k, v in backend.parameters}
+        if scalar_inputs(cfg):
+            doc["parameters"]["scalar_inputs"] = {"string_value": ",".join(scalar_inputs(cfg))}
     elif backend.backend is TritonBackend.ONNXRUNTIME:
         doc["platform"] = "onnxruntime_onnx"
         doc["default_model_filename"] = backend.artifact
@@ -113,9 +147,9 @@ def build(cfg: ConfigInputs) -> model_config_pb2.ModelConfig:
             doc["optimization"] = {"cuda": {"graphs": True}}
     if backend.warmup:
         doc["model_warmup"] = list(backend.warmup)
-    if cfg.serving.dynamic_batching:
+    if cfg.serving.dynamic_batching and max_batch > 0:
         doc["dynamic_batching"] = {
-            "preferred_batch_size": preferred_batch_sizes(cfg.batch, max_batch),
+            "preferred_batch_size": preferred_batch_sizes(cfg.batch_range, max_batch),
             "max_queue_delay_microseconds": str(cfg.serving.max_queue_delay_us),
         }
     message = model_config_pb2.ModelConfig()

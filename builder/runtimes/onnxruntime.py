@@ -16,6 +16,8 @@ from numpy.typing import NDArray
 from builder.repository.triton_config import BackendConfig, InstanceKind, TritonBackend
 from builder.runtimes.base import CompileTarget, Outputs
 from builder.spec.enums import ServingBackend
+from builder.steps.samples import feeds as sample_feeds
+from builder.steps.samples import join as join_outputs
 
 
 def _ort_errors() -> tuple[type[Exception], ...]:
@@ -40,19 +42,19 @@ def ort_session(path: Path, intra_op_threads: int = 0) -> ort.InferenceSession:
     return ort.InferenceSession(str(path), sess_options=options, providers=["CPUExecutionProvider"])
 
 
-def run_session(session: ort.InferenceSession, samples: Mapping[str, NDArray[Any]], batch_size: int) -> Outputs:
-    """Run every sample through the session in batches; outputs concatenated along axis 0."""
-    count = len(next(iter(samples.values())))
+def run_session(session: ort.InferenceSession, samples: Mapping[str, NDArray[Any]],
+                batch_size: int | None) -> Outputs:
+    """Run every sample through the session in batches; outputs concatenated along axis 0. A model
+    that does not batch (`batch_size` None) runs each sample whole; outputs stacked on a new axis 0."""
     names = [o.name for o in session.get_outputs()]
     chunks: dict[str, list[NDArray[Any]]] = {n: [] for n in names}
-    for start in range(0, count, batch_size):
-        feed = {k: v[start : start + batch_size] for k, v in samples.items()}
+    for feed in sample_feeds(samples, batch_size):
         for name, value in zip(names, session.run(names, feed), strict=True):
             chunks[name].append(np.asarray(value))
-    return {n: np.concatenate(parts) for n, parts in chunks.items()}
+    return join_outputs(chunks, batch_size)
 
 
-def run_file(path: Path, samples: Mapping[str, NDArray[Any]], batch_size: int) -> Outputs:
+def run_file(path: Path, samples: Mapping[str, NDArray[Any]], batch_size: int | None) -> Outputs:
     return run_session(ort_session(path), samples, batch_size)
 
 
@@ -87,7 +89,7 @@ class OnnxRuntimeCPU:
     def compile(self, onnx_path: Path, out_path: Path, target: CompileTarget) -> None:
         shutil.copyfile(onnx_path, out_path)
 
-    def run(self, artifact: Path, samples: Mapping[str, NDArray[Any]], batch_size: int) -> Outputs:
+    def run(self, artifact: Path, samples: Mapping[str, NDArray[Any]], batch_size: int | None) -> Outputs:
         return run_file(artifact, samples, batch_size)
 
     def backend_config(self, target: CompileTarget, version_dir: Path) -> BackendConfig:

@@ -77,7 +77,7 @@ class TensorRTRuntime:
                 "compute_capability": self.gpu.compute_capability, "driver": self.gpu.driver}
 
     def metadata(self, target: CompileTarget) -> PlanMetadata:
-        profile = profile_shapes(target.inputs, target.batch, target.dims)
+        profile = profile_shapes(target.model_shapes())
         return PlanMetadata(
             tensorrt_version=self.trt_version, gpu_name=self.gpu.name,
             compute_capability=self.gpu.compute_capability, driver=self.gpu.driver,
@@ -106,15 +106,15 @@ class TensorRTRuntime:
         cache = self.cache_dir / "tensorrt" / timing_cache_name(self.gpu.name, self.gpu.major, self.gpu.minor,
                                                                 self.trt_version)
         with progress.task(f"TensorRT build: {out_path.parent.parent.name} ({self.gpu.name})"):
-            self.engine.build_plan(onnx_path, out_path, profile_shapes(target.inputs, target.batch, target.dims),
+            self.engine.build_plan(onnx_path, out_path, profile_shapes(target.model_shapes()),
                                    self.options, cache)
         meta_path.write_text(json.dumps(wanted.to_json(), indent=2) + "\n")
 
-    def run(self, artifact: Path, samples: Mapping[str, NDArray[Any]], batch_size: int) -> Outputs:
+    def run(self, artifact: Path, samples: Mapping[str, NDArray[Any]], batch_size: int | None) -> Outputs:
         return self.engine.run_plan(artifact, samples, batch_size)
 
     def backend_config(self, target: CompileTarget, version_dir: Path) -> BackendConfig:
-        profile = profile_shapes(target.inputs, target.batch, target.dims)
+        profile = profile_shapes(target.model_shapes())
         return BackendConfig(
             backend=TritonBackend.TENSORRT, artifact=self.artifact, instance_kind=InstanceKind.GPU,
             max_batch=profile.max_batch, cuda_graphs=self.options.cuda_graphs,

@@ -20,6 +20,8 @@ from numpy.typing import NDArray
 
 from builder.errors import BuilderError
 from builder.runtimes.tensorrt_plan import HardwareCompatibility, ProfileShapes, TrtBuildOptions
+from builder.steps.samples import feeds as sample_feeds
+from builder.steps.samples import join as join_outputs
 from client.files import write_atomic
 
 log = logging.getLogger(__name__)
@@ -118,8 +120,9 @@ def _dtype(engine: trt.ICudaEngine, name: str) -> np.dtype[Any]:
     return np.dtype(trt.nptype(engine.get_tensor_dtype(name)))  # type: ignore[no-untyped-call]
 
 
-def run_plan(plan_path: Path, samples: Mapping[str, NDArray[Any]], batch: int) -> dict[str, NDArray[Any]]:
-    """Deserialize the plan and run every sample through it in batches with cuda-python buffers."""
+def run_plan(plan_path: Path, samples: Mapping[str, NDArray[Any]], batch: int | None) -> dict[str, NDArray[Any]]:
+    """Deserialize the plan and run every sample through it in batches with cuda-python buffers
+    (`batch` None: the model does not batch; each sample whole)."""
     cudart = _cudart()
     engine = trt.Runtime(_LOGGER).deserialize_cuda_engine(plan_path.read_bytes())
     if engine is None:
@@ -128,17 +131,16 @@ def run_plan(plan_path: Path, samples: Mapping[str, NDArray[Any]], batch: int) -
     names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
     inputs = [n for n in names if engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
     outputs = [n for n in names if n not in inputs]
-    count = len(next(iter(samples.values())))
     chunks: dict[str, list[NDArray[Any]]] = {n: [] for n in outputs}
     stream = _check(cudart.cudaStreamCreate(), "cudaStreamCreate")
     h2d, d2h = cudart.cudaMemcpyKind.cudaMemcpyHostToDevice, cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost
     try:
-        for start in range(0, count, batch):
+        for feed in sample_feeds(samples, batch):
             buffers: list[int] = []
             try:
                 for name in inputs:
                     dtype = _dtype(engine, name)
-                    host = np.ascontiguousarray(samples[name][start : start + batch], dtype=dtype)
+                    host = np.require(feed[name], dtype=dtype, requirements="C")  # a scalar stays 0-d
                     context.set_input_shape(name, host.shape)
                     pointer = _check(cudart.cudaMalloc(max(host.nbytes, 1)), "cudaMalloc")
                     buffers.append(pointer)
@@ -164,4 +166,4 @@ def run_plan(plan_path: Path, samples: Mapping[str, NDArray[Any]], batch: int) -
                     cudart.cudaFree(pointer)
     finally:
         cudart.cudaStreamDestroy(stream)
-    return {n: np.concatenate(parts) for n, parts in chunks.items()}
+    return join_outputs(chunks, batch)

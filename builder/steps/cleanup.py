@@ -35,13 +35,13 @@ class SlimReport:
     max_abs_diff: float | None = None
 
 
-def slim(path: Path, probe: Mapping[str, NDArray[Any]]) -> SlimReport:
+def slim(path: Path, probe: Mapping[str, NDArray[Any]], *, batch_size: int | None = 8) -> SlimReport:
     """Slim the model at `path` in place when its outputs on `probe` stay equal; report what happened."""
     with progress.task("cleaning up the ONNX graph (onnxslim)"):
-        return _slim(path, probe)
+        return _slim(path, probe, batch_size)
 
 
-def _slim(path: Path, probe: Mapping[str, NDArray[Any]]) -> SlimReport:
+def _slim(path: Path, probe: Mapping[str, NDArray[Any]], batch_size: int | None) -> SlimReport:
     import onnxslim
 
     before = onnx.load(str(path))
@@ -55,9 +55,10 @@ def _slim(path: Path, probe: Mapping[str, NDArray[Any]]) -> SlimReport:
         return SlimReport(applied=False, reason=str(exc))
     candidate = path.with_suffix(".slim.onnx")
     onnx.save(slimmed, str(candidate))
-    reference = run_file(path, probe, 8)
+    # batch_size None: a model that does not batch runs each probe sample whole.
+    reference = run_file(path, probe, batch_size)
     try:
-        result = run_file(candidate, probe, 8)
+        result = run_file(candidate, probe, batch_size)
     except ORT_ERRORS as exc:  # onnxslim wrote a graph ONNX Runtime rejects: keep the exported one
         candidate.unlink()
         log.warning("onnxslim's graph does not run under ONNX Runtime (%s); keeping the exported graph",

@@ -47,7 +47,7 @@ CASES = [
     (["--onnx", "{mlp}", "--calibration", "{wrong_name}"], "input names ['pixels'] do not match the model's ['x']"),
     (["--onnx", "{mlp}", "--calibration", "{wrong_shape}"], "input 'x' axis 2 is 15, expected 32"),
     (["--onnx", "{mlp}", "--calibration", "{wrong_dtype}"], "input 'x' has dtype int32, expected float32"),
-    (["--onnx", "{seq}", "--precision", "fp32"], "dynamic dim 'seq' without a range"),
+    (["--onnx", "{seq}", "--precision", "fp32"], "axis 1 ('seq') is dynamic and has no range"),
     (["--onnx", "{mlp}", "--max-batch", "0"], "--max-batch 0: expected a positive integer"),
     (["--onnx", "{seq}", "--precision", "fp32", "--dim", "seq=8:4:16"], "1 <= min <= opt <= max"),
     (["--onnx", "{mlp}", "--runtime", "tensorrt"], "--runtime tensorrt:"),
