@@ -186,36 +186,53 @@ def _seconds(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds:.1f} s"
 
 
+def _runtimes(summary: BuildSummary) -> set[str]:
+    return {r.runtime for r in summary.rows if r.runtime is not None}
+
+
 def table(summary: BuildSummary, *, color: bool) -> Table:
-    t = Table(box=box.SIMPLE_HEAD if color else box.ASCII2, show_edge=color, pad_edge=False,
+    """The variants table; the runtime column only when variants differ in it (else the title names it)."""
+    t = Table(box=box.SIMPLE_HEAD if color else box.ASCII2, show_edge=False, pad_edge=False, padding=(0, 1),
               header_style="bold" if color else "")
-    for name, justify in (("variant", "left"), ("precision", "left"), ("runtime", "left"), ("size", "right"),
-                          ("accuracy vs tolerance", "left"), ("kept in higher precision", "left"),
-                          ("time", "right"), ("state", "left")):
-        t.add_column(name, justify=justify)  # type: ignore[arg-type]
+    with_runtime = len(_runtimes(summary)) > 1
+    # Short columns never wrap; on a narrow terminal the accuracy, guard and state columns do.
+    columns: list[tuple[str, str, int | None]] = [("variant", "left", None), ("prec", "left", None)]
+    if with_runtime:
+        columns.append(("runtime", "left", None))
+    columns += [("size", "right", None), ("accuracy vs tolerance", "left", 20),
+                ("kept in higher precision", "left", 11), ("time", "right", None), ("state", "left", 8)]
+    for name, justify, width in columns:
+        t.add_column(name, justify=justify, no_wrap=width is None, min_width=width)  # type: ignore[arg-type]
     for row in summary.rows:
+        runtime = [row.runtime or "-"] if with_runtime else []
         if row.failed:
-            style = "red" if color else None
-            t.add_row(row.variant, row.precision, row.runtime or "-", "-", f"FAILED: {row.reason}", "-", "-",
-                      "FAILED", style=style)
+            t.add_row(row.variant, row.precision, *runtime, "-", row.reason, "-", "-", "FAILED",
+                      style="red" if color else None)
             continue
-        accuracy = row.accuracy
-        if row.within is False:
-            accuracy += "  (out of tolerance)"
-        t.add_row(row.variant, row.precision, row.runtime or "-", _size(row.size_bytes), accuracy, row.kept,
+        accuracy = row.accuracy + ("  (out of tolerance)" if row.within is False else "")
+        t.add_row(row.variant, row.precision, *runtime, _size(row.size_bytes), accuracy, row.kept,
                   _seconds(row.seconds), row.state, style="dim" if color and row.state == "unchanged" else None)
     return t
+
+
+_NARROW = 110  # terminal columns below which the table would lose columns
 
 
 def render(summary: BuildSummary, stream: TextIO, *, color: bool | None = None) -> None:
     """Print the summary to `stream`; colour and box-drawing only on a terminal (or when `color`)."""
     tty = stream.isatty() if color is None else color
-    # Off a terminal rich would wrap at 80 columns; a log file is better served by long lines.
-    console = Console(file=stream, force_terminal=tty, no_color=not tty, width=None if tty else 200,
-                      highlight=False, soft_wrap=False)
+    console = Console(file=stream, force_terminal=tty, no_color=not tty, highlight=False, soft_wrap=False)
+    if not tty or console.width < _NARROW:
+        # Off a terminal (a log file) or on a narrow one, where rich would drop columns to fit: long lines
+        # in plain characters, every column kept.
+        tty = False
+        console = Console(file=stream, force_terminal=False, no_color=True, width=200, highlight=False)
     built = sum(1 for r in summary.rows if not r.failed)
     failed = len(summary.failures)
     title = f"{built} variant{'s' if built != 1 else ''} ready" + (f", {failed} FAILED" if failed else "")
+    runtimes = _runtimes(summary)
+    if len(runtimes) == 1:
+        title += f" (runtime: {runtimes.pop()})"
     console.print(f"[bold]build summary[/]: {title}" if tty else f"build summary: {title}", markup=tty)
     console.print(table(summary, color=tty))
     lines = [f"repository: {summary.repository}"]

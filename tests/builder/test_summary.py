@@ -16,6 +16,7 @@ from builder.summary import (
     FailedVariant,
     SummaryRow,
     accuracy_text,
+    failed_row,
     guard_text,
     render,
     summarize,
@@ -42,7 +43,7 @@ def test_a_failed_variant_is_listed_with_its_reason(tmp_path: Path) -> None:
     assert [r.variant for r in summary.failures] == ["mlp_int8"]
     text = _text(summary)
     line = next(ln for ln in text.splitlines() if "mlp_int8" in ln)
-    assert "FAILED: INT8 calibration (modelopt) failed: Concat shape mismatch" in line
+    assert "INT8 calibration (modelopt) failed: Concat shape mismatch" in line and line.rstrip().endswith("FAILED")
     assert "0 variants ready, 1 FAILED" in text
     assert "build log:  .logs/build-1.log" in text
     assert "\x1b[" not in text  # not a terminal: no colour codes
@@ -58,7 +59,8 @@ def test_built_then_unchanged_rows_from_a_real_build(tmp_path: Path,
     assert main(args) == 0
     first = capsys.readouterr().out
     row = next(ln for ln in first.splitlines() if ln.startswith("mlp_fp32"))
-    assert "rebuilt" in row and "max_rel 0 ≤ 0.0001" in row and "onnxruntime" in row
+    assert "rebuilt" in row and "max_rel 0 ≤ 0.0001" in row
+    assert "build summary: 1 variant ready (runtime: onnxruntime)" in first  # one runtime: named once
     assert f"repository: {repo}" in first and f"report:     {repo / 'build_report.json'}" in first
     assert "perfclient -m mlp_fp32 -u localhost:8001" in first and "trtbuild serve" in first
     assert main(args) == 0
@@ -88,3 +90,20 @@ def test_what_the_guards_kept() -> None:
     assert guard_text(None, {"kept_fp32_nodes": [], "kept_fp32_op_types": ["Softmax"], "fallback": None,
                              "settings": {}}) == "op types in FP32: Softmax"
     assert guard_text(None, None) == "-"
+
+
+def test_a_narrow_terminal_gets_every_column(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Below 110 columns rich would drop the last columns to fit; the plain form keeps them all."""
+    failure = FailedVariant("a_very_long_model_name_fp16", "fp16", "FP16 conversion failed: shape mismatch")
+    row = SummaryRow("a_very_long_model_name_fp32", "fp32", "onnxruntime", 18_600_000,
+                     "cos_mean 0.9784 ≥ 0.95, top1 0.823 ≥ 0.7", True, "3 nodes unquantized", 57.2,
+                     "rebuilt, calibration cached")
+    summary = BuildSummary((row, failed_row(failure)), Path("repo"))
+    for columns, wide in (("80", False), ("160", True)):
+        monkeypatch.setenv("COLUMNS", columns)
+        stream = io.StringIO()
+        render(summary, stream, color=True)
+        text = stream.getvalue()
+        assert "rebuilt, calibration cached" in text.replace("\n", " ") or wide  # whole cells when narrow
+        assert "57.2 s" in text and "FAILED" in text and "3 nodes unquantized" in text.replace("\n", " ")
+        assert ("\x1b[" in text) is wide  # colour only where the table fits the terminal
