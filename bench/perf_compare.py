@@ -9,7 +9,10 @@ perf_analyzer is the binary inside the tritonclient 2.50 wheel; it needs libb64 
 which are copied from the nvidia-pytriton wheel's libraries.
 
     python bench/perf_compare.py [--repository model_repository] [--model efficientnet_lite0_fp32]
-                                 [--concurrency 8,32] [--interval-ms 4000] [--rounds 2] [--json PATH]
+                                 [--concurrency 8,32] [--interval-ms 4000] [--rounds 3] [--json PATH]
+
+The last lines hold the issue's targets against the medians: throughput within 5 % and p50 within
+10 % at each concurrency, and the trivial model's drive-rate ratio (perfclient / perf_analyzer) >= 1.0.
 """
 
 from __future__ import annotations
@@ -108,7 +111,7 @@ def main() -> int:
     p.add_argument("--concurrency", default="8,32")
     p.add_argument("--trivial-concurrency", type=int, default=16)
     p.add_argument("--interval-ms", type=int, default=4000)
-    p.add_argument("--rounds", type=int, default=2, help="alternating rounds per tool; medians are compared")
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds per tool; medians are compared")
     p.add_argument("--stability", type=float, default=10.0, help="±%% for both tools (trivial model: 2x)")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
@@ -170,10 +173,29 @@ def main() -> int:
         print(f"{r['model']:<24} {r['concurrency']:>4} {pa['throughput']:>10.1f} {pc['throughput']:>10.1f} "
               f"{r['throughput_ratio']:>6.3f} {pa['p50_us'] / 1e3:>9.2f} {pc['p50_us'] / 1e3:>9.2f} "
               f"{r['p50_ratio']:>6.3f} {pa['p99_us'] / 1e3:>9.2f} {pc['p99_us'] / 1e3:>9.2f}")
+    print()
+    for line in verdicts(rows, trivial="trivial_add"):
+        print(line)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
     return 0
+
+
+def verdicts(rows: list[dict[str, Any]], *, trivial: str) -> list[str]:
+    """The issue's targets, one line each, as measured (medians)."""
+    lines = []
+    for r in rows:
+        if r["model"] == trivial:
+            ratio = r["throughput_ratio"]
+            lines.append(f"drive rate ({trivial}, c={r['concurrency']}): perfclient/perf_analyzer "
+                         f"{ratio:.3f}x (target >= 1.0x): {'met' if ratio >= 1.0 else 'NOT met'}")
+            continue
+        t_ok, p_ok = abs(r["throughput_ratio"] - 1) <= 0.05, abs(r["p50_ratio"] - 1) <= 0.10
+        lines.append(f"{r['model']} c={r['concurrency']}: throughput ratio {r['throughput_ratio']:.3f} "
+                     f"(target within 5 %: {'met' if t_ok else 'NOT met'}), p50 ratio {r['p50_ratio']:.3f} "
+                     f"(target within 10 %: {'met' if p_ok else 'NOT met'})")
+    return lines
 
 
 if __name__ == "__main__":
