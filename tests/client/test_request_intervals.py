@@ -63,16 +63,17 @@ def test_the_replay_follows_the_file_within_5_percent(endpoints: Endpoints, tmp_
     want = pattern[(np.arange(len(planned)) + phase) % len(pattern)]
     np.testing.assert_allclose(planned, want, atol=0.01)  # 10 ns: float accumulation only
     # In the measured windows (not the warm-up, where the first connection is slow), the sends follow the
-    # file: per position in the file, the median actual gap within 5 % of the file's gap (the median: one
-    # stall on this shared CPU is followed by a catch-up burst, as an open loop must), and as many sends as
-    # the file schedules there, within 5 %.
+    # file within 5 % of its mean interval: per position in the file, the median actual gap (the median: a
+    # stall on this shared CPU is followed by a catch-up burst, as an open loop must; a send's own jitter
+    # here, under a load average above 10, is about 1 ms), and as many sends as the file schedules there.
+    # A constant rate at the file's mean would miss the 15 ms gap by 35 ms.
     start, end = result.windows[0].start_ns, result.windows[-1].end_ns
     measured = (scheduled[1:] >= start) & (scheduled[1:] < end)
     actual = np.diff(sent) / 1e3
     position = (np.arange(len(actual)) + phase) % len(pattern)
     for k, gap in enumerate(PATTERN_US):
         gaps = actual[measured & (position == k)]
-        assert len(gaps) >= 8 and np.median(gaps) == pytest.approx(gap, rel=0.05), (gap, np.sort(gaps))
+        assert len(gaps) >= 8 and np.median(gaps) == pytest.approx(gap, abs=0.05 * pattern.mean()), (gap, gaps)
     in_span = int(((sent >= start) & (sent < end)).sum())
     assert in_span == pytest.approx((end - start) / 1e3 / pattern.mean(), rel=0.05)
     lag_us = (sent - scheduled)[(scheduled >= start) & (scheduled < end)] / 1e3
