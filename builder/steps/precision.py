@@ -189,6 +189,10 @@ def to_fp16(fp32_path: Path, out_path: Path, *, feeds: Sequence[Mapping[str, NDA
     breaks models with dynamic spatial dims (a Concat of feature maps) and misjudges ranges."""
     if not feeds:
         raise AssertionError("to_fp16 needs feeds: autocast must not guess the inputs")
+    fp32_path = fp32_path.resolve()
+    # The tool runs in the temporary folder: ONNX Runtime's symbolic shape inference, which ModelOpt calls, writes
+    # sym_shape_infer_temp.onnx and its weights into the working directory when it cannot finish
+    # (an ai.onnx.ml node, for one).
     with tempfile.TemporaryDirectory(prefix="trtbuild-fp16-") as tmp, _quiet() as sink:
         from modelopt.onnx.autocast import convert_to_mixed_precision
 
@@ -198,11 +202,12 @@ def to_fp16(fp32_path: Path, out_path: Path, *, feeds: Sequence[Mapping[str, NDA
         for index, feed in enumerate(feeds):
             np.savez(feed_dir / f"{index:05d}.npz", **feed)
         try:
-            model = convert_to_mixed_precision(
-                str(fp32_path), low_precision_type="fp16", keep_io_types=True, calibration_data=str(feed_dir),
-                nodes_to_exclude=[f"^{re.escape(n)}$" for n in settings.nodes_to_exclude] or None,
-                op_types_to_exclude=list(settings.op_types_to_exclude) or None,
-                data_max=settings.data_max, init_max=settings.init_max)
+            with contextlib.chdir(tmp):
+                model = convert_to_mixed_precision(
+                    str(fp32_path), low_precision_type="fp16", keep_io_types=True, calibration_data=str(feed_dir),
+                    nodes_to_exclude=[f"^{re.escape(n)}$" for n in settings.nodes_to_exclude] or None,
+                    op_types_to_exclude=list(settings.op_types_to_exclude) or None,
+                    data_max=settings.data_max, init_max=settings.init_max)
         except Exception as exc:
             # ModelOpt raises a bare Exception when ONNX Runtime cannot run the graph (the reason is in
             # its log): a tool failure like TOOL_ERRORS. Subclasses of Exception outside TOOL_ERRORS are bugs.
@@ -270,12 +275,15 @@ def to_int8(
     log.debug("INT8: calibrating on %d samples (%s, %s recipe)", samples, spec.method, spec.recipe)
     with progress.task(f"INT8 calibration: {samples} samples, {spec.method}, {spec.recipe}"), \
             tempfile.TemporaryDirectory(prefix="trtbuild-int8-") as tmp, _quiet() as sink:
+        fp32_path = fp32_path.resolve()
         tmp_out = Path(tmp) / "int8.onnx"
         try:
-            if spec.recipe is Int8Recipe.ONNXRUNTIME:
-                _quantize_ort(fp32_path, calibration, spec, Path(tmp), tmp_out)
-            else:
-                _quantize_modelopt(fp32_path, calibration, spec, tmp_out)
+            # In the temporary folder: see to_fp16 (files ONNX Runtime's shape inference leaves behind).
+            with contextlib.chdir(tmp):
+                if spec.recipe is Int8Recipe.ONNXRUNTIME:
+                    _quantize_ort(fp32_path, calibration, spec, Path(tmp), tmp_out)
+                else:
+                    _quantize_modelopt(fp32_path, calibration, spec, tmp_out)
         except Exception as exc:
             # As in to_fp16: a bare Exception is ModelOpt's "ONNX Runtime failed"; other types are bugs.
             if not (isinstance(exc, _INT8_ERRORS) or type(exc) is Exception):

@@ -5,6 +5,7 @@ INT8 through `trtbuild build`, serves on the bundled Triton (one server for all)
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,7 +26,18 @@ def foreign(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Foreig
     root = tmp_path_factory.mktemp("foreign")
     models = all_models(root)
     repository = root / "repository"
-    codes = {m.name: main([*m.build_args(repository), "--report", str(root / f"{m.name}.json")]) for m in models}
+    # Where the user ran trtbuild: only the build logs and the default cache (.cache/trtbuild, fresh
+    # here, so ModelOpt really runs) may appear.
+    cwd = tmp_path_factory.mktemp("cwd")
+    before = Path.cwd()
+    os.chdir(cwd)
+    try:
+        codes = {m.name: main([*m.build_args(repository), "--report", str(root / f"{m.name}.json")])
+                 for m in models}
+    finally:
+        os.chdir(before)
+    left = sorted(p.name for p in cwd.iterdir() if p.name not in (".logs", ".cache"))
+    assert not left, f"the builds left files in the working directory: {left}"
     return repository, models, codes
 
 
