@@ -74,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
         trt.add_argument("--no-trt-warmup", action="store_true", help="no model_warmup in config.pbtxt")
         cuda = p.add_argument_group(
             "ONNX Runtime CUDA (with --runtime onnxruntime-cuda, or auto on a GPU without TensorRT)")
-        cuda.add_argument("--cudnn-conv-algo-search", default="EXHAUSTIVE", help="EXHAUSTIVE | HEURISTIC | DEFAULT")
+        cuda.add_argument("--cudnn-conv-algo-search", default="HEURISTIC", help="HEURISTIC | EXHAUSTIVE | DEFAULT")
         cuda.add_argument("--no-cuda-graphs", action="store_true", help="python runner: no CUDA graph per bucket")
         cuda.add_argument("--ort-tensorrt-fp16", action="store_true",
                           help="native onnxruntime backend: gpu_execution_accelerator tensorrt, FP16")

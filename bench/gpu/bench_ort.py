@@ -44,7 +44,7 @@ PRECISIONS = ("fp32", "fp16", "int8")
 MAX_BATCH = 64
 INPUT = TensorSpec("input", "float32", (-1, 3, 224, 224))
 OUTPUT = TensorSpec("logits", "float32", (-1, 1000))
-SEARCH = "EXHAUSTIVE"
+SEARCH = "HEURISTIC"  # --search; the committed H100 results ran EXHAUSTIVE (recorded in their JSON)
 RUNNER: Any = python_model  # untyped: it is copied into model folders, where Triton imports it
 
 
@@ -140,6 +140,45 @@ def in_process_one(path: Path, nvml: Nvml, seconds: float, x: Any) -> dict[str, 
                     per_call=MAX_BATCH)
     with_copies = timed(lambda: runner.run({"input": x}), seconds=seconds, nvml=nvml, per_call=MAX_BATCH)
     return {"ceiling_iobinding": ceiling, "runner_with_copies": with_copies, "runner": runner.describe()}
+
+
+ABLATION: dict[str, dict[str, Any]] = {  # one change from the runner's defaults each
+    "as configured (graphs, pinned, --search)": {},
+    "no CUDA graphs": {"cuda_graphs": False},
+    "pageable staging buffers": {"pin": False},
+    "EXHAUSTIVE search": {"search": "EXHAUSTIVE"},
+}
+
+
+def ablation(models: Path, seconds: float) -> dict[str, Any]:
+    """What each runner choice pays: ms per run (host copies included) at buckets 8 and 64, and load s."""
+    out: dict[str, Any] = {}
+    rng = np.random.default_rng(2)
+    feeds = {b: {"input": rng.standard_normal((b, 3, 224, 224), dtype=np.float32)} for b in (8, 64)}
+    for precision in ("fp32", "fp16"):
+        for label, change in ABLATION.items():
+            try:
+                runner = RUNNER.CudaBucketRunner(
+                    str(onnx_path(models, precision)), max_batch=MAX_BATCH, sizes=[8, 64],
+                    provider_options={"cudnn_conv_algo_search": change.get("search", SEARCH)},
+                    cuda_graphs=change.get("cuda_graphs", True), pin=change.get("pin", True))
+                row: dict[str, Any] = {"load_s": round(runner.load_seconds, 2)}
+                for b, feed in feeds.items():
+                    for _ in range(5):
+                        runner.run(feed)
+                    n, t0 = 0, time.perf_counter()
+                    while time.perf_counter() - t0 < seconds:
+                        runner.run(feed)
+                        n += 1
+                    row[f"ms_per_run_b{b}"] = round(1000 * (time.perf_counter() - t0) / n, 3)
+                row["runner"] = runner.describe()
+                del runner
+            except Exception as exc:  # noqa: BLE001 - a failed variant is a result
+                row = {"error": str(exc).strip().splitlines()[-1][:300]}
+            out[f"{precision}: {label}"] = row
+            print(json.dumps({"ablation": f"{precision}: {label}"} | {k: v for k, v in row.items() if k != "runner"}),
+                  flush=True)
+    return out
 
 
 def write_model(root: Path, name: str, onnx: Path, *, batching: bool, instances: int, delay_us: int,
@@ -291,15 +330,18 @@ def markdown(doc: dict[str, Any]) -> str:
 
 
 def main() -> int:
+    global SEARCH
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", type=Path, required=True, help="repository with efficientnet_lite0_{fp32,fp16,int8}")
     p.add_argument("--out", type=Path, default=Path("reports/gpu"))
     p.add_argument("--interval-ms", type=int, default=3000)
     p.add_argument("--in-process-seconds", type=float, default=3.0)
     p.add_argument("--delay-us", type=int, default=1000, help="dynamic batching max queue delay")
+    p.add_argument("--search", default=SEARCH, help="cudnn_conv_algo_search of every runner")
     p.add_argument("--instances", type=int, default=1, help="model instances (python stubs) per served model")
-    p.add_argument("--skip", default="", help="comma-separated steps to skip: shape,inprocess,served")
+    p.add_argument("--skip", default="", help="comma-separated steps to skip: shape,ablation,inprocess,served")
     args = p.parse_args()
+    SEARCH = args.search
     args.out.mkdir(parents=True, exist_ok=True)
     skip = set(filter(None, args.skip.split(",")))
     import onnxruntime as ort
@@ -311,6 +353,8 @@ def main() -> int:
     if "shape" not in skip:
         doc["shape_change"] = shape_change(args.models)
         print(json.dumps({"shape_change": doc["shape_change"]}), flush=True)
+    if "ablation" not in skip:
+        doc["ablation"] = ablation(args.models, args.in_process_seconds)
     doc["in_process"] = {} if "inprocess" in skip else in_process(args.models, nvml, args.in_process_seconds)
     if "served" not in skip:
         with tempfile.TemporaryDirectory(prefix="ort-gpu-bench-") as tmp:

@@ -92,7 +92,7 @@ def _pin(array):
 class _Bucket:
     """One batch size: its session, device tensors bound once, host staging buffers."""
 
-    def __init__(self, path, size, *, provider_options, cuda_graph, device_id):
+    def __init__(self, path, size, *, provider_options, cuda_graph, device_id, pin=True):
         self.size = size
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -112,7 +112,7 @@ class _Bucket:
                 raise ValueError(f"input {node.name} has dynamic non-batch dims {node.shape}: no preallocated bucket")
             dtype = _NUMPY_OF_ORT[node.type]
             self.host[node.name] = np.zeros(shape, dtype=dtype)
-            self.pinned = _pin(self.host[node.name]) and self.pinned
+            self.pinned = pin and _pin(self.host[node.name]) and self.pinned
             self.inputs[node.name] = ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, "cuda", device_id)
             self.inputs[node.name].update_inplace(self.host[node.name])
             self.binding.bind_ortvalue_input(node.name, self.inputs[node.name])
@@ -145,12 +145,12 @@ class CudaBucketRunner:
 
     provider = "cuda"
 
-    def __init__(self, path, *, max_batch, provider_options, cuda_graphs=True, warmup_runs=2):
+    def __init__(self, path, *, max_batch, provider_options, cuda_graphs=True, warmup_runs=2, sizes=None, pin=True):
         self.provider_options = {k: str(v) for k, v in provider_options.items()}
         device_id = int(self.provider_options.get("device_id", "0"))
         if hasattr(ort, "preload_dlls"):
             ort.preload_dlls()  # CUDA/cuDNN from the nvidia-* pip packages, where they are installed
-        self.sizes = buckets(max_batch)
+        self.sizes = sorted(sizes) if sizes else buckets(max_batch)  # sizes: benchmarks measure a few
         self.buckets = {}
         self.graph_fallback = None
         started = time.perf_counter()
@@ -159,7 +159,7 @@ class CudaBucketRunner:
             if cuda_graphs and self.graph_fallback is None:
                 try:
                     bucket = _Bucket(path, size, provider_options=self.provider_options, cuda_graph=True,
-                                     device_id=device_id)
+                                     device_id=device_id, pin=pin)
                     for _ in range(max(warmup_runs, 2)):  # the first graph run captures
                         bucket.run(bucket.host, size)
                 except Exception as exc:  # noqa: BLE001 - ORT refuses graphs when a node is off the GPU
@@ -169,7 +169,7 @@ class CudaBucketRunner:
                     gc.collect()  # free the refused session's device memory before the next one
             if bucket is None:
                 bucket = _Bucket(path, size, provider_options=self.provider_options, cuda_graph=False,
-                                 device_id=device_id)
+                                 device_id=device_id, pin=pin)
                 for _ in range(warmup_runs):
                     bucket.run(bucket.host, size)
             self.buckets[size] = bucket
@@ -234,7 +234,7 @@ def make_runner(path, params, max_batch):
         raise ValueError(f"parameter provider {provider!r}: expected cpu or cuda")
     # kSameAsRequested: one session per bucket, so no arena should round its blocks up to powers of two.
     options = {"device_id": params.get("device_id", "0"),
-               "cudnn_conv_algo_search": params.get("cudnn_conv_algo_search", "EXHAUSTIVE"),
+               "cudnn_conv_algo_search": params.get("cudnn_conv_algo_search", "HEURISTIC"),
                "arena_extend_strategy": "kSameAsRequested"}
     if max_batch <= 0:  # no batch axis: one session, the shapes the clients send
         return CudaPlainRunner(path, provider_options=options)

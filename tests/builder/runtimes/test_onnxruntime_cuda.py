@@ -89,7 +89,7 @@ def test_python_runner_config_runs_on_a_gpu_instance_with_the_cuda_provider() ->
     config = parse(_config_text(ServingBackend.PYTHON, CudaOptions(device_id=0)))
     assert config.backend == "python" and [g.kind for g in config.instance_group] == [1]  # KIND_GPU
     params = {k: v.string_value for k, v in config.parameters.items()}
-    assert params["provider"] == "cuda" and params["cudnn_conv_algo_search"] == "EXHAUSTIVE"
+    assert params["provider"] == "cuda" and params["cudnn_conv_algo_search"] == "HEURISTIC"
     assert params["cuda_graphs"] == "1" and params["onnx_file"] == "model.onnx"
     assert not config.optimization.execution_accelerators.gpu_execution_accelerator
 
