@@ -127,13 +127,17 @@ def _duration(value: float) -> str:
 
 
 class _Plain:
-    """Lines for logs: the start, the end, and in between at most one line per task per `interval`.
+    """Lines for logs: the start, the end, and in between a line when at least `interval` seconds passed
+    and either a tenth of the total more is done or `quiet_limit` seconds passed (a 40-minute search
+    then writes about 20 lines, not 240).
     Tasks opened inside a counted task (a loop with a total) print nothing: the loop's own lines say
     how far it is, and a line per iteration would flood the log."""
 
-    def __init__(self, stream: TextIO | None, interval: float) -> None:
+    def __init__(self, stream: TextIO | None, interval: float, quiet_limit: float = 120.0) -> None:
         self.stream = stream  # None: whatever sys.stderr is at the time of each line
         self.interval = interval
+        self.quiet_limit = max(interval, quiet_limit)
+        self.reported: dict[int, int] = {}  # task id -> steps done at its last line
         self.lock = threading.Lock()
         self.open: list[Task] = []
         self.hidden: set[int] = set()  # ids of tasks inside a counted task
@@ -156,9 +160,13 @@ class _Plain:
         if id(task) in self.hidden:
             return
         now = time.monotonic()
-        if now - task._last_line < self.interval:
+        since = now - task._last_line
+        done = task.completed - self.reported.get(id(task), 0)
+        tenth = task.total is not None and task.total > 0 and done * 10 >= task.total
+        if since < self.interval or not (tenth or since >= self.quiet_limit):
             return
         task._last_line = now
+        self.reported[id(task)] = task.completed
         parts = [task.description]
         if task.total is not None:
             percent = 100 * task.completed / task.total if task.total else 100.0
@@ -176,6 +184,7 @@ class _Plain:
     def finish(self, task: Task, failed: bool) -> None:
         if task in self.open:
             self.open.remove(task)
+        self.reported.pop(id(task), None)
         if id(task) in self.hidden:
             self.hidden.discard(id(task))
             return
@@ -188,6 +197,7 @@ class _Plain:
     def close(self) -> None:
         self.open.clear()
         self.hidden.clear()
+        self.reported.clear()
 
 
 class _Live:

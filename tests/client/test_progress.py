@@ -46,6 +46,16 @@ def test_plain_lines_say_start_progress_and_end() -> None:
     assert len(lines) == 4
 
 
+def test_plain_lines_need_a_tenth_more_done_or_a_long_quiet() -> None:
+    stream = io.StringIO()
+    progress.configure(progress.Mode.PLAIN, stream=stream, interval=0.0)
+    with progress.task("sensitivity", total=100) as bar:
+        for _ in range(30):
+            bar.advance()
+    middle = [ln for ln in stream.getvalue().splitlines() if ln.startswith("[....]")]
+    assert [ln.split(", ")[1] for ln in middle] == ["10/100 (10 %)", "20/100 (20 %)", "30/100 (30 %)"]
+
+
 def test_plain_lines_are_rate_limited_and_a_failure_is_marked() -> None:
     stream = io.StringIO()
     progress.configure(progress.Mode.PLAIN, stream=stream, interval=3600.0)
