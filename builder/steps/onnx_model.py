@@ -160,3 +160,9 @@ def copy_model(source: Path, target: Path) -> None:
 def _has_external_data(path: Path) -> bool:
     model = onnx.load(str(path), load_external_data=False)
     return any(onnx.external_data_helper.uses_external_data(t) for t in model.graph.initializer)
+
+
+def default_opset(path: Path) -> int | None:
+    """The model's opset of the default (ai.onnx) domain; None when it imports none."""
+    model = onnx.load(str(path), load_external_data=False)
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)

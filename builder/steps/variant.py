@@ -24,7 +24,7 @@ from builder.steps.accuracy import Metrics
 from builder.steps.context import ModelContext, VariantContext
 from builder.steps.fp16_guard import guard_fp16
 from builder.steps.guard import guard_int8
-from builder.steps.onnx_model import sha256_file
+from builder.steps.onnx_model import default_opset, sha256_file
 from builder.steps.results import VariantResult
 from client import progress
 
@@ -82,6 +82,10 @@ class Compile:
 
     def run(self, ctx: VariantContext) -> None:
         ctx.variant_sha = sha256_file(ctx.variant_onnx)
+        source, written = default_opset(ctx.model.fp32_path), default_opset(ctx.variant_onnx)
+        if source != written:  # ModelOpt upgrades old exports (autocast to 13, Q/DQ to 19): say so
+            log.info("%s: the variant ONNX is opset %s (the model's is %s)", ctx.name, written, source)
+            ctx.settings = {**ctx.settings, "opset": {"model": source, "variant": written}}
         ctx.version_dir.mkdir(parents=True, exist_ok=True)
         target = ctx.target()
         ctx.runtime.carry_over(ctx.model.repository / ctx.name / "1", ctx.version_dir, target)

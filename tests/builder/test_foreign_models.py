@@ -73,6 +73,8 @@ def test_shapes_reach_config_and_the_record(foreign: tuple[Path, list[ForeignMod
     assert "dims: 3\n  dims: -1\n  dims: -1" in detector_cfg
     record = json.loads((repository / "ocr_cls_fp16" / "build.json").read_text())
     assert record["shapes"]["inputs"]["x"] == {"min": [1, 3, 48, 64], "opt": [4, 3, 48, 192], "max": [8, 3, 48, 320]}
+    old = json.loads((repository / "opset11_fp16" / "build.json").read_text())["precision_settings"]
+    assert old["opset"]["model"] == 11 and old["opset"]["variant"] > 11  # the upgrade is recorded
     vad = (repository / "vad_int8" / "config.pbtxt").read_text()
     assert 'string_value: "sr"' in vad and "dims: 2\n  dims: 1\n  dims: 128" in vad
 
