@@ -542,7 +542,10 @@ class Tuner:
         log.debug("tune: %s -> %s", point.label(), ", ".join(
             f"c={r.concurrency} {r.throughput:.1f}/s p99 "
             + (f"{r.p99_us / 1e3:.1f} ms" if r.p99_us is not None else "-") for r in results))
-        idle = [r.concurrency for r in results if not r.completed]
+        # perfclient says when no request completed at a level (LevelResult.failed); such a level has no
+        # latencies, and a zero or missing p99 must not pass for a fast one.
+        idle = [c for c, row, r in zip(self.concurrencies, rows, results, strict=True)
+                if row.result.failed or not r.completed]
         if idle:
             self.failures[point] = f"completed no request at concurrency {', '.join(map(str, idle))}"
             log.warning("tune: %s failed: %s", point.label(), self.failures[point])
