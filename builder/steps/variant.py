@@ -84,7 +84,7 @@ class Compile:
         ctx.variant_sha = sha256_file(ctx.variant_onnx)
         source, written = default_opset(ctx.model.fp32_path), default_opset(ctx.variant_onnx)
         if source != written:  # ModelOpt upgrades old exports (autocast to 13, Q/DQ to 19): say so
-            log.info("%s: the variant ONNX is opset %s (the model's is %s)", ctx.name, written, source)
+            log.debug("%s: the variant ONNX is opset %s (the model's is %s)", ctx.name, written, source)
             ctx.settings = {**ctx.settings, "opset": {"model": source, "variant": written}}
         ctx.version_dir.mkdir(parents=True, exist_ok=True)
         target = ctx.target()
