@@ -95,9 +95,13 @@ def load_tuned(path: Path) -> dict[str, TunedServing]:
             raise ManifestError(f"{where}.dynamic_batching: expected true or false, got {batching!r}")
         delay = _positive_int(entry.get("max_queue_delay_us", 0), f"{where}.max_queue_delay_us", low=0)
         measured = entry.get("measured", {})
+        # 0: a model built without batching (whole shapes), which has no dynamic batching either.
+        max_batch = _positive_int(entry.get("max_batch_size"), f"{where}.max_batch_size", low=0)
+        if max_batch == 0 and batching:
+            raise ManifestError(f"{where}.dynamic_batching: expected false with max_batch_size 0")
         out[variant] = TunedServing(
             model=model, variant=variant,
-            max_batch_size=_positive_int(entry.get("max_batch_size"), f"{where}.max_batch_size", low=1),
+            max_batch_size=max_batch,
             queue_delay_us=delay if batching else None,
             instances=_positive_int(entry.get("instances", 1), f"{where}.instances", low=1),
             measured=measured if isinstance(measured, dict) else {},

@@ -83,9 +83,14 @@ def test_tune_then_engines_force_keeps_the_tuned_settings(
 
 def test_a_bad_tuned_file_is_one_line_naming_the_key(tmp_path: Path) -> None:
     path = tmp_path / "tuned.toml"
-    path.write_text('[mlp]\nvariant = "mlp_fp32"\nmax_batch_size = 0\n')
-    with pytest.raises(ManifestError, match=r"tuned.toml: \[mlp\].max_batch_size: expected an integer >= 1, got 0"):
+    path.write_text('[mlp]\nvariant = "mlp_fp32"\nmax_batch_size = -1\n')
+    with pytest.raises(ManifestError, match=r"tuned.toml: \[mlp\].max_batch_size: expected an integer >= 0, got -1"):
         load_tuned(path)
+    path.write_text('[mlp]\nvariant = "mlp_fp32"\nmax_batch_size = 0\n')  # no batching: no dynamic batching
+    with pytest.raises(ManifestError, match=r"\[mlp\].dynamic_batching: expected false with max_batch_size 0"):
+        load_tuned(path)
+    path.write_text('[mlp]\nvariant = "mlp_fp32"\nmax_batch_size = 0\ndynamic_batching = false\n')
+    assert load_tuned(path)["mlp_fp32"].queue_delay_us is None
     path.write_text('[mlp]\nvariant = "other_fp32"\nmax_batch_size = 4\n')
     with pytest.raises(ManifestError, match=r"\[mlp\].variant: expected a variant name mlp_<precision>"):
         load_tuned(path)
