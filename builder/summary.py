@@ -196,13 +196,17 @@ def table(summary: BuildSummary, *, color: bool) -> Table:
               header_style="bold" if color else "")
     with_runtime = len(_runtimes(summary)) > 1
     # Short columns never wrap; on a narrow terminal the accuracy, guard and state columns do.
-    columns: list[tuple[str, str, int | None]] = [("variant", "left", None), ("prec", "left", None)]
+    # (header, justify, min width, max width); the accuracy column gets what the others leave.
+    columns: list[tuple[str, str, int | None, int | None]] = [("variant", "left", None, None),
+                                                               ("prec", "left", None, None)]
     if with_runtime:
-        columns.append(("runtime", "left", None))
-    columns += [("size", "right", None), ("accuracy vs tolerance", "left", 20),
-                ("kept in higher precision", "left", 11), ("time", "right", None), ("state", "left", 8)]
-    for name, justify, width in columns:
-        t.add_column(name, justify=justify, no_wrap=width is None, min_width=width)  # type: ignore[arg-type]
+        columns.append(("runtime", "left", None, None))
+    columns += [("size", "right", None, None), ("accuracy vs tolerance", "left", 20, None),
+                ("kept in higher precision", "left", 11, 16), ("time", "right", None, None),
+                ("state", "left", 8, 28)]
+    for name, justify, low, high in columns:
+        t.add_column(name, justify=justify, no_wrap=low is None, min_width=low,  # type: ignore[arg-type]
+                     max_width=high)
     for row in summary.rows:
         runtime = [row.runtime or "-"] if with_runtime else []
         if row.failed:
