@@ -2,4 +2,6 @@ import sys
 
 from client.cli import main
 
-sys.exit(main())
+# Guarded: --processes spawns workers, and a spawned child may import the main module again.
+if __name__ == "__main__":
+    sys.exit(main())

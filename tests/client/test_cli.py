@@ -276,3 +276,15 @@ def test_simultaneous_models_give_one_row_each_and_a_whole_run(endpoints: Endpoi
 def test_new_flags_check_their_values(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = perfclient(["-m", "mlp_fp32", *args], capsys)
     assert code == 1 and err.strip() == f"perfclient: error: {message}"
+
+
+def test_processes_from_the_command_line(endpoints: Endpoints, tmp_path: Path) -> None:
+    # A real `python -m client` run with spawned worker processes, end to end.
+    proc = subprocess.run(
+        [sys.executable, "-m", "client", "-m", "mlp_fp32", "-u", endpoints.grpc, "--concurrency", "4", "--processes",
+         "2", "--measurement-interval", "400", "--max-trials", "3", "--stability-percentage", "60", "--power-source",
+         "none", "--json", str(tmp_path / "p.json"), "--no-progress"],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    (result,) = json.loads((tmp_path / "p.json").read_text())["results"]
+    assert result["throughput"] > 0 and result["errors"] == {} and result["partial"] is False
