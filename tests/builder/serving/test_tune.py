@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -220,3 +221,18 @@ def test_a_hung_point_is_recorded_as_timed_out_and_never_wins(repo_copy: Path, t
     entry = next(e for e in report.points if e.point.variant == "mlp_hung")
     assert not entry.feasible and "timed out after 6 s" in str(entry.failure)
     assert point_of("mlp_fp32", (repo_copy / "mlp_fp32" / "config.pbtxt").read_text()) == report.winner
+
+
+def test_a_missing_variant_is_one_line_and_leaves_no_temporary_folder(repo_copy: Path, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    tempfile.tempdir = None  # re-read TMPDIR
+    try:
+        with pytest.raises(BuilderError, match=r"--precisions: variant mlp_int4 is not in .*trtbuild engines"):
+            tune(repo_copy, Space(("mlp_fp32", "mlp_int4"), (8,), (0,), (1,)), Objective(), search=Search.HILL,
+                 concurrencies=[1], measurement_ms=300, default_variant="mlp_fp32", report_path=None,
+                 plot_path=None)
+        assert list((tmp_path / "tmp").iterdir()) == []
+    finally:
+        tempfile.tempdir = None
