@@ -67,12 +67,12 @@ def run_perf_analyzer(binary: Path, env: dict[str, str], model: str, grpc_port: 
 
 
 def run_perfclient(model: str, grpc_port: int, concurrency: int, interval_ms: int,
-                   stability: float) -> dict[str, float]:
+                   stability: float, processes: int = 1) -> dict[str, float]:
     config = SessionConfig(
         models=(model,), url=f"127.0.0.1:{grpc_port}", levels=(LoadLevel(concurrency=concurrency),),
         measurement=Measurement(measurement_ms=interval_ms, max_trials=10, stability_percentage=stability,
                                 warmup_requests=20),
-        power_source=PowerSource.NONE,
+        power_source=PowerSource.NONE, processes=processes,
     )
     (row,) = run(config)
     summary = row.result.summary
@@ -113,6 +113,7 @@ def main() -> int:
     p.add_argument("--interval-ms", type=int, default=4000)
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds per tool; medians are compared")
     p.add_argument("--stability", type=float, default=10.0, help="±%% for both tools (trivial model: 2x)")
+    p.add_argument("--processes", type=int, default=1, help="perfclient --processes N (default 1)")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     binary = Path(sys.executable).parent / "perf_analyzer"
@@ -150,7 +151,8 @@ def main() -> int:
                             except RuntimeError as exc:
                                 print(f"{model} c={concurrency}: {exc}", file=sys.stderr)
                         else:
-                            pc_runs.append(run_perfclient(model, grpc, concurrency, args.interval_ms, stability))
+                            pc_runs.append(run_perfclient(model, grpc, concurrency, args.interval_ms, stability,
+                                                          args.processes))
                 if not pa_runs:
                     print(f"{model} c={concurrency}: no stable perf_analyzer run; skipped", file=sys.stderr)
                     continue
