@@ -205,8 +205,9 @@ def table(summary: BuildSummary, *, color: bool) -> Table:
                 ("kept in higher precision", "left", 11, 16), ("time", "right", None, None),
                 ("state", "left", 8, 28)]
     for name, justify, low, high in columns:
+        # Width limits on a terminal only: the plain form (logs, narrow terminals) keeps every cell whole.
         t.add_column(name, justify=justify, no_wrap=low is None, min_width=low,  # type: ignore[arg-type]
-                     max_width=high)
+                     max_width=high if color else None)
     for row in summary.rows:
         runtime = [row.runtime or "-"] if with_runtime else []
         if row.failed:
