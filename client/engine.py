@@ -356,14 +356,14 @@ class LoadRun:
     async def run(self, level: LoadLevel) -> LevelResult:
         """Measure `level`; LevelStopped (with what was measured) if the server stops or the run is aborted."""
         drivers = self.start_drivers(level) if self.pool is None else []
-        if self.pool is not None:
-            await self.pool.start(level)
         trace = self.meter.trace
         trace_start = len(trace.samples) if trace is not None else 0
         windows: list[Window] = []
         snapshots: list[asyncio.Task[_Snapshot]] = []
         stable, stop_reason = False, None
         try:
+            if self.pool is not None:
+                await self.pool.start(level)  # inside: workers that did start are stopped whatever happens
             await self._warm_up()
             start = self._boundary(snapshots)
             await self._take_tally()  # warm-up requests are in no window
