@@ -252,7 +252,8 @@ def test_simultaneous_models_give_one_row_each_and_a_whole_run(endpoints: Endpoi
                                                                capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = perfclient(["-m", "mlp_fp32", "-m", "mlp_int8", "--simultaneous", "-u", endpoints.grpc,
                                  "--concurrency", "2", "--model-concurrency", "mlp_int8=1", "--power-source", "none",
-                                 "--json", str(tmp_path / "s.json"), "--csv", str(tmp_path / "s.csv"), *quick_args],
+                                 "--json", str(tmp_path / "s.json"), "--csv", str(tmp_path / "s.csv"),
+                                 "--plot", str(tmp_path / "s.png"), "--html", str(tmp_path / "s.html"), *quick_args],
                                 capsys)
     assert code == 0, err
     runs = {d["model"]: d["results"] for d in json.loads((tmp_path / "s.json").read_text())["runs"]}
@@ -262,6 +263,7 @@ def test_simultaneous_models_give_one_row_each_and_a_whole_run(endpoints: Endpoi
     assert "(whole run)" in out
     rows = list(csv.DictReader((tmp_path / "s.csv").open(newline="")))
     assert sorted(r["Concurrency"] for r in rows) == ["1", "2"]  # per model, as perf_analyzer's
+    assert (tmp_path / "s.png").stat().st_size > 0 and "(whole run)" in (tmp_path / "s.html").read_text()
 
 
 @pytest.mark.parametrize(("args", "message"), [
