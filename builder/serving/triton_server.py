@@ -46,6 +46,7 @@ STATE_FILE = "tritonserver.json"
 LEGACY_PID_FILE = "tritonserver.pid"  # what the previous version wrote: a bare pid
 LOCK_FILE = "tritonserver.lock"
 STUB_NAME = "triton_python_backend_stub"
+STUB_TIMEOUT_S = 300  # seconds the python backend waits on a stub (its default, 30, is too short on a GPU)
 SHM_REGION = re.compile(r"triton_python_backend_shm_region_[A-Za-z0-9_.-]+")
 SHM_DIR = Path("/dev/shm")
 
@@ -155,6 +156,9 @@ def command(repository: Path, ports: Ports, backend_dir: Path, log_file: Path,
         f"--log-file={log_file.resolve()}",
         "--log-verbose=0",
         "--exit-timeout-secs=10",
+        # A GPU runner loads a session (and CUDA graph) per batch bucket: up to ~36 s measured on an H100,
+        # over the python backend's default 30 s wait for a stub.
+        f"--backend-config=python,stub-timeout-seconds={STUB_TIMEOUT_S}",
         *(extra or []),
     ]
 

@@ -22,7 +22,10 @@ from builder.serving.triton_server import (
     SHM_REGION,
     STATE_FILE,
     STUB_NAME,
+    STUB_TIMEOUT_S,
+    Ports,
     ServerRecord,
+    TritonServer,
     alive,
     free_ports,
     prepare_backends,
@@ -259,3 +262,18 @@ def test_serve_removes_a_dead_builds_staging_folder_that_triton_would_load(
         assert not (one_model / ".staging-1-dead").exists()
     finally:
         assert main(["stop", "--state-dir", str(state)]) == 0
+
+
+def test_the_python_backend_waits_long_enough_for_a_gpu_runner_to_load(one_model: Path, tmp_path: Path) -> None:
+    """A GPU runner loads a session per batch bucket (up to ~36 s on an H100), past the python backend's
+    default 30 s wait for its stub: the server is started with a longer one, and Triton applies it."""
+    http, grpc, metrics = free_ports(3)
+    server = TritonServer(one_model, tmp_path / "run", Ports(http, grpc, metrics), extra_args=["--log-verbose=1"])
+    assert f"--backend-config=python,stub-timeout-seconds={STUB_TIMEOUT_S}" in server.argv()
+    assert STUB_TIMEOUT_S >= 120
+    server.start(timeout=120)
+    try:
+        log = server.log_file.read_text(errors="replace")
+    finally:
+        server.stop()
+    assert f"stub-timeout-seconds={STUB_TIMEOUT_S}" in log, log[-2000:]
