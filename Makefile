@@ -17,10 +17,11 @@ VARIANTS := efficientnet_lite0_fp32 efficientnet_lite0_fp16 efficientnet_lite0_i
 .PHONY: install install-gpu demo test test-gpu engines serve serve-bg stop verify perf lint bench bench-gpu bench-gpu-ort perf-compare k8s-render tune clean
 
 # GPU hosts: onnxruntime-gpu (ONNX Runtime's CUDA provider) instead of the CPU wheel. Set by itself
-# where nvidia-smi answers; `make install GPU=1` / `GPU=` forces either way.
-GPU ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
+# where nvidia-smi lists a GPU; `make install GPU=1` / `GPU=0` forces either way (only 1, yes or true
+# turn it on, so GPU=0 or a stray GPU variable in the environment never installs the GPU wheel).
+GPU ?= $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU [0-9]' && echo 1)
 GPU_STAMP := $(VENV)/.installed-gpu
-GPU_DEP := $(if $(GPU),$(GPU_STAMP))
+GPU_DEP := $(if $(filter 1 yes true,$(strip $(GPU))),$(GPU_STAMP))
 
 install: $(STAMP) $(GPU_DEP)
 
