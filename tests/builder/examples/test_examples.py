@@ -38,8 +38,9 @@ def test_real_models_export_with_dynamic_axes(name: str, tmp_path: Path) -> None
     model = export(spec, tmp_path / "m.onnx")
     sig = onnx_model.signature(model, name)
     assert [t.name for t in sig.inputs] == [t.name for t in spec.inputs]
-    assert all(t.shape[0] == -1 for t in sig.inputs)
+    # Dynamic dims keep the graph's own names (the export names the batch axis "batch").
+    assert all(not isinstance(t.shape[0], int) for t in sig.inputs)
     if name == "minilm_l6_v2":
-        assert sig.inputs[0].shape == (-1, "sequence") and sig.outputs[0].shape == (-1, 384)
+        assert sig.inputs[0].shape == ("batch", "sequence") and sig.outputs[0].shape[1:] == (384,)
     else:
-        assert sig.outputs[0].shape == (-1, 1000)
+        assert sig.outputs[0].shape[1:] == (1000,)
