@@ -89,6 +89,11 @@ def _pin(array):
     return True
 
 
+class DynamicDims(ValueError):
+    """An input or output has a dynamic dim besides the batch (a text model's sequence length): a bucket
+    has no one shape to preallocate."""
+
+
 class _Bucket:
     """One batch size: its session, device tensors bound once, host staging buffers."""
 
@@ -109,7 +114,7 @@ class _Bucket:
         for node in self.session.get_inputs():
             shape = [size, *node.shape[1:]]
             if not all(isinstance(d, int) and d > 0 for d in shape):
-                raise ValueError(f"input {node.name} has dynamic non-batch dims {node.shape}: no preallocated bucket")
+                raise DynamicDims(f"input {node.name} has dynamic non-batch dims {node.shape}")
             dtype = _NUMPY_OF_ORT[node.type]
             self.host[node.name] = np.zeros(shape, dtype=dtype)
             self.pinned = pin and _pin(self.host[node.name]) and self.pinned
@@ -120,7 +125,7 @@ class _Bucket:
         for node in self.session.get_outputs():
             shape = [size, *node.shape[1:]]
             if not all(isinstance(d, int) and d > 0 for d in shape):
-                raise ValueError(f"output {node.name} has dynamic non-batch dims {node.shape}")
+                raise DynamicDims(f"output {node.name} has dynamic non-batch dims {node.shape}")
             value = ort.OrtValue.ortvalue_from_shape_and_type(shape, _NUMPY_OF_ORT[node.type], "cuda", device_id)
             self.outputs[node.name] = value
             self.binding.bind_ortvalue_output(node.name, value)
@@ -162,6 +167,8 @@ class CudaBucketRunner:
                                      device_id=device_id, pin=pin)
                     for _ in range(max(warmup_runs, 2)):  # the first graph run captures
                         bucket.run(bucket.host, size)
+                except DynamicDims:
+                    raise  # no bucket can be preallocated, with or without a graph
                 except Exception as exc:  # noqa: BLE001 - ORT refuses graphs when a node is off the GPU
                     self.graph_fallback = str(exc).strip().splitlines()[-1][:300]
                     log.warning("CUDA graphs off: %s", self.graph_fallback)
@@ -207,11 +214,12 @@ class CudaBucketRunner:
 
 
 class CudaPlainRunner(CpuRunner):
-    """A model without a batch axis on the CUDA provider: one session, no buckets."""
+    """One CUDA session, no buckets: a model without a batch axis, or one whose other dims vary (`reason`)."""
 
     provider = "cuda"
 
-    def __init__(self, path, *, provider_options):
+    def __init__(self, path, *, provider_options, reason=None):
+        self.reason = reason
         if hasattr(ort, "preload_dlls"):
             ort.preload_dlls()
         self.provider_options = {k: str(v) for k, v in provider_options.items()}
@@ -222,7 +230,8 @@ class CudaPlainRunner(CpuRunner):
         self.output_names = [o.name for o in self.session.get_outputs()]
 
     def describe(self):
-        return {"provider": "cuda", "provider_options": self.provider_options, "buckets": None}
+        return {"provider": "cuda", "provider_options": self.provider_options, "buckets": None,
+                "buckets_off_reason": self.reason}
 
 
 def make_runner(path, params, max_batch):
@@ -238,8 +247,15 @@ def make_runner(path, params, max_batch):
                "arena_extend_strategy": "kSameAsRequested"}
     if max_batch <= 0:  # no batch axis: one session, the shapes the clients send
         return CudaPlainRunner(path, provider_options=options)
-    return CudaBucketRunner(path, max_batch=max(max_batch, 1), provider_options=options,
-                            cuda_graphs=params.get("cuda_graphs", "1") == "1")
+    try:
+        return CudaBucketRunner(path, max_batch=max(max_batch, 1), provider_options=options,
+                                cuda_graphs=params.get("cuda_graphs", "1") == "1")
+    except DynamicDims as exc:
+        # A text model's sequence length, say: the clients' shapes vary beyond the batch, so one session
+        # takes them as they come (a shape change may cost it a re-plan, as on the CPU path).
+        log.warning("batch buckets off: %s; one CUDA session", exc)
+        gc.collect()  # the refused bucket's session and device memory, before the next session
+        return CudaPlainRunner(path, provider_options=options, reason=str(exc))
 
 
 class TritonPythonModel:

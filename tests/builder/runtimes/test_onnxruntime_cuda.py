@@ -27,7 +27,7 @@ from builder.runtimes.onnxruntime_cuda import (
     cuda_unavailable_reason,
 )
 from builder.spec import DimRange, RuntimeChoice, ServingBackend, ServingSpec, TensorSpec
-from tests.helpers.tiny_models import mlp_onnx, mlp_samples
+from tests.helpers.tiny_models import mlp_onnx, mlp_samples, sequence_onnx
 
 RUNNER: Any = python_model  # untyped: copied into model folders, where Triton imports it
 needs_cuda = pytest.mark.skipif(not cuda_available(), reason=f"ONNX Runtime CUDA unusable: {cuda_unavailable_reason()}")
@@ -164,3 +164,17 @@ def test_the_runtime_runs_padded_batches_like_the_cpu(tmp_path: Path) -> None:
     assert got.shape == (10, 8)
     np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4)
     assert select(RuntimeChoice.AUTO).name in ("onnxruntime-cuda", "tensorrt")
+
+
+def test_a_model_whose_other_dims_vary_gets_one_cuda_session_not_a_failed_load(tmp_path: Path) -> None:
+    """A sequence length that varies (MiniLM's) leaves no one shape per bucket to preallocate: the runner
+    falls back to one session and says why, instead of failing the model's load. (Without a GPU the
+    session runs on ONNX Runtime's CPU fallback; the choice of runner is the same.)"""
+    path = sequence_onnx(tmp_path / "model.onnx")
+    runner = RUNNER.make_runner(str(path), {"provider": "cuda"}, 8)
+    described = runner.describe()
+    assert described["provider"] == "cuda" and described["buckets"] is None
+    assert "input ids has dynamic non-batch dims" in described["buckets_off_reason"]
+    ids = np.random.default_rng(0).integers(0, 50, size=(3, 7), dtype=np.int64)
+    direct = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(["out"], {"ids": ids})[0]
+    np.testing.assert_allclose(runner.run_many([{"ids": ids[:1]}, {"ids": ids[1:]}])[0], direct, rtol=1e-5, atol=1e-6)
