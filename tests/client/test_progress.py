@@ -6,13 +6,17 @@ import io
 import logging
 import os
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from client import progress
 from client.cli import main as perfclient
 from tests.helpers.servers import Endpoints
+from tests.helpers.tiny_models import mlp_onnx
 
 QUICK = ["--measurement-interval", "300", "--max-trials", "3", "--stability-percentage", "60", "--warmup", "5"]
 
@@ -153,3 +157,22 @@ def test_perfclient_quiet_prints_no_progress(endpoints: Endpoints, capsys: pytes
     captured = capsys.readouterr()
     assert not any(line.startswith("[") for line in captured.err.splitlines()), captured.err
     assert "mlp_fp32" in captured.out  # the table still prints
+
+
+def test_trtbuild_prints_plain_progress_when_piped_and_none_with_quiet(tmp_path: Path) -> None:
+    """A real build in a fresh interpreter with stderr piped, progress chosen by the terminal check."""
+    model = mlp_onnx(tmp_path / "mlp.onnx")
+    env = {k: v for k, v in os.environ.items() if k != progress.ENV}
+    base = [sys.executable, "-m", "builder"]
+    build = ["build", "--onnx", str(model), "--name", "m", "--precision", "fp32", "--repository",
+             str(tmp_path / "repo"), "--log", str(tmp_path / "build.log"), "--force"]
+    piped = subprocess.run([*base, *build], capture_output=True, text=True, timeout=300, env=env)
+    assert piped.returncode == 0, piped.stderr
+    lines = piped.stderr.splitlines()
+    assert "[start] m_fp32: building" in lines, lines
+    assert any(re.fullmatch(r"\[done\] m_fp32: building \(\d+ s\)", ln) for ln in lines), lines
+    assert "\x1b[" not in piped.stderr  # no cursor control off a terminal
+    quiet = subprocess.run([*base, "-q", *build], capture_output=True, text=True, timeout=300, env=env)
+    assert quiet.returncode == 0, quiet.stderr
+    assert quiet.stderr == ""
+    assert "build summary: 1 variant ready" in quiet.stdout  # the result still prints
