@@ -62,16 +62,20 @@ class ShapeRange:
     def fixed(shape: Shape, source: str = "--shapes") -> ShapeRange:
         return ShapeRange(shape, shape, shape, source)
 
+    def where(self, name: str) -> str:
+        """`--shapes x`, or `shapes.x` where the source (a models.toml key) already names the input."""
+        return self.source if self.source.endswith(f".{name}") else f"{self.source} {name}"
+
     def at(self, level: Level) -> Shape:
         return {Level.MIN: self.min, Level.OPT: self.opt, Level.MAX: self.max}[level]
 
     def check(self, name: str) -> ShapeRange:
         if not len(self.min) == len(self.opt) == len(self.max):
-            raise ManifestError(f"{self.source} {name}: min {format_shape(self.min)}, opt {format_shape(self.opt)} "
+            raise ManifestError(f"{self.where(name)}: min {format_shape(self.min)}, opt {format_shape(self.opt)} "
                                 f"and max {format_shape(self.max)} differ in rank; expected the same number of dims")
         for axis, (low, mid, high) in enumerate(zip(self.min, self.opt, self.max, strict=True)):
             if not 1 <= low <= mid <= high:
-                raise ManifestError(f"{self.source} {name}: axis {axis} has min {low}, opt {mid}, max {high}; "
+                raise ManifestError(f"{self.where(name)}: axis {axis} has min {low}, opt {mid}, max {high}; "
                                     "expected 1 <= min <= opt <= max")
         return self
 
@@ -103,6 +107,7 @@ def format_shape(shape: Sequence[int | str]) -> str:
 # ---- parsing the flags -------------------------------------------------------------------------
 
 _DIMS = re.compile(r"^(\[\]|[0-9]+(x[0-9]+)*)$")
+MAX_DIM = 2**31 - 1  # TensorRT's and ONNX Runtime's dims are int64, but no real input has a dim this large
 
 
 def parse_shapes(value: str, flag: str) -> dict[str, Shape]:
@@ -117,8 +122,8 @@ def parse_shapes(value: str, flag: str) -> dict[str, Shape]:
             raise ManifestError(f"{flag} {item!r}: expected NAME:DxDxD (e.g. x:1x3x224x224), "
                                 "several separated by commas")
         shape = () if dims == "[]" else tuple(int(d) for d in dims.split("x"))
-        if any(d < 1 for d in shape):
-            raise ManifestError(f"{flag} {item!r}: dims must be >= 1")
+        if any(not 1 <= d <= MAX_DIM for d in shape):
+            raise ManifestError(f"{flag} {item!r}: dims must be 1 to {MAX_DIM}")
         if name in found:
             raise ManifestError(f"{flag}: input {name!r} is given twice")
         found[name] = shape
@@ -247,9 +252,8 @@ def resolve(inputs: Sequence[TensorSpec], *, batch: DimRange, batch_given: bool 
     names = [t.name for t in inputs]
     unknown = [n for n in shapes if n not in names]
     if unknown:
-        source = shapes[unknown[0]].source
-        raise ManifestError(f"{source} {unknown[0]}: the model has no input {unknown[0]!r}; "
-                            f"its inputs: {', '.join(names)}")
+        raise ManifestError(f"{what}: {shapes[unknown[0]].where(unknown[0])}: the model has no input "
+                            f"{unknown[0]!r}; its inputs: {', '.join(names)}")
     reason = _not_batching(inputs, no_batch)
     batching = reason is None
     given_batch = _given_batch(shapes, batching)
@@ -260,7 +264,7 @@ def resolve(inputs: Sequence[TensorSpec], *, batch: DimRange, batch_given: bool 
     resolved: dict[str, ShapeRange] = {}
     for tensor in inputs:
         if tensor.name in shapes:
-            resolved[tensor.name] = _check_given(tensor, shapes[tensor.name], batching)
+            resolved[tensor.name] = _check_given(tensor, shapes[tensor.name], what)
         else:
             resolved[tensor.name] = _from_dims(tensor, batching=batching, batch=batch_range, dims=dims, what=what)
     _check_shared_names(inputs, resolved, what)
@@ -279,12 +283,14 @@ def _given_batch(shapes: Mapping[str, ShapeRange], batching: bool) -> DimRange |
         listed = ", ".join(f"{n} {lo}:{mid}:{hi}" for n, (lo, mid, hi) in found.items())
         source = next(iter(shapes.values())).source
         raise ManifestError(f"{source}: axis 0 is the batch and must have one range for every input; got {listed}")
+    if not found:  # only scalars given: the rank check against the graph names the input
+        return None
     low, mid, high = next(iter(found.values()))
     return DimRange(low, mid, high)
 
 
-def _check_given(tensor: TensorSpec, given: ShapeRange, batching: bool) -> ShapeRange:
-    src = f"{given.source} {tensor.name}"
+def _check_given(tensor: TensorSpec, given: ShapeRange, what: str) -> ShapeRange:
+    src = f"{what}: {given.where(tensor.name)}"
     if len(given.min) != len(tensor.shape):
         raise ManifestError(f"{src}: {len(given.min)} dims given, the model's input has {len(tensor.shape)} "
                             f"{_shape_text(tensor)}; expected {tensor.name}:{_example(tensor)}")
@@ -342,15 +348,17 @@ def _check_shared_names(inputs: Sequence[TensorSpec], resolved: Mapping[str, Sha
             seen.setdefault(dim, (tensor.name, values))
 
 
-def check_value_ranges(inputs: Iterable[TensorSpec], ranges: Mapping[str, ValueRange], source: str) -> None:
+def check_value_ranges(inputs: Iterable[TensorSpec], ranges: Mapping[str, ValueRange], what: str) -> None:
     names = [t.name for t in inputs]
     for name in ranges:
         if name not in names:
-            raise ManifestError(f"{source} {name}: the model has no input {name!r}; its inputs: {', '.join(names)}")
+            # The spec does not say whether the range came from the flag or models.toml: name both.
+            raise ManifestError(f"{what}: --input-range {name} (input_ranges.{name}): the model has no input "
+                                f"{name!r}; its inputs: {', '.join(names)}")
 
 
 def for_model(spec: ModelSpec, inputs: Sequence[TensorSpec], what: str) -> ModelShapes:
     """`resolve()` with a model spec's batch, dims, shapes and --no-batch; its value ranges checked too."""
-    check_value_ranges(inputs, spec.input_ranges, "input_ranges" if spec.batch_given else "--input-range")
+    check_value_ranges(inputs, spec.input_ranges, what)
     return resolve(inputs, batch=spec.batch, batch_given=spec.batch_given, dims=spec.dims, shapes=spec.shapes,
                    no_batch=spec.no_batch, what=what)

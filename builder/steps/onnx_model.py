@@ -121,7 +121,7 @@ def check_runs_at_levels(path: Path, inputs: tuple[TensorSpec, ...], shapes: Mod
     for level in Level:
         at = {name: r.at(level) for name, r in shapes.inputs.items()}
         batch = at[inputs[0].name][0] if shapes.batching else None
-        feed = synthetic(inputs, shapes, batch or 1, seed=7, level=level, integers=True)
+        feed = synthetic(inputs, shapes, batch or 1, seed=7, level=level, integers=True, what=what)
         try:
             run_file(path, feed, batch)
         except ORT_ERRORS as exc:

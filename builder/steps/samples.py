@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import math
 import zipfile
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -14,9 +15,11 @@ from numpy.typing import NDArray
 
 from builder.errors import DataError, ManifestError
 from builder.spec.model import DataSpec, TensorSpec
-from builder.spec.shapes import Level, ModelShapes, ValueRange
+from builder.spec.shapes import Level, ModelShapes, ValueRange, format_shape
 
 Samples = dict[str, NDArray[Any]]
+# Synthetic samples of one input at most (bytes): far beyond any real model's evaluation set.
+SYNTHETIC_LIMIT = 4 * 2**30
 SampleFn = Callable[[int, int], Samples]
 
 
@@ -130,29 +133,51 @@ def synthetic(inputs: tuple[TensorSpec, ...], shapes: ModelShapes, count: int, s
     to compare two runs of one model, meaningless as an accuracy reference."""
     rng = np.random.default_rng(seed)
     ranges = value_ranges or {}
+    prefix = f"{what}: " if what else ""
     out: Samples = {}
     for tensor in inputs:
         shape = [count, *shapes.sample_range(tensor.name).at(level)]
         dtype = np.dtype(tensor.dtype)
         declared = ranges.get(tensor.name)
-        if dtype == np.bool_ and (declared is not None or integers):
-            out[tensor.name] = rng.integers(0, 2, size=shape).astype(dtype)
-        elif declared is not None and np.issubdtype(dtype, np.floating):
-            out[tensor.name] = rng.uniform(declared.low, declared.high, size=shape).astype(dtype)
-        elif declared is not None:
-            out[tensor.name] = rng.integers(declared.low, declared.high, size=shape, endpoint=True).astype(dtype)
-        elif np.issubdtype(dtype, np.floating):
-            out[tensor.name] = rng.standard_normal(shape).astype(dtype)
-        elif integers:
-            out[tensor.name] = rng.integers(0, 2, size=shape).astype(dtype)
-        else:
+        if declared is not None and np.issubdtype(dtype, np.integer):
+            info = np.iinfo(dtype)
+            if declared.low < info.min or declared.high > info.max:
+                raise DataError(f"{prefix}--input-range {tensor.name}:{declared.low}:{declared.high}: input "
+                                f"{tensor.name!r} is {tensor.dtype}; expected values within {info.min}..{info.max}")
+        size = math.prod(shape) * dtype.itemsize
+        if size > SYNTHETIC_LIMIT:  # a typo in a shape flag, caught before numpy fills the machine's memory
+            raise DataError(f"{prefix}input {tensor.name!r}: {count} synthetic samples at the {level} shape "
+                            f"{format_shape(shape[1:])} would take {size / 2**30:.1f} GiB; expected shapes whose "
+                            f"samples fit in {SYNTHETIC_LIMIT / 2**30:g} GiB")
+        try:
+            values = _values(rng, dtype, shape, declared, integers=integers)
+        except MemoryError as exc:
+            raise DataError(f"{prefix}input {tensor.name!r}: {count} synthetic samples at the {level} shape "
+                            f"{format_shape(shape[1:])} do not fit in memory here") from exc
+        if values is None:
             raise DataError(
-                f"{what + ': ' if what else ''}input {tensor.name!r} is {tensor.dtype}: random values would be "
-                "meaningless; expected "
+                f"{prefix}input {tensor.name!r} is {tensor.dtype}: random values would be meaningless; expected "
                 f"real data (--calibration/--eval-data FILE.npz) or a value range (--input-range "
                 f"{tensor.name}:LOW:HIGH, input_ranges.{tensor.name} = [LOW, HIGH] in models.toml)"
             )
+        out[tensor.name] = values
     return out
+
+
+def _values(rng: np.random.Generator, dtype: np.dtype[Any], shape: list[int], declared: ValueRange | None, *,
+            integers: bool) -> NDArray[Any] | None:
+    """One input's synthetic values; None where none would mean anything (an integer input, no range)."""
+    if dtype == np.bool_ and (declared is not None or integers):
+        return rng.integers(0, 2, size=shape).astype(dtype)
+    if declared is not None and np.issubdtype(dtype, np.floating):
+        return rng.uniform(declared.low, declared.high, size=shape).astype(dtype)
+    if declared is not None:
+        return rng.integers(declared.low, declared.high, size=shape, endpoint=True).astype(dtype)
+    if np.issubdtype(dtype, np.floating):
+        return rng.standard_normal(shape).astype(dtype)
+    if integers:
+        return rng.integers(0, 2, size=shape).astype(dtype)
+    return None
 
 
 def shape_sets(inputs: tuple[TensorSpec, ...], shapes: ModelShapes, count: int, seed: int, *,

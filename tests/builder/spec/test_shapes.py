@@ -43,8 +43,9 @@ def test_parse_takes_odd_names_scalars_and_several_inputs() -> None:
     ("x:1x3x", r"--shapes 'x:1x3x': expected NAME:DxDxD"),
     ("x:1*3", r"--shapes 'x:1\*3': expected NAME:DxDxD"),
     (":1x3", r"--shapes ':1x3': expected NAME:DxDxD"),
-    ("x:0x3", r"--shapes 'x:0x3': dims must be >= 1"),
+    ("x:0x3", r"--shapes 'x:0x3': dims must be 1 to 2147483647"),
     ("x:1x3,x:2x3", r"--shapes: input 'x' is given twice"),
+    ("x:1x99999999999999999999", r"--shapes 'x:1x99999999999999999999': dims must be 1 to 2147483647"),
 ])
 def test_bad_shape_strings_are_one_line_naming_the_flag(value: str, message: str) -> None:
     with pytest.raises(ManifestError, match=message):
@@ -96,6 +97,9 @@ def test_named_dims_stay_a_shorthand() -> None:
     (VAD, {"shapes": "input:1x512,state:2x2x128"},
      r"m: dim 'batch' is 1:1:1 in input 'input' but 2:2:2 in input 'state'; expected one range for one named dim"),
     (VAD, {"shapes": "input:1x512"}, r"input 'state' \[2, 'batch', 128\] axis 1 \('batch'\) is dynamic"),
+    # A scalar given for a batching model's input: the rank check, not a failure to find axis 0.
+    (OCR, {"shapes": "x:[]"}, r"^m: --shapes x: 0 dims given, the model's input has 4"),
+    (OCR, {"shapes": "y:2"}, r"^m: --shapes y: the model has no input 'y'"),
 ])
 def test_every_dynamic_dim_is_covered_and_given_shapes_match_the_graph(
         inputs: tuple[TensorSpec, ...], given: dict[str, str], message: str) -> None:
@@ -151,6 +155,14 @@ def test_models_toml_takes_shapes_input_ranges_and_no_batch(tmp_path: Path) -> N
     assert spec.shapes["p2o.y"] == ShapeRange.fixed((2, 4))
     assert spec.input_ranges == {"ids": ValueRange(0, 9)}
     assert spec.no_batch and not spec.batch_given
+
+
+def test_models_toml_shapes_name_the_key_once(tmp_path: Path) -> None:
+    manifest = tmp_path / "models.toml"
+    manifest.write_text('[[model]]\nname = "m"\nonnx = "m.onnx"\n[model.shapes]\ny = [1, 3, 48, 48]\n')
+    (spec,) = load_manifest(manifest)
+    with pytest.raises(ManifestError, match=r"^model 'm': shapes.y: the model has no input 'y'; its inputs: x$"):
+        resolve(OCR, batch=BATCH, batch_given=False, dims={}, shapes=spec.shapes, what="model 'm'")
 
 
 @pytest.mark.parametrize(("table", "message"), [

@@ -3,7 +3,7 @@ import pytest
 
 from builder.errors import DataError
 from builder.spec import DimRange, TensorSpec
-from builder.spec.shapes import Level, ShapeRange, ValueRange, resolve
+from builder.spec.shapes import Level, ModelShapes, ShapeRange, ValueRange, resolve
 from builder.steps import samples as data
 
 INPUTS = (TensorSpec("ids", "int64", (-1, "seq")), TensorSpec("x", "float32", (-1, 4)))
@@ -85,3 +85,16 @@ def test_feeds_in_batches_join_back() -> None:
     parts = list(data.feeds(made, 2))
     assert [len(p["x"]) for p in parts] == [2, 2, 1]
     assert np.array_equal(data.join({"x": [p["x"] for p in parts]}, 2)["x"], made["x"])
+
+
+def test_synthetic_samples_refuse_a_shape_beyond_memory_and_a_range_beyond_the_dtype() -> None:
+    inputs = (TensorSpec("x", "float32", (-1, 3, 48, -1)),)
+    huge = ModelShapes(True, {"x": ShapeRange((1, 3, 48, 64), (1, 3, 48, 64), (1, 3, 48, 2_000_000_000))})
+    with pytest.raises(DataError, match=r"^m: input 'x': 16 synthetic samples at the max shape 3x48x2000000000 "
+                                        r"would take [0-9.]+ GiB; expected shapes whose samples fit in 4 GiB$"):
+        data.synthetic(inputs, huge, 16, seed=0, level=Level.MAX, what="m")
+    ids = (TensorSpec("ids", "int32", (-1, 8)),)
+    shapes = ModelShapes(True, {"ids": ShapeRange.fixed((1, 8))})
+    with pytest.raises(DataError, match=r"--input-range ids:0:5000000000: input 'ids' is int32; expected values "
+                                        r"within -2147483648..2147483647"):
+        data.synthetic(ids, shapes, 4, seed=0, value_ranges={"ids": ValueRange(0, 5_000_000_000)}, what="m")
