@@ -46,7 +46,7 @@ def fp16_feeds(model: ModelContext) -> list[precision.Feed]:
         sets = [model.evaluation]
     else:
         sets = list(samples.shape_sets(model.signature.inputs, shapes, precision.AUTOCAST_BATCH, seed=7,
-                                       value_ranges=spec.input_ranges).values())
+                                       value_ranges=spec.input_ranges, what=what(model)).values())
     return precision.autocast_feeds(sets, precision.AUTOCAST_BATCH if shapes.batching else None)
 
 
@@ -114,6 +114,8 @@ class Gate:
         if found is None:
             return
         problem = f"{ctx.name}: {found.text()}"
+        if found.value is None:  # a limit on a metric this task does not give: no search can meet it
+            raise AccuracyError(problem, violation=found)
         fp16 = ctx.precision is Precision.FP16 and ctx.fp16_guard is None
         int8 = ctx.precision is Precision.INT8 and Precision.INT8 in spec.tolerances and ctx.guard is None
         if not (fp16 or int8):

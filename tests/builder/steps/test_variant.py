@@ -76,6 +76,15 @@ def test_gate_passes_within_the_tolerance_and_names_the_metric_outside_it(tmp_pa
     Gate().run(_with_metrics(ctx, max_abs=0.0))  # within every limit: no error
 
 
+def test_gate_does_not_guard_a_limit_on_a_metric_the_task_does_not_give(tmp_path: Path) -> None:
+    # top1_agreement needs a classifier: no FP16 mix can meet it, so no guard search runs.
+    ctx = variant(tmp_path, Precision.FP16, tolerances={Precision.FP16: Tolerance(top1_agreement_min=0.9)})
+    ctx.metrics = Metrics(max_abs=1e-3, max_rel=1e-4, cosine_min=0.9999, cosine_mean=0.9999, samples=16)
+    with pytest.raises(AccuracyError, match=r"m_fp16: tolerance top1_agreement_min needs metric top1_agreement"):
+        Gate().run(ctx)
+    assert ctx.fp16_guard is None and not (tmp_path / "fp16_guard").exists()
+
+
 def _with_metrics(ctx: VariantContext, *, max_abs: float) -> VariantContext:
     ctx.metrics = Metrics(max_abs=max_abs, max_rel=0.0, cosine_min=1.0, cosine_mean=1.0, samples=16)
     return ctx
