@@ -254,9 +254,9 @@ async def _measure_together(conn: Connection, plans: list[tuple[str, list[Prepar
         await asyncio.gather(*(e.wait() for e in events))
 
     await all_set([r.started for r in runs])  # set too by a level that ends before its first window
-    t0, count0, before = time.monotonic_ns(), together.inferences, await asyncio.to_thread(meter.read)
+    t0, count0, before = time.monotonic_ns(), together.inferences, await asyncio.to_thread(_read, meter)
     await all_set([r.measured for r in runs])
-    t1, count1, after = time.monotonic_ns(), together.inferences, await asyncio.to_thread(meter.read)
+    t1, count1, after = time.monotonic_ns(), together.inferences, await asyncio.to_thread(_read, meter)
     together.release.set()
     outcomes = await asyncio.gather(*tasks, return_exceptions=True)
     rows, stopped = [], None
@@ -275,6 +275,16 @@ async def _measure_together(conn: Connection, plans: list[tuple[str, list[Prepar
     if stopped is not None:
         raise RunAborted(str(stopped), [*done, *rows]) from stopped
     return rows
+
+
+def _read(meter: Meter) -> Reading:
+    """One reading (in a worker thread); a failed one (the server behind Triton's metrics died) is None
+    energy, so the rows measured before still reach the caller."""
+    try:
+        return meter.read()
+    except Exception as exc:  # noqa: BLE001 - a failed read leaves the whole run's energy None
+        log.debug("%s reading failed: %s", meter.source, exc)
+        return Reading(time.monotonic(), None)
 
 
 def _whole_run(rows: list[ModelResult], span_ns: tuple[int, int], inferences: int, meter: Meter,
@@ -302,7 +312,8 @@ def run(config: SessionConfig, progress: ProgressFn | None = None, *,
     """`measure` on a fresh uvloop event loop, for callers that are not async themselves.
 
     Ctrl-C raises KeyboardInterrupt as usual; with `ctrl_c_keeps_results` (the perfclient CLI, from the
-    main thread) it ends the run like `time_limit_s` instead: RunAborted with what was measured.
+    main thread) it, and SIGTERM too, end the run like `time_limit_s` instead: RunAborted with what was
+    measured, after the connection closed (its shared-memory regions unregistered from the server).
     """
     import uvloop
 
@@ -313,18 +324,21 @@ async def _run_interruptible(config: SessionConfig, progress: ProgressFn | None,
                              ctrl_c_keeps_results: bool) -> list[ModelResult]:
     abort = Abort()
     loop = asyncio.get_running_loop()
-    handled = False
+    handled: list[signal.Signals] = []
     if ctrl_c_keeps_results:
-        try:
-            loop.add_signal_handler(signal.SIGINT, abort.set, "interrupted (Ctrl-C)")
-            handled = True
-        except (ValueError, RuntimeError, NotImplementedError):  # not the main thread: stays KeyboardInterrupt
-            pass
+        # SIGTERM's default would end the process at once: no partial files, and regions left registered
+        # with the server (the resource tracker unlinks the local segments, not the server's registration).
+        for signum, reason in ((signal.SIGINT, "interrupted (Ctrl-C)"), (signal.SIGTERM, "terminated (SIGTERM)")):
+            try:
+                loop.add_signal_handler(signum, abort.set, reason)
+            except (ValueError, RuntimeError, NotImplementedError):  # not the main thread: default handling
+                continue
+            handled.append(signum)
     try:
         return await measure(config, progress, abort)
     finally:
-        if handled:
-            loop.remove_signal_handler(signal.SIGINT)
+        for signum in handled:
+            loop.remove_signal_handler(signum)
 
 
 def _bind(progress: ProgressFn | None, model: str, level: LoadLevel,

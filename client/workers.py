@@ -13,12 +13,15 @@ rate/N, the constant schedules interleaved (worker i starts i/rate later), Poiss
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing
 import multiprocessing.connection
+import signal
+import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -82,7 +85,8 @@ class ProcessPool:
             parent, child = context.Pipe()
             proc = context.Process(target=_worker_main, args=(child, *self._args, worker_level, offset_ns),
                                    name="perfclient-worker", daemon=True)
-            proc.start()
+            with _signals_ignored():
+                proc.start()
             child.close()
             self._pipes.append(parent)
             self._procs.append(proc)
@@ -113,37 +117,77 @@ class ProcessPool:
 
     async def _ask(self, command: str, timeout_s: float = _REPLY_TIMEOUT_S) -> list[Any]:
         """Send `command` to every worker at once, then collect their replies (off the event loop)."""
-        for pipe in self._pipes:
-            pipe.send(command)
+        for index, pipe in enumerate(self._pipes):
+            try:
+                pipe.send(command)
+            except OSError as exc:  # BrokenPipeError: the worker process is gone
+                raise PerfClientError(f"--processes: worker {index} exited ({exc.strerror or exc})") from exc
         return await asyncio.to_thread(self._replies, command, timeout_s)
 
     def _replies(self, command: str, timeout_s: float) -> list[Any]:
         replies = []
         for index, pipe in enumerate(self._pipes):
-            if not pipe.poll(timeout_s):
-                raise PerfClientError(f"--processes: worker {index} did not answer {command!r} in {timeout_s:g} s")
-            reply = pipe.recv()
+            try:
+                if not pipe.poll(timeout_s):
+                    raise PerfClientError(f"--processes: worker {index} did not answer {command!r} in "
+                                          f"{timeout_s:g} s")
+                reply = pipe.recv()
+            except (EOFError, OSError) as exc:  # the worker process is gone (killed, crashed)
+                code = self._procs[index].exitcode if index < len(self._procs) else None
+                raise PerfClientError(f"--processes: worker {index} exited (status {code}) before answering "
+                                      f"{command!r}") from exc
             if isinstance(reply, BaseException):
                 raise PerfClientError(f"--processes: worker {index} failed: {reply}")
             replies.append(reply)
         return replies
 
 
+@contextlib.contextmanager
+def _signals_ignored() -> Iterator[None]:
+    """SIGINT and SIGTERM ignored while a worker is spawned: an ignored signal stays ignored across exec, and
+    Python keeps it so, so a Ctrl-C while the worker still imports (seconds) does not kill it; the parent's
+    own handlers come back right after. Only the main thread may change them (elsewhere: left as they are)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {signum: signal.signal(signum, signal.SIG_IGN) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)
+
+
 def _worker_main(pipe: multiprocessing.connection.Connection, protocol: str, url: str, timeout_s: float,
                  model: str, payloads: list[Prepared], batch: int, level: LoadLevel, offset_ns: float) -> None:
     import uvloop
 
+    # Ctrl-C in a terminal (and a SIGTERM sent to the process group) reaches the workers too: the parent
+    # alone handles them and stops the workers through the pipe, so the windows measured are kept. A
+    # parent that dies without that closes the pipe, which stops a worker too (see _serve).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         uvloop.run(_serve(pipe, Protocol(protocol), url, timeout_s, model, payloads, batch, level, offset_ns))
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which fails with it
-        pipe.send(exc)
+        with contextlib.suppress(OSError):  # unless the parent is gone
+            pipe.send(exc)
 
 
 async def _serve(pipe: multiprocessing.connection.Connection, protocol: Protocol, url: str, timeout_s: float,
                  model: str, payloads: list[Prepared], batch: int, level: LoadLevel, offset_ns: float) -> None:
     loop = asyncio.get_running_loop()
     commands: asyncio.Queue[str] = asyncio.Queue()
-    loop.add_reader(pipe.fileno(), lambda: commands.put_nowait(pipe.recv()))
+
+    def receive() -> None:
+        try:
+            command = pipe.recv()
+        except (EOFError, OSError):  # the parent is gone: stop, never drive load for nobody
+            loop.remove_reader(pipe.fileno())
+            command = "stop"
+        commands.put_nowait(command)
+
+    loop.add_reader(pipe.fileno(), receive)
     async with await Connection.open(protocol, url, timeout_s=timeout_s) as conn:
         run = LoadRun(conn, model=model, payloads=payloads, batch=batch, meter=NoMeter("worker process"),
                       measurement=Measurement())
@@ -162,4 +206,5 @@ async def _serve(pipe: multiprocessing.connection.Connection, protocol: Protocol
         finally:
             loop.remove_reader(pipe.fileno())
             await run.stop_drivers(drivers)
-    pipe.send("stopped")
+    with contextlib.suppress(OSError):  # a parent that is gone hears nothing
+        pipe.send("stopped")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -177,17 +178,21 @@ def _assert_partial_outputs(tmp_path: Path, stdout: str, stderr: str, reason: st
     (row,) = csv.DictReader((tmp_path / "partial.csv").open(newline=""))
     assert float(row["Inferences/Second"]) > 0 and int(row["p50 latency"]) > 0
     assert (tmp_path / "partial.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    page = (tmp_path / "partial.html").read_text()
+    assert "Partial run" in page and reason in page
     assert "mlp_fp32" in stdout and "partial" in stdout  # the table of what was measured
     assert "Traceback" not in stderr
 
 
+def _perfclient_argv(url: str, tmp_path: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "client", "-m", "mlp_fp32", "-u", url, "--concurrency", "2", "--measurement-interval",
+            "500", "--max-trials", "40", "--stability-percentage", "0.001", "--json", str(tmp_path / "partial.json"),
+            "--csv", str(tmp_path / "partial.csv"), "--plot", str(tmp_path / "partial.png"),
+            "--html", str(tmp_path / "partial.html"), "--no-progress", *extra]
+
+
 def _perfclient_process(url: str, tmp_path: Path) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "client", "-m", "mlp_fp32", "-u", url, "--concurrency", "2", "--measurement-interval",
-         "500", "--max-trials", "40", "--stability-percentage", "0.001", "--json", str(tmp_path / "partial.json"),
-         "--csv", str(tmp_path / "partial.csv"), "--plot", str(tmp_path / "partial.png"), "--no-progress"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
+    return subprocess.Popen(_perfclient_argv(url, tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def test_server_dying_mid_run_keeps_the_windows_and_exits_non_zero(private_server: PrivateServer,
@@ -213,6 +218,31 @@ def test_ctrl_c_keeps_the_windows_and_exits_non_zero(endpoints: Endpoints, tmp_p
     assert proc.returncode == 1, stderr
     assert "interrupted (Ctrl-C)" in stderr.strip().splitlines()[-1]
     _assert_partial_outputs(tmp_path, stdout, stderr, "interrupted (Ctrl-C)")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_to_the_process_group_with_worker_processes_keeps_the_windows(
+    signum: signal.Signals, endpoints: Endpoints, tmp_path: Path
+) -> None:
+    # Ctrl-C in a terminal reaches every process of the group, the spawned workers too (as does a SIGTERM
+    # sent to the group): the parent alone handles it, stops its workers and keeps the windows measured.
+    err_path = tmp_path / "stderr.log"
+    with err_path.open("w") as err_file:
+        proc = subprocess.Popen(_perfclient_argv(endpoints.grpc, tmp_path, "--processes", "2", "-v"),
+                                stdout=subprocess.PIPE, stderr=err_file, text=True, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 90
+            while "window 3:" not in err_path.read_text() and time.monotonic() < deadline:
+                assert proc.poll() is None, err_path.read_text()
+                time.sleep(0.1)
+        finally:
+            os.killpg(proc.pid, signum)
+        stdout, _ = proc.communicate(timeout=60)
+    stderr = err_path.read_text()
+    reason = "interrupted (Ctrl-C)" if signum == signal.SIGINT else "terminated (SIGTERM)"
+    assert proc.returncode == 1, stderr
+    assert reason in stderr.strip().splitlines()[-1]
+    _assert_partial_outputs(tmp_path, stdout, stderr, reason)
 
 
 @pytest.mark.parametrize(

@@ -181,14 +181,18 @@ def _wait_for_regions(process: subprocess.Popen[bytes], log: Path, timeout: floa
     raise AssertionError(f"perfclient created no region within {timeout} s: {log.read_text()}")
 
 
-def test_ctrl_c_unregisters_and_unlinks_every_region(endpoints: Endpoints, tmp_path: Path) -> None:
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_and_sigterm_unregister_and_unlink_every_region(signum: signal.Signals, endpoints: Endpoints,
+                                                               tmp_path: Path) -> None:
     log = tmp_path / "perfclient.log"
-    process = _start_perfclient(endpoints.grpc, log)
+    process = _start_perfclient(endpoints.grpc, log, "--json", str(tmp_path / "r.json"))
     try:
         regions = _wait_for_regions(process, log)
         assert set(regions) <= set(registered(endpoints))  # registered while the load runs
-        process.send_signal(signal.SIGINT)
-        assert process.wait(timeout=60) in (1, 130), log.read_text()  # partial results (1) or interrupted (130)
+        process.send_signal(signum)
+        assert process.wait(timeout=60) == 1, log.read_text()  # the run ends as cut short: partial results
+        reason = "interrupted (Ctrl-C)" if signum == signal.SIGINT else "terminated (SIGTERM)"
+        assert reason in json.loads((tmp_path / "r.json").read_text())["error"]  # its files written
     finally:
         if process.poll() is None:
             process.kill()
