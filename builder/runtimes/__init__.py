@@ -36,6 +36,10 @@ def select(requested: RuntimeChoice, *, serving_backend: ServingBackend = Servin
         else:
             requested = RuntimeChoice.ONNXRUNTIME
         log.debug("runtime: %s (auto)", requested)
+    if cuda_options is not None and cuda_options.tensorrt_fp16 and requested is not RuntimeChoice.ONNXRUNTIME_CUDA:
+        # asked for explicitly: one line rather than a config silently without it
+        raise RuntimeUnavailableError(f"--ort-tensorrt-fp16: needs --runtime onnxruntime-cuda (this build runs "
+                                      f"on {requested.value})")
     if requested is RuntimeChoice.TENSORRT:
         if not tensorrt_available():
             raise RuntimeUnavailableError(

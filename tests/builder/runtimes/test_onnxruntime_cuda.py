@@ -178,3 +178,13 @@ def test_a_model_whose_other_dims_vary_gets_one_cuda_session_not_a_failed_load(t
     ids = np.random.default_rng(0).integers(0, 50, size=(3, 7), dtype=np.int64)
     direct = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(["out"], {"ids": ids})[0]
     np.testing.assert_allclose(runner.run_many([{"ids": ids[:1]}, {"ids": ids[1:]}])[0], direct, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(cuda_available(), reason="onnxruntime-gpu and a GPU are here")
+def test_tensorrt_fp16_on_another_runtime_is_one_line_not_silently_dropped() -> None:
+    with pytest.raises(RuntimeUnavailableError, match=r"--ort-tensorrt-fp16: needs --runtime onnxruntime-cuda"):
+        select(RuntimeChoice.AUTO, serving_backend=ServingBackend.ONNXRUNTIME,
+               cuda_options=CudaOptions(tensorrt_fp16=True))
+    with pytest.raises(RuntimeUnavailableError, match=r"on onnxruntime\)"):
+        select(RuntimeChoice.ONNXRUNTIME, cuda_options=CudaOptions(tensorrt_fp16=True))
+    assert isinstance(select(RuntimeChoice.ONNXRUNTIME, cuda_options=CudaOptions()), OnnxRuntimeCPU)
