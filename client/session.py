@@ -255,8 +255,10 @@ async def _measure_together(conn: Connection, plans: list[tuple[str, list[Prepar
 
     await all_set([r.started for r in runs])  # set too by a level that ends before its first window
     t0, count0, before = time.monotonic_ns(), together.inferences, await asyncio.to_thread(_read, meter)
+    trace_start = len(meter.trace.samples) if meter.trace is not None else 0
     await all_set([r.measured for r in runs])
     t1, count1, after = time.monotonic_ns(), together.inferences, await asyncio.to_thread(_read, meter)
+    power_trace = tuple(meter.trace.samples[trace_start:]) if meter.trace is not None else ()
     together.release.set()
     outcomes = await asyncio.gather(*tasks, return_exceptions=True)
     rows, stopped = [], None
@@ -271,7 +273,7 @@ async def _measure_together(conn: Connection, plans: list[tuple[str, list[Prepar
             rows.append(ModelResult(model, outcome))
     if rows:
         rows.append(ModelResult(WHOLE_RUN, _whole_run(rows, (t0, t1), count1 - count0, meter,
-                                                      (before, after), stopped)))
+                                                      (before, after), stopped, power_trace)))
     if stopped is not None:
         raise RunAborted(str(stopped), [*done, *rows]) from stopped
     return rows
@@ -288,7 +290,8 @@ def _read(meter: Meter) -> Reading:
 
 
 def _whole_run(rows: list[ModelResult], span_ns: tuple[int, int], inferences: int, meter: Meter,
-               readings: tuple[Reading, Reading], stopped: LevelStopped | None) -> LevelResult:
+               readings: tuple[Reading, Reading], stopped: LevelStopped | None,
+               power_trace: tuple[tuple[float, float], ...] = ()) -> LevelResult:
     """Every model's row together: throughput and energy over the interval all of them were measured in,
     latency percentiles over every model's summary latencies pooled."""
     start, end = span_ns
@@ -303,7 +306,7 @@ def _whole_run(rows: list[ModelResult], span_ns: tuple[int, int], inferences: in
                      latencies_ns=pooled)
     return LevelResult(level=rows[0].result.level, windows=(), summary=summary,
                        stable=stopped is None and all(r.result.stable for r in rows), server=ServerBreakdown(),
-                       power=window_power(meter, readings[0], readings[1], inferences),
+                       power=window_power(meter, readings[0], readings[1], inferences), power_trace=power_trace,
                        complete=stopped is None, stop_reason=str(stopped) if stopped is not None else None)
 
 
