@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from builder import __version__
-from builder.errors import AccuracyError, BuilderError, DataError, ToolError
+from builder.errors import AccuracyError, BuilderError, DataError
 from builder.repository.lock import repository_lock
 from builder.repository.model_folder import read_record
 from builder.repository.staging import Staging
@@ -240,8 +240,9 @@ def build_model(spec: ModelSpec, options: BuildOptions, staging: Staging) -> Mod
             name = variant_name(spec.name, prec)
             try:
                 variants.append(build_variant(VariantContext(model, prec, options.runtime, staging.dir(name))))
-            except (AccuracyError, ToolError) as exc:
-                # A variant the tools refused or the gate rejected; the model's other variants go on.
+            except BuilderError as exc:
+                # A variant the tools refused (ModelOpt, TensorRT's parser), the gate rejected, or whose
+                # own data failed: the model's other variants go on.
                 if options.all_or_nothing:
                     raise
                 staging.drop(name)

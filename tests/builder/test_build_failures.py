@@ -13,7 +13,10 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from builder.cli import main
-from builder.errors import ManifestError
+from builder.errors import BuilderError, ManifestError
+from builder.pipeline import BuildOptions, ModelStatus, build_all
+from builder.runtimes.base import CompileTarget
+from builder.runtimes.onnxruntime import OnnxRuntimeCPU
 from builder.spec import DimRange, ModelSpec, Precision, Tolerance
 from builder.spec.tolerances import parse_tolerances, with_tolerances
 from tests.helpers.files import snapshot
@@ -128,3 +131,31 @@ def test_tolerance_flag_replaces_only_the_limits_it_names() -> None:
     assert merged.tolerance(Precision.FP32) == spec.tolerance(Precision.FP32)  # not given: unchanged
     with pytest.raises(ManifestError, match="--tolerance"):
         parse_tolerances("fp16:")
+
+
+class _ParserFailsOnInt8(OnnxRuntimeCPU):
+    """ONNX Runtime, except that compiling a Q/DQ graph fails the way TensorRT's ONNX parser does (a plain
+    BuilderError from the runtime, neither an accuracy miss nor a ModelOpt failure)."""
+
+    def compile(self, onnx_path: Path, out_path: Path, target: CompileTarget) -> None:
+        if any(n.op_type == "QuantizeLinear" for n in onnx.load(str(onnx_path)).graph.node):
+            raise BuilderError(f"{onnx_path.name}: TensorRT's ONNX parser failed: no importer for QuantizeLinear")
+        super().compile(onnx_path, out_path, target)
+
+
+def test_a_runtime_failure_in_one_variant_is_that_variant_s_failure_only(
+        tiny_repository: tuple[Path, list[ModelSpec]], repo_copy: Path, tmp_path: Path) -> None:
+    _, specs = tiny_repository
+    mlp = next(s for s in specs if s.name == "mlp")
+    before = snapshot(repo_copy)
+    options = BuildOptions(repository=repo_copy, runtime=_ParserFailsOnInt8(), cache_dir=tmp_path / "cache",
+                           force=True)
+    (result,) = build_all([mlp], options, None, ["pytest"])
+    assert result.status is ModelStatus.BUILT and result.error is None
+    assert {v.name for v in result.variants} == {"mlp_fp32", "mlp_fp16"}
+    (failure,) = result.failures
+    assert failure.variant == "mlp_int8" and failure.kept_previous and "ONNX parser failed" in failure.reason
+    after = snapshot(repo_copy)
+    assert {k: v for k, v in after.items() if k.startswith("mlp_int8/")} == \
+        {k: v for k, v in before.items() if k.startswith("mlp_int8/")}
+    assert after["mlp_fp32/build.json"] != before["mlp_fp32/build.json"]  # rebuilt and written
