@@ -110,6 +110,9 @@ def configure_logging(packages: Sequence[str], *, verbose: int, quiet: bool, log
         root.setLevel(logging.INFO if log_file is not None else logging.WARNING)
     for name in packages:
         logging.getLogger(name).setLevel(logging.DEBUG if log_file is not None or verbose >= 1 else ours)
+    # Off, then on: captureWarnings(True) does nothing when an earlier call is still on record, even where
+    # something (a `warnings.catch_warnings` block, a test harness) has replaced the hook since.
+    logging.captureWarnings(False)
     logging.captureWarnings(True)
 
 
