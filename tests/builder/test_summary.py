@@ -54,7 +54,9 @@ def test_built_then_unchanged_rows_from_a_real_build(tmp_path: Path,
     """A real build, then the same build again (unchanged, read back from build.json)."""
     onnx = mlp_onnx(tmp_path / "mlp.onnx")
     repo = tmp_path / "repo"
-    args = ["build", "--onnx", str(onnx), "--name", "mlp", "--precision", "fp32", "--repository", str(repo),
+    # The CPU runtime by name: on a GPU host `auto` would take onnxruntime-cuda.
+    args = ["build", "--onnx", str(onnx), "--name", "mlp", "--precision", "fp32", "--runtime", "onnxruntime",
+            "--repository", str(repo),
             "--log", str(tmp_path / "b.log")]
     assert main(args) == 0
     first = capsys.readouterr().out
