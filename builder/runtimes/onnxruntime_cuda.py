@@ -22,6 +22,7 @@ from builder.runtimes.base import CompileTarget, Outputs
 from builder.runtimes.onnxruntime import run_session
 from builder.spec.enums import ServingBackend
 from client.choices import Choice
+from client.logs import active_log_file
 
 log = logging.getLogger(__name__)
 
@@ -105,8 +106,10 @@ def cuda_session(path: Path, options: CudaOptions) -> ort.InferenceSession:
     session = ort.InferenceSession(str(path), sess_options=session_options,
                                    providers=[(CUDA_PROVIDER, options.provider_options()), "CPUExecutionProvider"])
     if CUDA_PROVIDER not in session.get_providers():
+        # ONNX Runtime writes why to file descriptor 2, which a build sends to its build log.
+        where = f"see {active_log_file()}" if active_log_file() is not None else "see ONNX Runtime's lines above"
         raise RuntimeUnavailableError(f"{path}: ONNX Runtime did not start its CUDA provider (CUDA or cuDNN "
-                                      "libraries missing?); run with -v for ONNX Runtime's log")
+                                      f"libraries missing?); {where}")
     return session
 
 
