@@ -157,7 +157,7 @@ def command(repository: Path, ports: Ports, backend_dir: Path, log_file: Path,
         "--log-verbose=0",
         "--exit-timeout-secs=10",
         # A GPU runner loads a session (and CUDA graph) per batch bucket: up to ~36 s measured on an H100,
-        # over the python backend's default 30 s wait for a stub.
+        # over the python backend's default 30 s wait for a stub. A later one in `extra` wins (checked).
         f"--backend-config=python,stub-timeout-seconds={STUB_TIMEOUT_S}",
         *(extra or []),
     ]
