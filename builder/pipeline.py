@@ -25,7 +25,6 @@ from builder.repository.lock import repository_lock
 from builder.repository.model_folder import read_record
 from builder.repository.staging import Staging
 from builder.runtimes.base import Runtime
-from builder.runtimes.onnxruntime import run_file
 from builder.spec.enums import Precision
 from builder.spec.model import ModelSpec
 from builder.spec.names import variant_name
@@ -225,14 +224,18 @@ def build_model(spec: ModelSpec, options: BuildOptions, staging: Staging) -> Mod
             log.info("%s: rebuilding: %s", spec.name, reason)
 
         eval_batch = EVAL_BATCH if shapes.batching else None
+        # The user's data first, on the graph as given (a size inside the range the graph cannot take):
+        # one line here, not a traceback from the clean-up's probe run.
+        onnx_model.run_fp32(fp32_path, samples.take(evaluation, 0, 4), eval_batch, what)
         slim_report = cleanup.slim(fp32_path, samples.take(evaluation, 0, 4), batch_size=eval_batch)
         onnx_model.check_runs_at_levels(fp32_path, sig.inputs, shapes, what)
         model = ModelContext(
             spec=spec, fp32_path=fp32_path, fp32_sha=onnx_model.sha256_file(fp32_path),
             signature=onnx_model.signature(onnx_model.load(fp32_path), what),
             evaluation=evaluation, calibration=calibration, calibration_digest=calibration_digest,
-            reference=run_file(fp32_path, evaluation, eval_batch), build_key=key, inputs_record=inputs_record,
-            work=work, cache_dir=options.cache_dir, repository=options.repository, shapes=shapes,
+            reference=onnx_model.run_fp32(fp32_path, evaluation, eval_batch, what), build_key=key,
+            inputs_record=inputs_record, work=work, cache_dir=options.cache_dir, repository=options.repository,
+            shapes=shapes,
         )
         variants: list[VariantResult] = []
         failures: list[VariantFailure] = []

@@ -5,8 +5,10 @@ from __future__ import annotations
 import hashlib
 import re
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import onnx
 from google.protobuf.message import DecodeError
@@ -15,6 +17,11 @@ from builder.errors import ManifestError, OnnxModelError
 from builder.spec.dtypes import from_onnx
 from builder.spec.model import TensorSpec
 from builder.spec.shapes import Level, ModelShapes, format_shape
+
+if TYPE_CHECKING:
+    from numpy.typing import NDArray
+
+    from builder.runtimes.base import Outputs
 
 
 @dataclass(frozen=True)
@@ -128,6 +135,20 @@ def check_runs_at_levels(path: Path, inputs: tuple[TensorSpec, ...], shapes: Mod
             given = ",".join(f"{name}:{format_shape(shape)}" for name, shape in at.items())
             raise OnnxModelError(f"{what}: the FP32 model does not run at the {level} shapes ({given}): "
                                  f"{ort_reason(last_line(exc, 400))}") from exc
+
+
+def run_fp32(path: Path, samples: Mapping[str, NDArray[Any]], batch_size: int | None, what: str) -> Outputs:
+    """The FP32 graph's outputs on the evaluation samples; one line naming the arrays' shapes where ONNX
+    Runtime cannot run it on them (data at a size inside the range the graph cannot take)."""
+    from builder.errors import last_line
+    from builder.runtimes.onnxruntime import ORT_ERRORS, run_file
+
+    try:
+        return run_file(path, samples, batch_size)
+    except ORT_ERRORS as exc:
+        given = ", ".join(f"{name} {list(array.shape)}" for name, array in samples.items())
+        raise OnnxModelError(f"{what}: the FP32 model does not run on the evaluation samples ({given}): "
+                             f"{ort_reason(last_line(exc, 400))}") from exc
 
 
 def ort_reason(text: str) -> str:

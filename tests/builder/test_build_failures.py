@@ -20,6 +20,7 @@ from builder.runtimes.onnxruntime import OnnxRuntimeCPU
 from builder.spec import DimRange, ModelSpec, Precision, Tolerance
 from builder.spec.tolerances import parse_tolerances, with_tolerances
 from tests.helpers.files import snapshot
+from tests.helpers.foreign_models import detector
 from tests.helpers.tiny_models import mlp_samples, outlier_mlp_onnx
 
 
@@ -159,3 +160,20 @@ def test_a_runtime_failure_in_one_variant_is_that_variant_s_failure_only(
     assert {k: v for k, v in after.items() if k.startswith("mlp_int8/")} == \
         {k: v for k, v in before.items() if k.startswith("mlp_int8/")}
     assert after["mlp_fp32/build.json"] != before["mlp_fp32/build.json"]  # rebuilt and written
+
+
+def test_data_inside_the_range_the_graph_cannot_take_is_one_line(workdir: Path,
+                                                                  capfd: pytest.CaptureFixture[str]) -> None:
+    # 102 is inside 64..128 but not a multiple of 4: the detector's feature maps no longer concatenate.
+    model = detector(workdir)
+    np.savez(workdir / "cal.npz", images=np.ones((16, 3, 102, 102), np.float32))
+    code = main(["build", "-q", "--onnx", str(model.onnx), "--name", "d", "--precision", "fp32,fp16",
+                 "--calibration", "cal.npz", "--repository", "repo", "--log", "b.log",
+                 "--min-shapes", "images:1x3x64x64", "--opt-shapes", "images:2x3x96x96",
+                 "--max-shapes", "images:4x3x128x128"])
+    (line,) = capfd.readouterr().err.splitlines()
+    assert code == 1
+    assert line == ("trtbuild: error: model 'd': the FP32 model does not run on the evaluation samples "
+                    "(images [4, 3, 102, 102]): Concat node 'concat': Non concat axis dimensions must match: "
+                    "Axis 2 has mismatched dimensions of 52 and 51")
+    assert not [p.name for p in (workdir / "repo").iterdir() if not p.name.startswith(".")]  # the lock only
