@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -152,6 +153,9 @@ def _parser() -> argparse.ArgumentParser:
     tune.add_argument("--max-trials", type=int, default=6, help="windows per measurement at most")
     tune.add_argument("--report", type=Path, default=None, help="JSON (default: reports/tune_NAME.json)")
     tune.add_argument("--plot", type=Path, default=None, help="PNG (default: reports/tune_NAME.png)")
+    tune.add_argument("--html", type=Path, default=None,
+                      help="self-contained HTML report: points, Pareto front, the pick and why "
+                           "(default: reports/tune_NAME.html)")
     tune.add_argument("--dry-run", action="store_true",
                       help="measure, report and show the change; write neither config.pbtxt nor tuned.toml")
     tune.add_argument("--no-compare", action="store_true", help="skip the side-by-side re-measurement")
@@ -324,9 +328,19 @@ def _host_port(value: str, flag: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def _writable(path: Path, flag: str) -> None:
+    folder = path.parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ManifestError(f"{flag} {path}: cannot create {folder} ({exc.strerror or exc})") from exc
+    if not os.access(folder, os.W_OK) or path.is_dir():
+        raise ManifestError(f"{flag} {path}: cannot write there")
+
+
 def _tune(args: argparse.Namespace) -> int:
     from builder.serving.tune import Endpoints, Goal, Objective, Search, Space, tune
-    from builder.spec.tuned import tuned_path
+    from builder.spec.tuned import load_tuned, tuned_path
 
     name = check_model_name(args.name, "tune NAME")
     precisions = parse_precisions(args.precisions, "--precisions")
@@ -363,12 +377,25 @@ def _tune(args: argparse.Namespace) -> int:
     objective = Objective(goal, budget, floor)
     report_path = args.report or Path("reports") / f"tune_{name}.json"
     plot_path = args.plot or Path("reports") / f"tune_{name}.png"
+    html_path = args.html or Path("reports") / f"tune_{name}.html"
     tuned_toml = tuned_path(args.manifest)
-    report = tune(args.repository, space, objective, search=search, concurrencies=concurrencies,
-                  measurement_ms=args.measurement_interval,
-                  default_variant=variants[0], report_path=report_path, plot_path=plot_path, write=not args.dry_run,
-                  compare=not args.no_compare, max_trials=args.max_trials, wait=not args.no_wait,
-                  attach=attach, model=name, tuned_toml=tuned_toml, trials=args.trials, seed=args.seed)
+    # Before minutes of measuring: a tuned.toml the winner cannot be written into, or a report that
+    # cannot be written, is one line now rather than after the search.
+    load_tuned(tuned_toml)
+    for flag, path in (("--report", report_path), ("--plot", plot_path), ("--html", html_path)):
+        _writable(path, flag)
+    # SIGTERM (a pod's stop, `timeout`) ends the run as Ctrl-C does: the private server and its folder
+    # are removed, an attached server's models restored, and the report of what was measured written.
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        report = tune(args.repository, space, objective, search=search, concurrencies=concurrencies,
+                      measurement_ms=args.measurement_interval,
+                      default_variant=variants[0], report_path=report_path, plot_path=plot_path,
+                      write=not args.dry_run, compare=not args.no_compare, max_trials=args.max_trials,
+                      wait=not args.no_wait, attach=attach, model=name, tuned_toml=tuned_toml,
+                      trials=args.trials, seed=args.seed, html_path=html_path)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(f"{'point':<58} {'infer/s':>8} {'p99 ms':>8} {'feasible':>8}")
     for entry in report.points:
         p99 = "-" if entry.p99_ms is None else f"{entry.p99_ms:.1f}"
@@ -392,7 +419,7 @@ def _tune(args: argparse.Namespace) -> int:
             where += f", loaded on {attach.http}"
         written = "not written (--dry-run; the change is shown above)" if args.dry_run else f"written to {where}"
     label = report.winner.label() if report.winner else "-"
-    print(f"winner: {label} {written}; report {report_path}, plot {plot_path}")
+    print(f"winner: {label} {written}; report {report_path}, plot {plot_path}, page {html_path}")
     return 0
 
 

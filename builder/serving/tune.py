@@ -11,7 +11,9 @@ as failed with its reason, and the search goes on.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import html
 import io
 import itertools
 import json
@@ -637,6 +639,10 @@ def report_points(measured: dict[Point, list[Result]], objective: Objective,
 
 
 def plot(path: Path, measured: dict[Point, list[Result]], front: list[Point], winner: Point | None) -> None:
+    write_atomic(path, plot_png(measured, front, winner))
+
+
+def plot_png(measured: dict[Point, list[Result]], front: list[Point], winner: Point | None) -> bytes:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -667,7 +673,53 @@ def plot(path: Path, measured: dict[Point, list[Result]], front: list[Point], wi
     buffer = io.BytesIO()
     fig.savefig(buffer, dpi=110, format="png")
     plt.close(fig)
-    write_atomic(path, buffer.getvalue())
+    return buffer.getvalue()
+
+
+def html_report(report: TuneReport, png: bytes | None) -> str:
+    """One self-contained page: the pick and why, the side-by-side, the plot (inline) and every point."""
+    e = html.escape
+
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value:.1f}"
+
+    objective = report.objective
+    constraints = [f"p99 ≤ {objective.p99_budget_us / 1e3:g} ms"] if objective.p99_budget_us is not None else []
+    if objective.min_throughput is not None:
+        constraints.append(f"throughput ≥ {objective.min_throughput:g}/s")
+    front = set(report.pareto)
+    rows = "".join(
+        f"<tr class='{'win' if report.winner == m.point else 'front' if m.label in front else ''}'>"
+        f"<td>{e(m.label)}</td><td>{m.throughput:.1f}</td><td>{ms(m.p99_ms)}</td>"
+        f"<td>{'yes' if m.feasible else 'no'}</td><td>{'yes' if m.label in front else ''}</td>"
+        f"<td>{e(m.failure or '')}</td></tr>" for m in report.points)
+    compared = "".join(f"<tr><td>{e(str(c.config))}</td><td>{e(c.label)}</td><td>{c.throughput:.1f}</td>"
+                       f"<td>{ms(c.p99_ms)}</td><td>{'meets' if c.feasible else 'misses'}</td></tr>"
+                       for c in report.comparison)
+    image = "" if png is None else ("<img alt='points and Pareto front' src='data:image/png;base64,"
+                                    f"{base64.b64encode(png).decode()}'>")
+    where = f", on {e(report.attached)}" if report.attached else ""
+    partial = f"<p class='partial'>Partial run: {e(report.partial)}</p>" if report.partial else ""
+    winner = e(report.winner.label()) if report.winner else "none"
+    return f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>trtbuild tune: {winner}</title>
+<style>body{{font-family:sans-serif;margin:2em;max-width:70em}}table{{border-collapse:collapse}}
+td,th{{border:1px solid #ccc;padding:.2em .6em;text-align:right}}td:first-child{{text-align:left}}
+tr.win{{background:#fdd}}tr.front{{background:#def}}.partial{{color:#a00;font-weight:bold}}img{{max-width:100%}}</style>
+</head><body>
+<h1>trtbuild tune</h1>{partial}
+<p>Objective: {e(str(objective.goal))}{' under ' + e(', '.join(constraints)) if constraints else ''};
+{e(str(report.search))} search, {report.measurements} measurements ({report.failed} failed) in \
+{report.seconds:.0f} s{where}.</p>
+<h2>Pick: {winner}</h2><p>{e(report.why)}</p>
+{'<h2>Side by side (re-measured in this run)</h2><table><tr><th>configuration</th><th>point</th><th>infer/s</th>'
+ '<th>p99 ms</th><th>constraints</th></tr>' + compared + '</table>' if compared else ''}
+{image}
+<h2>Measured points</h2><p>Red: the pick; blue: on the Pareto front (throughput against worst p99).</p>
+<table><tr><th>point</th><th>infer/s</th><th>p99 ms</th><th>feasible</th><th>Pareto</th><th>failure</th></tr>
+{rows}</table>
+</body></html>
+"""
 
 
 def tuned_entry(model: str, winner: Point, measured: list[Result], objective: Objective,
@@ -723,17 +775,45 @@ def _search(search: Search, space: Space, default: Point, tuner: Tuner, objectiv
     return hill_climb(space, default, tuner.measure, objective)
 
 
+def _write_outputs(report: TuneReport, report_path: Path | None, plot_path: Path | None,
+                   measured: dict[Point, list[Result]], front: list[Point],
+                   html_path: Path | None = None) -> str | None:
+    """Write the report, the plot and the HTML page; a file that cannot be written is a line returned (and logged), so
+    that it neither hides an error already on its way nor stops the server's and folder's clean-up."""
+    png = plot_png(measured, front, report.winner) if plot_path is not None or html_path is not None else None
+    for flag, path in (("--report", report_path), ("--plot", plot_path), ("--html", html_path)):
+        if path is None:
+            continue
+        try:
+            if flag == "--report":
+                write_json(path, asdict(report))
+            elif flag == "--plot":
+                write_atomic(path, png or b"")
+            else:
+                write_atomic(path, html_report(report, png))
+        except OSError as exc:
+            line = f"{flag} {path}: cannot write ({exc.strerror or exc})"
+            log.error("tune: %s", line)
+            return line
+    return None
+
+
 def tune(repository: Path, space: Space, objective: Objective, *, search: Search, concurrencies: Sequence[int],
          measurement_ms: int, default_variant: str, report_path: Path | None, plot_path: Path | None,
          write: bool = True, compare: bool = True, max_trials: int = 6, wait: bool = True,
          attach: Endpoints | None = None, model: str | None = None, tuned_toml: Path | None = None,
-         trials: int = 12, seed: int = 0, point_timeout_s: float | None = None) -> TuneReport:
+         trials: int = 12, seed: int = 0, point_timeout_s: float | None = None,
+         html_path: Path | None = None) -> TuneReport:
     """Search `space` for `objective`; write the winner (config.pbtxt, build.json, and `tuned_toml`'s
     entry for `model`) unless `write` is False. With `attach`, measure on that running server and leave
     it serving the winner."""
     started = time.perf_counter()
     configs = _configs(repository, space.variants)
-    default = point_of(default_variant, configs[default_variant])
+    # The builder's own settings (build.json keeps them once a tune replaced them): where hill climbing
+    # and TPE start, and the "default" of the side-by-side comparison.
+    built = tuned_file.as_built(repository / default_variant)
+    default = (point_of(default_variant, configs[default_variant]) if built is None
+               else Point(default_variant, built.max_batch_size, built.queue_delay_us, built.instances))
     limit = min(tuned_file.max_batch_limit(repository / v) for v in space.variants)
     if search is not Search.EXHAUSTIVE:
         space = space.including(default)  # where hill climbing and TPE start
@@ -742,6 +822,7 @@ def tune(repository: Path, space: Space, objective: Objective, *, search: Search
                       else RemoteTarget(attach, repository, space.variants))
     comparison: list[Comparison] = []
     partial: str | None = None
+    unwritten: str | None = None
     count: int | None = None
     winner: Point | None = None
     changes: list[str] = []
@@ -775,6 +856,9 @@ def tune(repository: Path, space: Space, objective: Objective, *, search: Search
         except ServerError as exc:
             partial = str(exc)
             raise
+        except KeyboardInterrupt:
+            partial = "interrupted"
+            raise
         finally:
             front = pareto(measured)
             report = TuneReport(
@@ -783,10 +867,9 @@ def tune(repository: Path, space: Space, objective: Objective, *, search: Search
                 explain(winner, measured, objective, default) if winner else "no point met the constraints",
                 comparison, round(time.perf_counter() - started, 1), failed=len(tuner.failures),
                 attached=attach.http if attach else None, changes=changes, partial=partial)
-            if report_path is not None:
-                write_json(report_path, asdict(report))
-            if plot_path is not None:
-                plot(plot_path, measured, front, winner)
+            unwritten = _write_outputs(report, report_path, plot_path, measured, front, html_path)
+    if unwritten:
+        raise BuilderError(unwritten)
     if winner is None:
         failed = f", {len(tuner.failures)} failed" if tuner.failures else ""
         raise BuilderError(f"tune: none of the {len(measured)} measured points{failed} met the constraints "

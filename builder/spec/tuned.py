@@ -95,6 +95,9 @@ def load_tuned(path: Path) -> dict[str, TunedServing]:
             raise ManifestError(f"{where}.dynamic_batching: expected true or false, got {batching!r}")
         delay = _positive_int(entry.get("max_queue_delay_us", 0), f"{where}.max_queue_delay_us", low=0)
         measured = entry.get("measured", {})
+        if not isinstance(measured, dict):
+            raise ManifestError(f"{where}.measured: expected a table (provenance written by `trtbuild tune`), "
+                                f"got {measured!r}")
         # 0: a model built without batching (whole shapes), which has no dynamic batching either.
         max_batch = _positive_int(entry.get("max_batch_size"), f"{where}.max_batch_size", low=0)
         if max_batch == 0 and batching:
@@ -104,7 +107,7 @@ def load_tuned(path: Path) -> dict[str, TunedServing]:
             max_batch_size=max_batch,
             queue_delay_us=delay if batching else None,
             instances=_positive_int(entry.get("instances", 1), f"{where}.instances", low=1),
-            measured=measured if isinstance(measured, dict) else {},
+            measured=measured,
         )
     return out
 
@@ -234,12 +237,12 @@ def max_batch_limit(model_dir: Path) -> int:
 
 def record_tuned(model_dir: Path, tuned: TunedServing | None, built: Serving) -> None:
     """build.json says what the builder wrote and which tuned settings replaced it (or none)."""
-    record = _record(model_dir) or {}
-    record["serving_as_built"] = built.to_json()
-    record["tuned"] = None if tuned is None else {
+    before = _record(model_dir) or {}
+    record = {**before, "serving_as_built": built.to_json(), "tuned": None if tuned is None else {
         **Serving(tuned.max_batch_size, tuned.queue_delay_us, tuned.instances).to_json(),
-        "from": TUNED_FILE, "measured": dict(tuned.measured)}
-    write_atomic(model_dir / RECORD, json.dumps(record, indent=2, default=str) + "\n")
+        "from": TUNED_FILE, "measured": dict(tuned.measured)}}
+    if record != before:  # an unchanged build leaves the file alone
+        write_atomic(model_dir / RECORD, json.dumps(record, indent=2, default=str) + "\n")
 
 
 def layer(model_dir: Path, tuned: TunedServing | None) -> str | None:
@@ -259,7 +262,9 @@ def layer(model_dir: Path, tuned: TunedServing | None) -> str | None:
             log.warning("%s: tuned max_batch_size %d is over what the engine takes (%d); using %d",
                         tuned.variant, mbs, built.max_batch_size, built.max_batch_size)
             mbs = built.max_batch_size
-        wanted = Serving(mbs, tuned.queue_delay_us, tuned.instances)
+        # A model rebuilt without batching (max_batch_size 0) takes no dynamic batching either: Triton
+        # refuses a config that has it.
+        wanted = Serving(mbs, tuned.queue_delay_us if mbs > 0 else None, tuned.instances)
     if serving_of(text) != wanted:
         write_atomic(config_path, configure(text, wanted))
     record_tuned(model_dir, tuned, built)

@@ -5,13 +5,18 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
+import tempfile
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from builder.cli import main
 from builder.errors import ManifestError
-from builder.spec.tuned import Serving, load_tuned, serving_of
+from builder.spec.tuned import Serving, TunedServing, layer, load_tuned, serving_of
 from tests.helpers.files import snapshot
 from tests.helpers.tiny_models import mlp_onnx
 
@@ -45,7 +50,7 @@ def test_tune_then_engines_force_keeps_the_tuned_settings(
     assert main(["engines", "--manifest", str(manifest), "--repository", str(repository)]) == 0
     assert served(repository) == Serving(8, 0, 1)
     files = ["--manifest", str(manifest), "--repository", str(repository), "--report", str(tmp_path / "t.json"),
-             "--plot", str(tmp_path / "t.png")]
+             "--plot", str(tmp_path / "t.png"), "--html", str(tmp_path / "t.html")]
 
     # --dry-run: measured and shown, nothing written.
     before = snapshot(repository)
@@ -59,12 +64,19 @@ def test_tune_then_engines_force_keeps_the_tuned_settings(
     assert main(["tune", "mlp", *files, *TUNE]) == 0
     assert served(repository) == Serving(2, 500, 2)
     assert json.loads((tmp_path / "t.json").read_text())["space"]["max_batch_sizes"] == [2]
+    page = (tmp_path / "t.html").read_text()
+    assert "<h2>Pick: mlp_fp32 mbs=2 batching=500us inst=2</h2>" in page and "data:image/png;base64,iVBOR" in page
+    assert page.count("<tr class=") == 1 and "src='http" not in page  # one point; nothing fetched
     tuned = load_tuned(tmp_path / "tuned.toml")
     assert set(tuned) == {"mlp_fp32"} and tuned["mlp_fp32"].max_batch_size == 2
     assert tuned["mlp_fp32"].measured["objective"] == "throughput"
     assert manifest.read_text() == MANIFEST  # the user's file is theirs
     record = json.loads((repository / "mlp_fp32" / "build.json").read_text())
     assert record["tuned"]["max_batch_size"] == 2 and record["serving_as_built"]["max_batch_size"] == 8
+    # A second tune starts from, and compares against, the builder's settings, not the last winner.
+    assert main(["tune", "mlp", *files, *TUNE, "--dry-run"]) == 0
+    assert json.loads((tmp_path / "t.json").read_text())["default"] == {
+        "variant": "mlp_fp32", "max_batch_size": 8, "queue_delay_us": 0, "instances": 1}
 
     caplog.set_level(logging.INFO, logger="builder")
     assert main(["engines", "--manifest", str(manifest), "--repository", str(repository), "--force"]) == 0
@@ -111,3 +123,82 @@ def test_tune_and_serve_flags_are_checked_in_one_line(
     assert main([*args, "--repository", str(tmp_path / "absent")]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("trtbuild: error: ") and message in err[0]
+
+
+def test_a_bad_tuned_file_or_report_path_is_one_line_before_any_measurement(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    mlp_onnx(tmp_path / "mlp.onnx")
+    manifest = tmp_path / "models.toml"
+    manifest.write_text(MANIFEST)
+    repository = tmp_path / "repository"
+    (repository / "mlp_fp32").mkdir(parents=True)  # no config: a measurement would fail differently
+    files = ["--manifest", str(manifest), "--repository", str(repository), "--plot", str(tmp_path / "t.png"),
+             "--html", str(tmp_path / "t.html")]
+    (tmp_path / "tuned.toml").write_text('[mlp]\nvariant = "mlp_fp32"\nmax_batch_size = 4\nmeasured = 3\n')
+    assert main(["tune", "mlp", *files, "--report", str(tmp_path / "t.json"), *TUNE]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "[mlp].measured: expected a table" in err[0]
+
+    (tmp_path / "tuned.toml").unlink()
+    (tmp_path / "file").write_text("")
+    assert main(["tune", "mlp", *files, "--report", str(tmp_path / "file" / "t.json"), *TUNE]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"trtbuild: error: --report {tmp_path / 'file' / 't.json'}: ")
+    assert not (tmp_path / "tuned.toml").exists() and not (tmp_path / "t.png").exists()
+
+
+def test_tuned_settings_on_a_model_rebuilt_without_batching_turn_batching_off(repo_copy: Path) -> None:
+    folder = repo_copy / "mlp_fp32"
+    record = json.loads((folder / "build.json").read_text())
+    record["serving_as_built"] = Serving(0, None, 1).to_json()  # as a build with max_batch_size 0 records it
+    (folder / "build.json").write_text(json.dumps(record))
+    line = layer(folder, TunedServing("mlp", "mlp_fp32", 8, 500, 2))
+    assert line is not None and served(repo_copy) == Serving(0, None, 2)
+    # The same settings again: build.json is not rewritten.
+    stamp = (folder / "build.json").stat().st_mtime_ns
+    layer(folder, TunedServing("mlp", "mlp_fp32", 8, 500, 2))
+    assert (folder / "build.json").stat().st_mtime_ns == stamp
+
+
+def _terminate_once_measuring(tmp: Path, stop: threading.Event) -> None:
+    """SIGTERM to this process once the private server has served its first point's requests."""
+    deadline = time.monotonic() + 120
+    while not stop.is_set() and time.monotonic() < deadline:
+        logs = list(tmp.glob("trtbuild-tune-*/state/tritonserver.log"))
+        if logs and "successfully loaded 'mlp_fp32'" in logs[0].read_text(errors="replace"):
+            time.sleep(1.0)
+            if not stop.is_set():
+                os.kill(os.getpid(), signal.SIGTERM)
+            return
+        time.sleep(0.1)
+
+
+def test_sigterm_stops_a_tune_run_cleanly_and_the_report_says_partial(
+        repo_copy: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    mlp_onnx(tmp_path / "mlp.onnx")
+    (tmp_path / "models.toml").write_text(MANIFEST)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    tempfile.tempdir = None  # re-read TMPDIR
+    before = snapshot(repo_copy)
+    stop = threading.Event()
+    killer = threading.Thread(target=_terminate_once_measuring, args=(tmp, stop), daemon=True)
+    killer.start()
+    try:
+        code = main(["tune", "mlp", "--manifest", str(tmp_path / "models.toml"), "--repository", str(repo_copy),
+                     "--report", str(tmp_path / "t.json"), "--plot", str(tmp_path / "t.png"),
+                     "--html", str(tmp_path / "t.html"), "--precisions", "fp32", "--max-batch", "1,2,4,8",
+                     "--queue-delay-us", "off,0,500",
+                     "--instances", "1", "--search", "exhaustive", "--concurrency", "1",
+                     "--measurement-interval", "1000", "--max-trials", "3"])
+    finally:
+        stop.set()
+        killer.join()
+        tempfile.tempdir = None
+    assert code == 130 and "trtbuild: interrupted" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the CLI's handler is gone
+    assert list(tmp.glob("trtbuild-tune-*")) == []  # the private server's folder (and the server) are gone
+    assert json.loads((tmp_path / "t.json").read_text())["partial"] == "interrupted"
+    assert "Partial run: interrupted" in (tmp_path / "t.html").read_text()
+    assert snapshot(repo_copy) == before and not (tmp_path / "tuned.toml").exists()
