@@ -222,7 +222,8 @@ def main() -> int:
                 return 1
 
             # 3. Both picks, alternately, on the same server (ours first in odd rounds, MA's in even ones).
-            runs: dict[str, list[tuple[float, float | None]]] = {"ours": [], "ma": []}
+            # A re-measurement that failed (no load, no completed request) is None, never a 0 in a median.
+            runs: dict[str, list[tuple[float | None, float | None]]] = {"ours": [], "ma": []}
             picks = {"ours": our_pick, "ma": ma_pick}
             with RemoteTarget(endpoints, repository, [args.model]) as target:
                 tuner = Tuner(target, [args.concurrency], measurement_ms=args.interval_ms,
@@ -232,15 +233,18 @@ def main() -> int:
                     for who in order:
                         results = tuner.remeasure(picks[who])
                         r = results[0] if results else None
-                        runs[who].append((r.throughput if r else 0.0,
+                        runs[who].append((r.throughput if r and r.completed else None,
                                           r.p99_us / 1e3 if r and r.p99_us is not None else None))
     rows: list[dict[str, Any]] = []
     for who, label, count, seconds in (("ours", f"trtbuild tune ({args.search})", report.measurements, ours_seconds),
                                        ("ma", "Model Analyzer 1.58 (brute)", len(ma_rows), ma_seconds)):
         throughputs = [t for t, _ in runs[who]]
+        measured = [t for t in throughputs if t is not None]
         p99s = [q for _, q in runs[who] if q is not None]
         rows.append({"tool": label, "pick": picks[who].label(), "measurements": count,
-                     "seconds": round(seconds, 1), "throughput_median": round(statistics.median(throughputs), 1),
+                     "seconds": round(seconds, 1),
+                     "throughput_median": round(statistics.median(measured), 1) if measured else None,
+                     "failed_remeasurements": len(throughputs) - len(measured),
                      "p99_ms_median": round(statistics.median(p99s), 1) if p99s else None,
                      "throughputs": throughputs, "p99s_ms": p99s})
     print(f"\nre-measured alternately, {args.rounds} rounds each, c={args.concurrency}, "
