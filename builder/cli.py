@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import sys
@@ -273,6 +274,13 @@ def _build(args: argparse.Namespace, specs: list[ModelSpec]) -> int:
         from builder.spec.tuned import load_tuned, tuned_path
 
         options.tuned = load_tuned(tuned_path(args.manifest))
+        built = {variant_name(spec.name, prec) for spec in specs for prec in spec.precisions}
+        for entry in options.tuned.values():
+            # A precision since removed from models.toml: say so rather than drop the entry silently.
+            if entry.model in {spec.name for spec in specs} and entry.variant not in built:
+                logging.getLogger("builder.cli").warning(
+                    "%s: [%s] names %s, which models.toml does not build; not applied",
+                    tuned_path(args.manifest), entry.model, entry.variant)
     report = args.report or args.repository / "build_report.json"
     # Libraries' native output (ONNX Runtime, TensorRT) goes to the build log while the build runs.
     with native_stderr_to_log():

@@ -86,10 +86,14 @@ def test_tune_then_engines_force_keeps_the_tuned_settings(
     record = json.loads((repository / "mlp_fp32" / "build.json").read_text())
     assert record["tuned"]["instances"] == 2 and record["serving_as_built"] == Serving(8, 0, 1).to_json()
 
-    # Without the entry, an unchanged build goes back to models.toml's settings.
-    (tmp_path / "tuned.toml").write_text("# emptied by hand\n")
+    # Without the entry, an unchanged build goes back to models.toml's settings; an entry for a
+    # precision models.toml does not build is named, not applied.
+    (tmp_path / "tuned.toml").write_text('# edited by hand\n[mlp]\nvariant = "mlp_int8"\nmax_batch_size = 4\n')
+    caplog.clear()
     assert main(["engines", "--manifest", str(manifest), "--repository", str(repository)]) == 0
     assert served(repository) == Serving(8, 0, 1)
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        f"{tmp_path / 'tuned.toml'}: [mlp] names mlp_int8, which models.toml does not build; not applied"]
     assert json.loads((repository / "mlp_fp32" / "build.json").read_text())["tuned"] is None
 
 
