@@ -236,3 +236,28 @@ def test_a_missing_variant_is_one_line_and_leaves_no_temporary_folder(repo_copy:
         assert list((tmp_path / "tmp").iterdir()) == []
     finally:
         tempfile.tempdir = None
+
+
+FAILING_MODEL = '''
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse(error=pb_utils.TritonError("refused on purpose")) for _ in requests]
+'''
+
+
+def test_a_point_whose_every_request_fails_is_recorded_and_never_wins(repo_copy: Path, tmp_path: Path) -> None:
+    failing = variant_copy(repo_copy, "mlp_fp32", "mlp_failing")
+    (failing / "1" / "model.py").write_text(FAILING_MODEL)
+    space = Space(("mlp_failing", "mlp_fp32"), (8,), (0,), (1,))
+    # The p99 objective: every request answered at once with an error must not pass for a fast point.
+    report = tune(repo_copy, space, Objective(Goal.P99), search=Search.EXHAUSTIVE, concurrencies=[1],
+                  measurement_ms=300, default_variant="mlp_failing", report_path=tmp_path / "t.json",
+                  plot_path=None, max_trials=2, compare=False)
+    assert report.winner is not None and report.winner.variant == "mlp_fp32"
+    entry = next(e for e in report.points if e.point.variant == "mlp_failing")
+    assert not entry.feasible and entry.p99_ms is None
+    assert "refused on purpose" in str(entry.failure)  # perfclient's warm-up already says why
+    assert report.failed == 1 and report.measurements == 2
