@@ -439,16 +439,24 @@ def _serve(args: argparse.Namespace) -> int:
     ports = Ports(args.http_port, args.grpc_port, args.metrics_port)
     control = ModelControl.parse(args.model_control, "--model-control", error=ManifestError)
     server = TritonServer(args.repository, args.state_dir, ports, model_control=control)
+    # Triton loads nothing by itself in explicit mode: say how to load, rather than leave an empty server.
+    note = (f"model control explicit: no model is loaded at start; load one with POST "
+            f"http://127.0.0.1:{ports.http}/v2/repository/models/NAME/load, or `trtbuild tune NAME --url "
+            f"127.0.0.1:{ports.http}`" if control is ModelControl.EXPLICIT else None)
     if args.background:
         server.start(timeout=args.timeout, detach=True)
         assert server.process is not None
         print(f"tritonserver ready: http :{ports.http}, grpc :{ports.grpc}, metrics :{ports.metrics} "
               f"(pid {server.process.pid}, log {server.log_file}); `trtbuild stop` stops it")
+        if note:
+            print(note)
         return 0
     server.start(timeout=args.timeout)
     assert server.process is not None
     print(f"tritonserver ready: http :{ports.http}, grpc :{ports.grpc}, metrics :{ports.metrics}; "
           "Ctrl-C stops it")
+    if note:
+        print(note, flush=True)
     try:
         return server.process.wait()
     except KeyboardInterrupt:

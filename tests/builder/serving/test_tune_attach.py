@@ -85,3 +85,20 @@ def test_attach_to_nothing_is_one_line(repo_copy: Path) -> None:
         tune(repo_copy, Space(("mlp_fp32",), (8,), (0,), (1,)), Objective(), search=Search.EXHAUSTIVE,
              concurrencies=[1], measurement_ms=300, default_variant="mlp_fp32", report_path=None, plot_path=None,
              attach=Endpoints(f"127.0.0.1:{port}", f"127.0.0.1:{port}"))
+
+
+def test_serve_with_explicit_model_control_loads_nothing_and_says_how_to_load(
+        repo_copy: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from builder.cli import main
+
+    http, grpc, metrics = free_ports(3)
+    state = tmp_path / "state"
+    assert main(["serve", "--repository", str(repo_copy), "--state-dir", str(state), "--http-port", str(http),
+                 "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--model-control", "explicit",
+                 "--background"]) == 0
+    try:
+        out = capsys.readouterr().out
+        assert f"POST http://127.0.0.1:{http}/v2/repository/models/NAME/load" in out
+        assert "READY" not in states(f"127.0.0.1:{http}").values()
+    finally:
+        assert main(["stop", "--state-dir", str(state)]) == 0
