@@ -320,8 +320,9 @@ class LoadRun:
             if self._stop.is_set():
                 break
             wait = (next_t - time.monotonic_ns()) / 1e9
-            if wait > 0:
-                await asyncio.sleep(wait)
+            # Behind schedule: still yield, so the sends created run, windows close and signals are seen
+            # (a rate above what one loop can schedule would otherwise never give the loop back).
+            await asyncio.sleep(wait if wait > 0 else 0)
             if len(self._tasks) >= level.max_inflight:
                 self._tally.dropped += 1
             else:
