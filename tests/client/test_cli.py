@@ -88,7 +88,8 @@ def test_concurrency_mode_writes_the_documented_json_and_csv(
     assert result["partial"] is False
     assert isinstance(result["stable"], bool) and 1 <= result["windows"] <= 4
     assert result["stable"] or result["windows"] == 4  # a level stops early only when stable
-    assert len(result["window_seconds"]) == result["windows"] and min(result["window_seconds"]) >= 0.4
+    # A window's end is a timer callback: the event loop may run it up to its clock resolution early.
+    assert len(result["window_seconds"]) == result["windows"] and min(result["window_seconds"]) >= 0.39
     assert "late_sends" not in result and "request_rate" not in result  # open-loop figures only
     rows = list(csv.reader(out_csv.open()))
     assert rows[0] == CSV_COLUMNS and rows[1][0] == "4"
