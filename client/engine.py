@@ -436,8 +436,10 @@ class LoadRun:
                                    return_when=asyncio.FIRST_COMPLETED)
                 enough.cancel()
             else:
-                remaining = (start + self.m.measurement_ms * 1_000_000 - time.monotonic_ns()) / 1e9
-                if remaining > 0:
+                end_ns = start + self.m.measurement_ms * 1_000_000
+                # The loop's timer may fire up to its clock resolution (1 ms) early: wait out the rest, so a
+                # window lasts at least --measurement-interval.
+                while (remaining := (end_ns - time.monotonic_ns()) / 1e9) > 0 and not aborted.done():
                     await asyncio.wait({aborted}, timeout=remaining)
             return self.abort.is_set
         finally:
