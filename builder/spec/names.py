@@ -19,6 +19,14 @@ def check_model_name(name: object, what: str) -> str:
     return name
 
 
+def name_from_path(path: str) -> str:
+    """A model name from a file's stem (`yolov8n-640.onnx` → `yolov8n-640`): characters outside the
+    rule become `_`, and a name that would start with one gets an `m` in front."""
+    stem = path.rsplit("/", 1)[-1].split(".", 1)[0]
+    name = re.sub(r"[^A-Za-z0-9_-]", "_", stem)
+    return name if _NAME.match(name) else f"m{name}"
+
+
 def variant_name(model: str, precision: Precision) -> str:
     """The Triton model that serves one precision of a model: `<model>_<precision>`."""
     return f"{model}_{precision.value}"
