@@ -108,6 +108,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def _levels(args: argparse.Namespace) -> tuple[LoadLevel, ...]:
     if args.request_intervals is not None:
+        if args.distribution != "constant":  # silently ignored otherwise
+            raise PerfClientError(f"--distribution {args.distribution}: not with --request-intervals "
+                                  "(the file gives the gaps)")
         replay = load_intervals(args.request_intervals)
         return (LoadLevel(request_rate=replay.rate, intervals=replay, max_inflight=args.max_inflight),)
     if args.request_rate is not None:

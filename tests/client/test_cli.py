@@ -305,6 +305,8 @@ def test_simultaneous_models_give_one_row_each_and_a_whole_run(endpoints: Endpoi
     (["--request-timeout-ms", "0"], "--request-timeout-ms 0: expected a positive integer"),
     (["--request-rate", "5", "--max-inflight", "0"], "--max-inflight 0: expected a positive integer"),
     (["--time-limit", "-1"], "--time-limit -1.0: expected a positive number of seconds"),
+    (["--request-intervals", "gaps.txt", "--distribution", "poisson"],
+     "--distribution poisson: not with --request-intervals (the file gives the gaps)"),
 ])
 def test_new_flags_check_their_values(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = perfclient(["-m", "mlp_fp32", *args], capsys)
