@@ -28,6 +28,7 @@ from builder.spec import (
     parse_precisions,
     variant_name,
 )
+from builder.spec.names import name_from_path
 from builder.spec.shapes import DEFAULT_BATCH, Shape, ShapeRange, combine, parse_shapes, parse_value_range
 from client import progress
 from client.logs import active_log_file, close_log_file, configure_logging, default_log_file, native_stderr_to_log
@@ -88,7 +89,8 @@ def _parser() -> argparse.ArgumentParser:
 
     build = sub.add_parser("build", parents=[verbosity], help="build a user's ONNX model")
     build.add_argument("--onnx", type=Path, required=True)
-    build.add_argument("--name", required=True)
+    build.add_argument("--name", default=None,
+                       help="Triton model name (default: the ONNX file's name without extension)")
     build.add_argument("--precision", default=None,
                        help="comma-separated fp32,fp16,int8 (default: fp32,fp16, plus int8 with --calibration)")
     build.add_argument("--calibration", type=Path, help=".npz keyed by input name, leading sample axis")
@@ -225,7 +227,7 @@ def _spec_from_build_args(args: argparse.Namespace) -> ModelSpec:
     if args.calibration is not None:
         calibration = CalibrationSpec(data=DataSpec(str(args.calibration), args.calibration_samples), method=method)
     evaluation = DataSpec(str(args.eval_data), 1 << 20) if args.eval_data else None
-    name = check_model_name(args.name, "--name")
+    name = check_model_name(args.name if args.name is not None else name_from_path(str(args.onnx)), "--name")
     batch = DEFAULT_BATCH if args.max_batch is None else DimRange(1, max(1, args.max_batch // 2), args.max_batch)
     return ModelSpec(
         name=name,
@@ -254,6 +256,11 @@ def _build(args: argparse.Namespace, specs: list[ModelSpec]) -> int:
     for value in args.tolerance:
         for prec, given in parse_tolerances(value, "--tolerance").items():
             limits.setdefault(prec, {}).update(given)
+    unused = [prec.value for prec in limits if not any(prec in spec.precisions for spec in specs)]
+    if unused:
+        made = sorted({p.value for spec in specs for p in spec.precisions}, key=[p.value for p in Precision].index)
+        raise ManifestError(f"--tolerance {unused[0]}: no model of this build makes an {unused[0]} variant "
+                            f"(they make {', '.join(made)})")
     specs = [with_tolerances(spec, limits) for spec in specs]
     runtime_choice = RuntimeChoice.parse(args.runtime, "--runtime", error=ManifestError)
     serving_backend = ServingBackend.parse(args.serving_backend, "--serving-backend", error=ManifestError)

@@ -46,9 +46,12 @@ def parse_tolerances(value: str, flag: str = "--tolerance") -> dict[Precision, d
 def with_tolerances(spec: ModelSpec, limits: Mapping[Precision, Mapping[str, float]]) -> ModelSpec:
     """The spec with the flag's limits laid over each precision's tolerance. A precision given on the
     command line counts as an explicit tolerance (the INT8 guard runs for it, as for models.toml's)."""
-    if not limits:
+    # Only the precisions this model builds: a limit for another would change its fingerprint (and
+    # rebuild it) for nothing.
+    mine = {prec: given for prec, given in limits.items() if prec in spec.precisions}
+    if not mine:
         return spec
     merged = dict(spec.tolerances)
-    for prec, given in limits.items():
+    for prec, given in mine.items():
         merged[prec] = replace(spec.tolerance(prec), **given)
     return replace(spec, tolerances=merged)

@@ -5,6 +5,7 @@ exit status 1; a library's failure is one line naming the model, the step, the c
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,7 @@ from builder.errors import BuilderError, ManifestError
 from builder.pipeline import BuildOptions, ModelStatus, build_all
 from builder.runtimes.base import CompileTarget
 from builder.runtimes.onnxruntime import OnnxRuntimeCPU
-from builder.spec import DimRange, ModelSpec, Precision, Tolerance
+from builder.spec import CalibrationSpec, DataSpec, DimRange, ModelSpec, Precision, Tolerance
 from builder.spec.tolerances import parse_tolerances, with_tolerances
 from tests.helpers.files import snapshot
 from tests.helpers.foreign_models import detector
@@ -109,6 +110,7 @@ def test_a_failing_variant_keeps_its_previous_copy_and_all_or_nothing_writes_not
                             "expected 0 to 1"),
     ("fp16:max_abs=-1", "--tolerance 'fp16:max_abs=-1': value '-1': expected a finite number >= 0"),
     ("cosine_min=0.9", "--tolerance 'cosine_min=0.9': expected PRECISION:METRIC=VALUE"),
+    ("int8:cosine_min=0.9", "--tolerance int8: no model of this build makes an int8 variant (they make fp32, fp16)"),
 ])
 def test_a_bad_tolerance_is_one_line_naming_the_flag_and_builds_nothing(
         workdir: Path, capfd: pytest.CaptureFixture[str], value: str, expected: str) -> None:
@@ -124,12 +126,16 @@ def test_tolerance_flag_replaces_only_the_limits_it_names() -> None:
     limits = parse_tolerances("fp16:cosine_min=0.998, int8:top1_agreement_min=0.9,fp16:max_abs=0.5")
     assert limits == {Precision.FP16: {"cosine_min": 0.998, "max_abs": 0.5},
                       Precision.INT8: {"top1_agreement_min": 0.9}}
-    spec = ModelSpec(name="m", onnx=Path("m.onnx"), batch=DimRange(1, 1, 1), precisions=(Precision.FP16,),
+    spec = ModelSpec(name="m", onnx=Path("m.onnx"), batch=DimRange(1, 1, 1),
+                     precisions=(Precision.FP16, Precision.INT8), calibration=CalibrationSpec(DataSpec("c.npz", 8)),
                      tolerances={Precision.INT8: Tolerance(cosine_min=0.9, max_rel=0.2)})
     merged = with_tolerances(spec, limits)
     assert merged.tolerance(Precision.FP16) == Tolerance(cosine_min=0.998, max_abs=0.5)
     assert merged.tolerance(Precision.INT8) == Tolerance(cosine_min=0.9, max_rel=0.2, top1_agreement_min=0.9)
     assert merged.tolerance(Precision.FP32) == spec.tolerance(Precision.FP32)  # not given: unchanged
+    # A model that does not make a precision keeps its spec (and build key) as it was.
+    fp32_only = replace(spec, precisions=(Precision.FP32,), calibration=None)
+    assert with_tolerances(fp32_only, limits) == fp32_only
     with pytest.raises(ManifestError, match="--tolerance"):
         parse_tolerances("fp16:")
 
