@@ -638,10 +638,6 @@ def report_points(measured: dict[Point, list[Result]], objective: Objective,
             for p in sorted(measured, key=Point.sort_key)]
 
 
-def plot(path: Path, measured: dict[Point, list[Result]], front: list[Point], winner: Point | None) -> None:
-    write_atomic(path, plot_png(measured, front, winner))
-
-
 def plot_png(measured: dict[Point, list[Result]], front: list[Point], winner: Point | None) -> bytes:
     import matplotlib
 
