@@ -1,0 +1,183 @@
+"""One validation pass of the GPU serving path on a lent GPU machine, with the product's own configs,
+runner and launcher (see README "ONNX Runtime CUDA on a GPU").
+
+    python bench/gpu/validate_gpu.py prepare --source REPO --models efficientnet_lite0_fp16,... --out DIR
+    python bench/gpu/validate_gpu.py check --repository DIR --out OUT
+
+`prepare` (any host): copies each variant of a CPU-built repository (`trtbuild engines`) and rewrites its
+config.pbtxt to what `--runtime onnxruntime-cuda` writes (the runtime's own `cuda_backend_config`: KIND_GPU,
+provider cuda, HEURISTIC search, CUDA graphs) with the current runner as 1/model.py. A CUDA build itself
+cannot run where no GPU is. `check` (the GPU host): starts the bundled Triton through `TritonServer` with its
+default arguments (stub timeout 300 s), compares each model's answers over gRPC with the same ONNX file run
+in-process by ONNX Runtime's CUDA provider, and prints one JSON line per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from builder.repository import triton_config
+from builder.runtimes.onnxruntime_cuda import CudaOptions, cuda_backend_config
+from builder.spec.enums import ServingBackend
+
+
+def prepare(source: Path, models: list[str], out: Path) -> None:
+    runner = Path(triton_config.__file__).with_name("python_model.py").read_text(encoding="utf-8")
+    backend = cuda_backend_config(ServingBackend.PYTHON, CudaOptions())
+    for name in models:
+        src, dst = source / name, out / name
+        if dst.exists():
+            shutil.rmtree(dst)
+        (dst / "1").mkdir(parents=True)
+        shutil.copy2(src / "1" / "model.onnx", dst / "1" / "model.onnx")
+        (dst / "1" / "model.py").write_text(runner, encoding="utf-8")
+        config = triton_config.parse((src / "config.pbtxt").read_text(encoding="utf-8"))
+        for group in config.instance_group:
+            group.kind = group.KIND_GPU
+        for key, value in backend.parameters:
+            config.parameters[key].string_value = value
+        (dst / "config.pbtxt").write_text(triton_config.to_text(config), encoding="utf-8")
+        print(f"{dst}: GPU config written")
+
+
+def _inputs(config: Any, batch: int, seq: int, rng: np.random.Generator) -> dict[str, NDArray[Any]]:
+    arrays: dict[str, NDArray[Any]] = {}
+    for tensor in config.input:
+        dims = [seq if d < 0 else d for d in tensor.dims]
+        shape = (batch, *dims)
+        if "mask" in tensor.name:
+            arrays[tensor.name] = np.ones(shape, dtype=np.int64)
+        elif "ids" in tensor.name:
+            arrays[tensor.name] = rng.integers(1000, 20000, size=shape, dtype=np.int64)
+        else:
+            arrays[tensor.name] = rng.standard_normal(shape).astype(np.float32)
+    return arrays
+
+
+def check_answers(repository: Path, grpc_url: str) -> list[dict[str, Any]]:
+    import onnxruntime as ort
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(grpc_url)
+    rng = np.random.default_rng(0)
+    rows: list[dict[str, Any]] = []
+    for model_dir in sorted(p for p in repository.iterdir() if (p / "config.pbtxt").is_file()):
+        config = triton_config.parse((model_dir / "config.pbtxt").read_text(encoding="utf-8"))
+        session = ort.InferenceSession(str(model_dir / "1" / "model.onnx"),
+                                       providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
+        cpu = ort.InferenceSession(str(model_dir / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
+        # Several batch sizes and (MiniLM) sequence lengths in a row: the shapes a dynamic batcher sends.
+        for batch, seq in ((1, 16), (5, 64), (8, 128), (3, 7)):
+            if batch > max(config.max_batch_size, 1):
+                continue
+            feeds = _inputs(config, batch, seq, rng)
+            request = []
+            for name, array in feeds.items():
+                item = grpcclient.InferInput(name, list(array.shape), "INT64" if array.dtype == np.int64 else "FP32")
+                item.set_data_from_numpy(array)
+                request.append(item)
+            t0 = time.perf_counter()
+            answer = client.infer(config.name, request, client_timeout=300)
+            served_ms = (time.perf_counter() - t0) * 1e3
+            for output in config.output:
+                got = answer.as_numpy(output.name)
+                want = session.run([output.name], feeds)[0]
+                ref_cpu = cpu.run([output.name], feeds)[0]
+                a, b = got.reshape(batch, -1).astype(np.float64), want.reshape(batch, -1).astype(np.float64)
+                cos = float(np.min(np.sum(a * b, 1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))))
+                row = {"model": config.name, "batch": batch, "seq": seq if "ids" in str(list(feeds)) else None,
+                       "output": output.name, "served_ms": round(served_ms, 1),
+                       "max_abs_diff_vs_ort_cuda": float(np.max(np.abs(got - want))),
+                       "min_cosine_vs_ort_cuda": cos,
+                       "max_abs_diff_ort_cuda_vs_cpu": float(np.max(np.abs(want - ref_cpu))),
+                       "session_providers": session.get_providers()[:1]}
+                row["ok"] = bool(row["max_abs_diff_vs_ort_cuda"] <= 1e-2 and cos >= 0.999)
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    return rows
+
+
+def check(repository: Path, out: Path, loads: list[tuple[str, str]]) -> int:
+    from builder.serving.triton_server import Ports, TritonServer, free_ports
+
+    out.mkdir(parents=True, exist_ok=True)
+    http, grpc, metrics = free_ports(3)
+    server = TritonServer(repository, out / "state", Ports(http, grpc, metrics))  # the product's defaults
+    t0 = time.perf_counter()
+    doc: dict[str, Any] = {"repository": str(repository)}
+    try:
+        server.start(timeout=400)
+        doc["server_ready_s"] = round(time.perf_counter() - t0, 1)
+        print(json.dumps({"server_ready_s": doc["server_ready_s"]}), flush=True)
+        doc["answers"] = check_answers(repository, f"127.0.0.1:{grpc}")
+    except Exception as exc:  # noqa: BLE001 -- keep what the server said
+        doc["error"] = repr(exc)
+        print(json.dumps({"error": repr(exc)}), flush=True)
+        print(server.log_tail(60), flush=True)
+        server.stop()
+        (out / "validate.json").write_text(json.dumps(doc, indent=2))
+        return 1
+    doc["perfclient"] = []
+    try:
+        for model, shm in loads:
+            doc["perfclient"].append(perfclient(model, shm, repository=repository, grpc=grpc, metrics=metrics, out=out))
+    finally:
+        doc["server_log_tail"] = server.log_tail(30)
+        server.stop()
+        (out / "validate.json").write_text(json.dumps(doc, indent=2))
+    return 0 if all(r["ok"] for r in doc["answers"]) else 2
+
+
+def perfclient(model: str, shm: str, *, repository: Path, grpc: int, metrics: int, out: Path) -> dict[str, Any]:
+    """The perfclient CLI at concurrency 32 with NVML power; its JSON report and its printed table.
+    A variable dim (MiniLM's sequence) is sent at 128."""
+    config = triton_config.parse((repository / model / "config.pbtxt").read_text(encoding="utf-8"))
+    shapes = [a for t in config.input if -1 in t.dims
+              for a in ("--shape", f"{t.name}:" + ",".join("128" if d < 0 else str(d) for d in t.dims))]
+    report = out / f"perf_{model}_{shm}.json"
+    cmd = [sys.executable, "-m", "client.cli", "-m", model, "-u", f"127.0.0.1:{grpc}", "--concurrency", "32",
+           "--shared-memory", shm, "--measurement-interval", "3000", "--max-trials", "5",
+           "--power-source", "nvml", "--metrics-url", f"http://127.0.0.1:{metrics}/metrics",
+           "--json", str(report), "--no-progress", *shapes]
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=150, check=False)
+    row: dict[str, Any] = {"model": model, "shared_memory": shm, "command": " ".join(cmd[1:]), "rc": done.returncode,
+                           "wall_s": round(time.perf_counter() - t0, 1), "stdout": done.stdout[-3000:],
+                           "stderr": done.stderr[-2000:]}
+    if report.is_file():
+        row["report"] = json.loads(report.read_text())
+    print(done.stdout[-2500:], done.stderr[-1500:], json.dumps({k: row[k] for k in ("model", "shared_memory", "rc")}),
+          flush=True)
+    return row
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="step", required=True)
+    a = sub.add_parser("prepare")
+    a.add_argument("--source", type=Path, required=True)
+    a.add_argument("--models", required=True)
+    a.add_argument("--out", type=Path, required=True)
+    b = sub.add_parser("check")
+    b.add_argument("--repository", type=Path, required=True)
+    b.add_argument("--out", type=Path, required=True)
+    b.add_argument("--load", action="append", default=[], help="MODEL:SHM (none|system|cuda), repeatable")
+    args = p.parse_args()
+    if args.step == "prepare":
+        prepare(args.source, args.models.split(","), args.out)
+        return 0
+    return check(args.repository, args.out, [tuple(x.split(":")) for x in args.load])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
