@@ -31,7 +31,7 @@ from builder.runtimes.onnxruntime_cuda import CudaOptions, cuda_backend_config
 from builder.spec.enums import ServingBackend
 
 
-def prepare(source: Path, models: list[str], out: Path) -> None:
+def prepare(source: Path, models: list[str], out: Path, *, kind_cpu_twin: bool = False) -> None:
     runner = Path(triton_config.__file__).with_name("python_model.py").read_text(encoding="utf-8")
     backend = cuda_backend_config(ServingBackend.PYTHON, CudaOptions())
     for name in models:
@@ -48,6 +48,17 @@ def prepare(source: Path, models: list[str], out: Path) -> None:
             config.parameters[key].string_value = value
         (dst / "config.pbtxt").write_text(triton_config.to_text(config), encoding="utf-8")
         print(f"{dst}: GPU config written")
+        if kind_cpu_twin:  # the same runner and provider under a KIND_CPU instance group: isolates KIND_GPU
+            twin = out / f"{name}_kindcpu"
+            if twin.exists():
+                shutil.rmtree(twin)
+            (twin / "1").mkdir(parents=True)
+            shutil.copy2(dst / "1" / "model.onnx", twin / "1" / "model.onnx")
+            (twin / "1" / "model.py").write_text(runner, encoding="utf-8")
+            config.name = twin.name
+            for group in config.instance_group:
+                group.kind = group.KIND_CPU
+            (twin / "config.pbtxt").write_text(triton_config.to_text(config), encoding="utf-8")
 
 
 def _inputs(config: Any, batch: int, seq: int, rng: np.random.Generator) -> dict[str, NDArray[Any]]:
@@ -64,11 +75,13 @@ def _inputs(config: Any, batch: int, seq: int, rng: np.random.Generator) -> dict
     return arrays
 
 
-def check_answers(repository: Path, grpc_url: str) -> list[dict[str, Any]]:
+def check_answers(repository: Path, grpc_url: str, http_url: str) -> list[dict[str, Any]]:
     import onnxruntime as ort
     import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
 
-    client = grpcclient.InferenceServerClient(grpc_url)
+    clients = {"grpc": (grpcclient, grpcclient.InferenceServerClient(grpc_url)),
+               "http": (httpclient, httpclient.InferenceServerClient(http_url, network_timeout=300.0))}
     rng = np.random.default_rng(0)
     rows: list[dict[str, Any]] = []
     for model_dir in sorted(p for p in repository.iterdir() if (p / "config.pbtxt").is_file()):
@@ -81,29 +94,75 @@ def check_answers(repository: Path, grpc_url: str) -> list[dict[str, Any]]:
             if batch > max(config.max_batch_size, 1):
                 continue
             feeds = _inputs(config, batch, seq, rng)
-            request = []
-            for name, array in feeds.items():
-                item = grpcclient.InferInput(name, list(array.shape), "INT64" if array.dtype == np.int64 else "FP32")
-                item.set_data_from_numpy(array)
-                request.append(item)
-            t0 = time.perf_counter()
-            answer = client.infer(config.name, request, client_timeout=300)
-            served_ms = (time.perf_counter() - t0) * 1e3
-            for output in config.output:
-                got = answer.as_numpy(output.name)
-                want = session.run([output.name], feeds)[0]
-                ref_cpu = cpu.run([output.name], feeds)[0]
-                a, b = got.reshape(batch, -1).astype(np.float64), want.reshape(batch, -1).astype(np.float64)
-                cos = float(np.min(np.sum(a * b, 1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))))
-                row = {"model": config.name, "batch": batch, "seq": seq if "ids" in str(list(feeds)) else None,
-                       "output": output.name, "served_ms": round(served_ms, 1),
-                       "max_abs_diff_vs_ort_cuda": float(np.max(np.abs(got - want))),
-                       "min_cosine_vs_ort_cuda": cos,
-                       "max_abs_diff_ort_cuda_vs_cpu": float(np.max(np.abs(want - ref_cpu))),
-                       "session_providers": session.get_providers()[:1]}
-                row["ok"] = bool(row["max_abs_diff_vs_ort_cuda"] <= 1e-2 and cos >= 0.999)
-                print(json.dumps(row), flush=True)
-                rows.append(row)
+            for protocol in ("grpc", "http"):
+                rows.append(_compare(clients[protocol], protocol, config, feeds, session, cpu, batch, seq))
+    return rows
+
+
+def _compare(pair: Any, protocol: str, config: Any, feeds: dict[str, NDArray[Any]], session: Any, cpu: Any,
+             batch: int, seq: int) -> dict[str, Any]:
+    """One request: the served answer against ONNX Runtime CUDA in-process; an error is recorded, not raised."""
+    module, client = pair
+    row: dict[str, Any] = {"model": config.name, "protocol": protocol, "batch": batch,
+                           "seq": seq if any(a.dtype == np.int64 for a in feeds.values()) else None}
+    try:
+        request = []
+        for name, array in feeds.items():
+            item = module.InferInput(name, list(array.shape), "INT64" if array.dtype == np.int64 else "FP32")
+            item.set_data_from_numpy(array)
+            request.append(item)
+        outputs = [module.InferRequestedOutput(o.name) for o in config.output]
+        t0 = time.perf_counter()
+        answer = client.infer(config.name, request, outputs=outputs)
+        row["served_ms"] = round((time.perf_counter() - t0) * 1e3, 1)
+        response = answer.get_response()
+        row["response_outputs"] = str(response.outputs if protocol == "grpc" else response.get("outputs"))[:600]
+        if protocol == "grpc":
+            row["raw_output_bytes"] = [len(b) for b in response.raw_output_contents]
+        for output in config.output:
+            got = answer.as_numpy(output.name)
+            want = session.run([output.name], feeds)[0]
+            ref_cpu = cpu.run([output.name], feeds)[0]
+            a, b = got.reshape(batch, -1).astype(np.float64), want.reshape(batch, -1).astype(np.float64)
+            cos = float(np.min(np.sum(a * b, 1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))))
+            row |= {"output": output.name, "max_abs_diff_vs_ort_cuda": float(np.max(np.abs(got - want))),
+                    "min_cosine_vs_ort_cuda": cos,
+                    "max_abs_diff_ort_cuda_vs_cpu": float(np.max(np.abs(want - ref_cpu))),
+                    "session_providers": session.get_providers()[:1]}
+            row["ok"] = bool(row["max_abs_diff_vs_ort_cuda"] <= 1e-2 and cos >= 0.999)
+    except Exception as exc:  # noqa: BLE001 -- a failed answer is this row's result
+        row |= {"ok": False, "error": repr(exc)[:600]}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def in_process_runner(repository: Path) -> list[dict[str, Any]]:
+    """The runner's own classes outside Triton: run_many over two requests against one ORT CUDA session."""
+    import onnxruntime as ort
+
+    from builder.repository import python_model
+
+    rows: list[dict[str, Any]] = []
+    for model_dir in sorted(p for p in repository.iterdir() if (p / "config.pbtxt").is_file()):
+        if model_dir.name.endswith("_kindcpu"):
+            continue
+        config = triton_config.parse((model_dir / "config.pbtxt").read_text(encoding="utf-8"))
+        path = str(model_dir / "1" / "model.onnx")
+        row: dict[str, Any] = {"model": config.name, "step": "in-process runner"}
+        try:
+            params = {k: v.string_value for k, v in config.parameters.items()}
+            runner: Any = python_model.make_runner(path, params, config.max_batch_size)  # type: ignore[no-untyped-call]
+            session = ort.InferenceSession(path, providers=["CUDAExecutionProvider"])
+            feeds = _inputs(config, 3, 64, np.random.default_rng(1))
+            got = runner.run_many([{k: v[:1] for k, v in feeds.items()}, {k: v[1:] for k, v in feeds.items()}])[0]
+            want = session.run(None, feeds)[0]
+            row |= {"shape": list(got.shape), "max_abs_diff": float(np.max(np.abs(got - want))),
+                    "runner": runner.describe()}
+            del runner
+        except Exception as exc:  # noqa: BLE001
+            row["error"] = repr(exc)[:600]
+        print(json.dumps(row), flush=True)
+        rows.append(row)
     return rows
 
 
@@ -113,13 +172,13 @@ def check(repository: Path, out: Path, loads: list[tuple[str, str]]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     http, grpc, metrics = free_ports(3)
     server = TritonServer(repository, out / "state", Ports(http, grpc, metrics))  # the product's defaults
+    doc: dict[str, Any] = {"repository": str(repository), "in_process_runner": in_process_runner(repository)}
     t0 = time.perf_counter()
-    doc: dict[str, Any] = {"repository": str(repository)}
     try:
         server.start(timeout=400)
         doc["server_ready_s"] = round(time.perf_counter() - t0, 1)
         print(json.dumps({"server_ready_s": doc["server_ready_s"]}), flush=True)
-        doc["answers"] = check_answers(repository, f"127.0.0.1:{grpc}")
+        doc["answers"] = check_answers(repository, f"127.0.0.1:{grpc}", f"127.0.0.1:{http}")
     except Exception as exc:  # noqa: BLE001 -- keep what the server said
         doc["error"] = repr(exc)
         print(json.dumps({"error": repr(exc)}), flush=True)
@@ -135,7 +194,7 @@ def check(repository: Path, out: Path, loads: list[tuple[str, str]]) -> int:
         doc["server_log_tail"] = server.log_tail(30)
         server.stop()
         (out / "validate.json").write_text(json.dumps(doc, indent=2))
-    return 0 if all(r["ok"] for r in doc["answers"]) else 2
+    return 0 if all(r.get("ok") for r in doc["answers"]) else 2
 
 
 def perfclient(model: str, shm: str, *, repository: Path, grpc: int, metrics: int, out: Path) -> dict[str, Any]:
@@ -168,13 +227,14 @@ def main() -> int:
     a.add_argument("--source", type=Path, required=True)
     a.add_argument("--models", required=True)
     a.add_argument("--out", type=Path, required=True)
+    a.add_argument("--kind-cpu-twin", action="store_true")
     b = sub.add_parser("check")
     b.add_argument("--repository", type=Path, required=True)
     b.add_argument("--out", type=Path, required=True)
     b.add_argument("--load", action="append", default=[], help="MODEL:SHM (none|system|cuda), repeatable")
     args = p.parse_args()
     if args.step == "prepare":
-        prepare(args.source, args.models.split(","), args.out)
+        prepare(args.source, args.models.split(","), args.out, kind_cpu_twin=args.kind_cpu_twin)
         return 0
     return check(args.repository, args.out, [tuple(x.split(":")) for x in args.load])
 
