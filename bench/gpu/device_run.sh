@@ -10,6 +10,11 @@ if ! python3 -c "import onnxruntime as o, sys; sys.exit('CUDAExecutionProvider' 
   python3 -m pip uninstall -q -y onnxruntime
   python3 -m pip install -q --no-index --no-deps --no-compile /tmp/onnxruntime_gpu-1.31.1-*.whl
 fi
+# The bundled Triton 2.51 python stub answers with empty output tensors under numpy 2 (the machine's):
+# refuse to measure unless numpy < 2 was installed into the interpreter by an earlier call.
+if ! python3 -c "import numpy, sys; sys.exit(int(numpy.__version__.split('.')[0]) >= 2)"; then
+  echo "numpy >= 2 in python3: install a numpy 1.26 wheel first (see bench/gpu/validate_run.sh)" >&2; exit 1
+fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 nvidia-smi --query-gpu=name,driver_version,power.limit --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import onnxruntime as o; o.preload_dlls(); print('onnxruntime', o.__version__, o.get_available_providers())"
