@@ -336,8 +336,9 @@ def test_worker_processes_drive_the_load_and_their_counts_add_up(endpoints: Endp
     r = row.result
     assert r.complete and r.summary.errors == {} and r.summary.requests > 0 and r.summary.latency_us is not None
     # The server counted what the two processes' merged tallies say, up to the requests in flight at
-    # the two boundaries (at most the concurrency at each).
-    assert r.server.requests is not None and abs(r.server.requests - r.summary.requests) <= 2 * 4
+    # the two boundaries and those completed while its counters were being read (1 %).
+    assert r.server.requests is not None
+    assert abs(r.server.requests - r.summary.requests) <= max(2 * 4, 0.01 * r.summary.requests)
     assert multiprocessing.active_children() == []  # the workers are gone
 
 
