@@ -120,21 +120,28 @@ SHM_LAYOUT = ShmLayout(
 )
 
 
-def test_grpc_shared_memory_request_equals_tritonclients_own() -> None:
-    import tritonclient.grpc as grpcclient
-    from tritonclient.grpc._utils import _get_inference_request  # private: compared against here only
-
+def _tritonclient_shm_io(client: Any) -> tuple[list[Any], list[Any]]:
+    """SHM_LAYOUT's inputs and requested outputs built with tritonclient's own classes (its grpc or http
+    module: both have InferInput/InferRequestedOutput with set_shared_memory)."""
     inputs = []
     for name, array in SHM_ARRAYS.items():
-        item = grpcclient.InferInput(name, list(array.shape), _datatype(array))
+        item = client.InferInput(name, list(array.shape), _datatype(array))
         ref = SHM_LAYOUT.inputs[name]
         item.set_shared_memory(ref.region, ref.byte_size, ref.offset)
         inputs.append(item)
     outputs = []
     for name, ref in SHM_LAYOUT.outputs.items():
-        output = grpcclient.InferRequestedOutput(name)
+        output = client.InferRequestedOutput(name)
         output.set_shared_memory(ref.region, ref.byte_size, ref.offset)
         outputs.append(output)
+    return inputs, outputs
+
+
+def test_grpc_shared_memory_request_equals_tritonclients_own() -> None:
+    import tritonclient.grpc as grpcclient
+    from tritonclient.grpc._utils import _get_inference_request  # private: compared against here only
+
+    inputs, outputs = _tritonclient_shm_io(grpcclient)
     theirs = _get_inference_request("m", inputs, "", "", outputs, 0, False, False, 0, None, None)
     ours = service_pb2.ModelInferRequest.FromString(grpc_infer_request("m", SHM_ARRAYS, SHM_LAYOUT))
     assert not ours.raw_input_contents  # no tensor bytes travel with the request
@@ -145,17 +152,7 @@ def test_http_shared_memory_request_equals_tritonclients_own() -> None:
     import tritonclient.http as httpclient
     from tritonclient.http._utils import _get_inference_request  # private: compared against here only
 
-    inputs = []
-    for name, array in SHM_ARRAYS.items():
-        item = httpclient.InferInput(name, list(array.shape), _datatype(array))
-        ref = SHM_LAYOUT.inputs[name]
-        item.set_shared_memory(ref.region, ref.byte_size, ref.offset)
-        inputs.append(item)
-    outputs = []
-    for name, ref in SHM_LAYOUT.outputs.items():
-        output = httpclient.InferRequestedOutput(name)
-        output.set_shared_memory(ref.region, ref.byte_size, ref.offset)
-        outputs.append(output)
+    inputs, outputs = _tritonclient_shm_io(httpclient)
     body, _ = _get_inference_request(inputs, "", outputs, 0, False, False, 0, None, None)
     ours, headers = http_infer_request(SHM_ARRAYS, SHM_LAYOUT)
     assert int(headers[HTTP_HEADER_LENGTH]) == len(ours)  # the JSON header is the whole body
