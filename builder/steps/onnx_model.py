@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import re
 import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -121,7 +120,7 @@ def check_runs_at_levels(path: Path, inputs: tuple[TensorSpec, ...], shapes: Mod
     """Run the FP32 graph at the min, opt and max shapes (batch included) on synthetic data, so a range
     the graph cannot take (a stride that does not divide, a Concat of mismatched maps) fails here, in one
     line naming the shapes, instead of inside a later tool."""
-    from builder.errors import last_line
+    from builder.errors import tool_cause
     from builder.runtimes.onnxruntime import ORT_ERRORS, run_file
     from builder.steps.samples import synthetic
 
@@ -134,13 +133,13 @@ def check_runs_at_levels(path: Path, inputs: tuple[TensorSpec, ...], shapes: Mod
         except ORT_ERRORS as exc:
             given = ",".join(f"{name}:{format_shape(shape)}" for name, shape in at.items())
             raise OnnxModelError(f"{what}: the FP32 model does not run at the {level} shapes ({given}): "
-                                 f"{ort_reason(last_line(exc, 400))}") from exc
+                                 f"{tool_cause(exc, limit=400)}") from exc
 
 
 def run_fp32(path: Path, samples: Mapping[str, NDArray[Any]], batch_size: int | None, what: str) -> Outputs:
     """The FP32 graph's outputs on the evaluation samples; one line naming the arrays' shapes where ONNX
     Runtime cannot run it on them (data at a size inside the range the graph cannot take)."""
-    from builder.errors import last_line
+    from builder.errors import tool_cause
     from builder.runtimes.onnxruntime import ORT_ERRORS, run_file
 
     try:
@@ -148,16 +147,7 @@ def run_fp32(path: Path, samples: Mapping[str, NDArray[Any]], batch_size: int | 
     except ORT_ERRORS as exc:
         given = ", ".join(f"{name} {list(array.shape)}" for name, array in samples.items())
         raise OnnxModelError(f"{what}: the FP32 model does not run on the evaluation samples ({given}): "
-                             f"{ort_reason(last_line(exc, 400))}") from exc
-
-
-def ort_reason(text: str) -> str:
-    """ONNX Runtime's error without its framing: `Concat node 'concat': Non concat axis dimensions must
-    match: …` instead of `[ONNXRuntimeError] : 1 : FAIL : Non-zero status code returned while running
-    Concat node. Name:'concat' Status Message: concatbase.h:133 PrepareForComputeImpl Non concat …`."""
-    text = re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "", text)
-    return re.sub(r"Non-zero status code returned while running (\w+) node\. Name:('[^']*') Status Message: "
-                  r"(\S+\.\w+:\d+ \w+ )?", r"\1 node \2: ", text)
+                             f"{tool_cause(exc, limit=400)}") from exc
 
 
 # protobuf cannot serialize one message over 2 GB: larger models keep their weights in a data file.
