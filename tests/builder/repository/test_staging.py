@@ -108,27 +108,79 @@ def test_a_second_writer_fails_naming_the_holder_or_waits_for_it(tmp_path: Path)
         holder.wait()
 
 
-@pytest.mark.parametrize("offset_s", [0.0, 0.3, 2.0])
-def test_two_builds_into_one_repository_at_once_both_land(tmp_path: Path, offset_s: float) -> None:
-    onnx_path = mlp_onnx(tmp_path / "mlp.onnx")
-    repository = tmp_path / "repo"
+HOLD_UNTIL_TOLD = """
+import sys
+from pathlib import Path
+from builder.repository.lock import repository_lock
+with repository_lock(Path(sys.argv[1]), what="the build of holder"):
+    print("held", flush=True)
+    sys.stdin.readline()
+"""
 
-    def build(name: str) -> subprocess.Popen[str]:
-        return subprocess.Popen([sys.executable, "-m", "builder", "build", "--onnx", str(onnx_path), "--name", name,
-                                 "--precision", "fp32", "--task", "classification", "--repository", str(repository)],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
-    first = build("first")
-    time.sleep(offset_s)
-    second = build("second")
-    errors = []
-    for proc in (first, second):
-        _, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0, err
-        errors.append(err)
-    if offset_s < 1:  # they overlapped: one of them waited for the other, and said so
-        assert any("waiting for the build of" in err for err in errors), errors
+def _build(onnx_path: Path, repository: Path, name: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "builder", "build", "--onnx", str(onnx_path), "--name", name,
+                             "--precision", "fp32", "--task", "classification", "--repository", str(repository)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _assert_both_landed(repository: Path) -> None:
     for name in ("first_fp32", "second_fp32"):
         assert (repository / name / "config.pbtxt").is_file() and (repository / name / "build.json").is_file()
         assert (repository / name / "1" / "model.onnx").is_file()
     assert not [p for p in repository.iterdir() if p.name.startswith((".staging-", ".trash-"))]
+
+
+@pytest.mark.parametrize("offset_s", [0.0, 0.3, 2.0])
+def test_two_builds_into_one_repository_at_once_both_land(tmp_path: Path, offset_s: float) -> None:
+    # Whether these two overlap depends on the machine's load (start-up takes longer than the build):
+    # the property is that both land, whatever the interleaving.
+    onnx_path = mlp_onnx(tmp_path / "mlp.onnx")
+    repository = tmp_path / "repo"
+    first = _build(onnx_path, repository, "first")
+    time.sleep(offset_s)
+    second = _build(onnx_path, repository, "second")
+    for proc in (first, second):
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err
+    _assert_both_landed(repository)
+
+
+def test_builds_that_find_the_repository_being_written_wait_say_so_and_land(tmp_path: Path) -> None:
+    onnx_path = mlp_onnx(tmp_path / "mlp.onnx")
+    repository = tmp_path / "repo"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_UNTIL_TOLD, str(repository)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    builds: list[subprocess.Popen[str]] = []
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        builds = [_build(onnx_path, repository, name) for name in ("first", "second")]
+        lines: list[list[str]] = [[], []]
+        waiting = [threading.Event(), threading.Event()]
+
+        def read(index: int) -> None:
+            stream = builds[index].stderr
+            assert stream is not None
+            for line in stream:
+                lines[index].append(line)
+                if "waiting for the build of holder" in line:
+                    waiting[index].set()
+
+        readers = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(2)]
+        for reader in readers:
+            reader.start()
+        for index, event in enumerate(waiting):
+            assert event.wait(timeout=120), lines[index]
+        assert not any((repository / name).exists() for name in ("first_fp32", "second_fp32"))
+        assert holder.stdin is not None
+        holder.stdin.write("go\n")
+        holder.stdin.flush()
+        for index, proc in enumerate(builds):
+            assert proc.wait(timeout=300) == 0, lines[index]
+        for reader in readers:
+            reader.join(timeout=10)
+    finally:
+        for proc in [holder, *builds]:
+            proc.kill()
+            proc.wait()
+    _assert_both_landed(repository)
