@@ -10,6 +10,7 @@ decodes the outputs.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
@@ -261,9 +262,19 @@ def describe(exc: BaseException) -> str:
     return lines[0][:200] if lines else type(exc).__name__
 
 
-# What a failed inference request raises (a bug elsewhere keeps its own type and its traceback).
-TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (
-    grpc.aio.AioRpcError, HttpStatusError, aiohttp.ClientError, asyncio.TimeoutError, TimeoutError, ConnectionError)
+# What a failed inference request raises: the transport's and the server's errors, and an answer that does
+# not decode. Anything else (TypeError, KeyError, AttributeError, grpc.aio.UsageError on a closed channel…)
+# is a bug of ours, never a request's outcome: callers catch only these, so a bug keeps its traceback.
+# OSError covers ConnectionError and aiohttp's ClientOSError; grpc.RpcError covers grpc.aio.AioRpcError.
+TRANSPORT_ERRORS: tuple[type[Exception], ...] = (
+    grpc.RpcError, HttpStatusError, ResponseFormatError, aiohttp.ClientError, asyncio.TimeoutError, TimeoutError,
+    OSError)
+
+
+def is_transport_error(exc: BaseException) -> bool:
+    """Whether `exc` is a failed request's (error_kind labels it), not a bug in our own code."""
+    return isinstance(exc, TRANSPORT_ERRORS)
+
 
 # Error kinds by gRPC status and by HTTP status: the labels results count errors under.
 # Every gRPC status code has its kind (Triton: NOT_FOUND = no such model, RESOURCE_EXHAUSTED = queue
@@ -285,9 +296,18 @@ _HTTP_KINDS = {400: "invalid_argument", 404: "unknown_model", 408: "timeout", 42
 
 
 def error_kind(exc: BaseException) -> str:
-    """A short, stable label for counting a failed request, by the exception's type and status."""
-    if isinstance(exc, grpc.aio.AioRpcError):
-        code = exc.code()
+    """A short, stable label for counting a failed request, by the exception's type and status.
+
+    Only for TRANSPORT_ERRORS: anything else is raised again as it is, with its traceback, so that a bug
+    in our own code is never counted as a request error.
+    """
+    if not isinstance(exc, TRANSPORT_ERRORS):
+        raise exc
+    if isinstance(exc, grpc.RpcError):
+        # grpc.aio.AioRpcError and the sync channel's errors have a code(); a bare RpcError has none.
+        code = exc.code() if callable(getattr(exc, "code", None)) else None
+        if not isinstance(code, grpc.StatusCode):
+            return "rpc_error"
         return _GRPC_KINDS.get(code, str(code.name).lower())
     if isinstance(exc, HttpStatusError):
         return _HTTP_KINDS.get(exc.status, f"http_{exc.status}")
@@ -298,4 +318,9 @@ def error_kind(exc: BaseException) -> str:
         return "timeout"
     if isinstance(exc, aiohttp.ClientConnectionError | ConnectionError):
         return "unavailable"
-    return type(exc).__name__
+    if isinstance(exc, aiohttp.ClientResponseError):  # an answer aiohttp itself refused (bad status line…)
+        return _HTTP_KINDS.get(exc.status, f"http_{exc.status}")
+    if isinstance(exc, OSError):  # the client's own system limit (EMFILE, ENOBUFS…): named by its errno
+        name = errno.errorcode.get(exc.errno) if exc.errno is not None else None
+        return f"os_{name.lower()}" if name else "os_error"
+    return type(exc).__name__  # another aiohttp.ClientError (ClientPayloadError…): by its class
