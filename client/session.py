@@ -138,8 +138,12 @@ class SessionConfig:
                 level.check()
         if self.processes < 1:
             raise PerfClientError(f"--processes {self.processes}: expected a positive integer")
-        if self.processes > 1 and (self.simultaneous or self.measurement.request_count > 0):
-            raise PerfClientError(f"--processes {self.processes}: not with --simultaneous or --request-count")
+        if self.processes > 1 and self.simultaneous:
+            raise PerfClientError(f"--processes {self.processes}: not with --simultaneous")
+        if self.processes > 1 and self.measurement.request_count > 0:
+            raise PerfClientError(f"--processes {self.processes}: not with --request-count")
+        if self.processes > 1 and self.validate is not None:
+            raise PerfClientError(f"--processes {self.processes}: not with --validate")
         if self.simultaneous:
             if len(self.models) < 2:
                 raise PerfClientError(f"--simultaneous: expected two or more -m models, got {len(self.models)}")
