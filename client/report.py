@@ -114,28 +114,41 @@ def _us(value: float | None) -> int | str:
     return int(value) if value is not None else ""
 
 
-def write_csv(path: Path, results: Sequence[LevelResult]) -> None:
+def write_csv(path: Path, rows: Sequence[ModelResult]) -> None:
     """perf_analyzer's verbose CSV, rows in increasing throughput as it sorts them; a figure that was
-    not measured is an empty cell."""
+    not measured is an empty cell.
+
+    One model: exactly perf_analyzer's columns, which tools parse. Several (`-m A -m B`): a leading
+    `Model` column, each model's rows together in the order measured, sorted by throughput within it.
+    """
+    models = list(dict.fromkeys(row.model for row in rows))
+    named = len(models) > 1
     handle = io.StringIO()
     writer = csv.writer(handle)
-    open_loop = any(r.level.concurrency is None for r in results)
-    writer.writerow(["Request Rate" if open_loop else "Concurrency", *CSV_COLUMNS[1:]])
-    for r in sorted(results, key=lambda r: r.summary.throughput):
-        lat, srv = r.summary.latency_us, r.server
-        total = srv.total_us
-        network = max(lat.avg - total, 0.0) if lat is not None and total is not None else None
-        load = r.level.concurrency if r.level.concurrency is not None else r.level.request_rate
-        # Client send/recv (and gRPC's request/response marshalling, response wait) are not timed
-        # apart from the whole request: empty, and the network column holds what the server's own
-        # times do not explain (perf_analyzer subtracts its client send/recv there too).
-        writer.writerow([
-            load, round(r.summary.throughput, 3), "", _us(network), _us(srv.queue_us), _us(srv.compute_input_us),
-            _us(srv.compute_infer_us), _us(srv.compute_output_us), "",
-            *(_us(getattr(lat, k)) if lat is not None else "" for k in ("p50", "p90", "p95", "p99", "avg")),
-            "", "",
-        ])
+    open_loop = any(row.result.level.concurrency is None for row in rows)
+    writer.writerow([*(["Model"] if named else []), "Request Rate" if open_loop else "Concurrency",
+                     *CSV_COLUMNS[1:]])
+    for model in models:
+        results = [row.result for row in rows if row.model == model]
+        for r in sorted(results, key=lambda r: r.summary.throughput):
+            writer.writerow([*([model] if named else []), *_csv_row(r)])
     files.write_atomic(path, handle.getvalue())
+
+
+def _csv_row(r: LevelResult) -> list[Any]:
+    lat, srv = r.summary.latency_us, r.server
+    total = srv.total_us
+    network = max(lat.avg - total, 0.0) if lat is not None and total is not None else None
+    load = r.level.concurrency if r.level.concurrency is not None else r.level.request_rate
+    # Client send/recv (and gRPC's request/response marshalling, response wait) are not timed
+    # apart from the whole request: empty, and the network column holds what the server's own
+    # times do not explain (perf_analyzer subtracts its client send/recv there too).
+    return [
+        load, round(r.summary.throughput, 3), "", _us(network), _us(srv.queue_us), _us(srv.compute_input_us),
+        _us(srv.compute_infer_us), _us(srv.compute_output_us), "",
+        *(_us(getattr(lat, k)) if lat is not None else "" for k in ("p50", "p90", "p95", "p99", "avg")),
+        "", "",
+    ]
 
 
 MISSING = "–"  # a figure that was not measured, in the table

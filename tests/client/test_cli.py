@@ -293,7 +293,8 @@ def test_simultaneous_models_give_one_row_each_and_a_whole_run(endpoints: Endpoi
     assert runs["(whole run)"][0]["throughput"] > 0
     assert "(whole run)" in out
     rows = list(csv.DictReader((tmp_path / "s.csv").open(newline="")))
-    assert sorted(r["Concurrency"] for r in rows) == ["1", "2"]  # per model, as perf_analyzer's
+    # Per model, as perf_analyzer's, told apart by the leading Model column; the whole run is not a model.
+    assert sorted((r["Model"], r["Concurrency"]) for r in rows) == [("mlp_fp32", "2"), ("mlp_int8", "1")]
     assert (tmp_path / "s.png").stat().st_size > 0 and "(whole run)" in (tmp_path / "s.html").read_text()
 
 

@@ -75,8 +75,9 @@ def test_one_model_is_one_document_several_are_runs(tmp_path: Path) -> None:
 
 
 def test_csv_has_perf_analyzers_verbose_columns(tmp_path: Path) -> None:
-    write_csv(tmp_path / "r.csv", [level_result(LoadLevel(concurrency=4)),
-                                   level_result(LoadLevel(concurrency=8), server=ServerBreakdown(requests=0))])
+    write_csv(tmp_path / "r.csv", [ModelResult("m", level_result(LoadLevel(concurrency=4))),
+                                   ModelResult("m", level_result(LoadLevel(concurrency=8),
+                                                                 server=ServerBreakdown(requests=0)))])
     header, full, missing = list(csv.reader((tmp_path / "r.csv").open(newline="")))
     assert header == CSV_COLUMNS
     row = dict(zip(header, full, strict=True))
@@ -88,19 +89,39 @@ def test_csv_has_perf_analyzers_verbose_columns(tmp_path: Path) -> None:
     assert unmeasured["Server Queue"] == "" and unmeasured["Network+Server Send/Recv"] == ""
     # Client send/recv are not timed apart: empty cells, never a made-up 0.
     assert all(row[k] == "" for k in ("Client Send", "Client Recv", "request/response", "response wait"))
-    write_csv(tmp_path / "o.csv", [level_result(LoadLevel(request_rate=5.0))])
+    write_csv(tmp_path / "o.csv", [ModelResult("m", level_result(LoadLevel(request_rate=5.0)))])
     assert next(csv.reader((tmp_path / "o.csv").open()))[0] == "Request Rate"
 
 
-def test_csv_rows_go_by_throughput_as_perf_analyzers_do(tmp_path: Path) -> None:
-    def at(concurrency: int, throughput: float) -> LevelResult:
-        r = level_result(LoadLevel(concurrency=concurrency))
-        return dataclasses.replace(r, summary=dataclasses.replace(r.summary, throughput=throughput))
+def at(model: str, concurrency: int, throughput: float) -> ModelResult:
+    r = level_result(LoadLevel(concurrency=concurrency))
+    return ModelResult(model, dataclasses.replace(r, summary=dataclasses.replace(r.summary, throughput=throughput)))
 
-    write_csv(tmp_path / "r.csv", [at(1, 300.0), at(2, 100.0), at(4, 200.0)])
+
+def test_csv_rows_go_by_throughput_as_perf_analyzers_do(tmp_path: Path) -> None:
+    write_csv(tmp_path / "r.csv", [at("m", 1, 300.0), at("m", 2, 100.0), at("m", 4, 200.0)])
     rows = list(csv.DictReader((tmp_path / "r.csv").open(newline="")))
     assert [(r["Concurrency"], r["Inferences/Second"]) for r in rows] == [("2", "100.0"), ("4", "200.0"),
                                                                           ("1", "300.0")]
+
+
+def test_several_models_in_one_csv_are_told_apart_by_a_leading_model_column(tmp_path: Path) -> None:
+    # -m b -m a, one after another: b's levels, then a's; each block by throughput as perf_analyzer sorts.
+    write_csv(tmp_path / "two.csv", [at("b", 1, 50.0), at("b", 2, 40.0), at("a", 1, 300.0), at("a", 2, 600.0)])
+    header, *lines = list(csv.reader((tmp_path / "two.csv").open(newline="")))
+    assert header == ["Model", *CSV_COLUMNS]
+    assert [(line[0], line[1], line[2]) for line in lines] == [
+        ("b", "2", "40.0"), ("b", "1", "50.0"), ("a", "1", "300.0"), ("a", "2", "600.0")]
+    # Past the Model column, each row is what the model's own single-model CSV holds.
+    write_csv(tmp_path / "a.csv", [at("a", 1, 300.0), at("a", 2, 600.0)])
+    _, *alone = list(csv.reader((tmp_path / "a.csv").open(newline="")))
+    assert [line[1:] for line in lines if line[0] == "a"] == alone
+
+
+def test_one_model_keeps_perf_analyzers_columns_exactly(tmp_path: Path) -> None:
+    write_csv(tmp_path / "one.csv", [at("a", 1, 300.0), at("a", 2, 600.0)])
+    header = next(csv.reader((tmp_path / "one.csv").open(newline="")))
+    assert header == CSV_COLUMNS and "Model" not in header
 
 
 def test_a_partial_level_with_an_empty_window_reports_nulls_not_zeros(tmp_path: Path) -> None:
@@ -111,7 +132,7 @@ def test_a_partial_level_with_an_empty_window_reports_nulls_not_zeros(tmp_path: 
     doc = result_dict(result)
     assert doc["latency_us"] is None and doc["throughput"] == 0 and doc["requests"] == 0
     assert (doc["partial"], doc["stable"], doc["stop_reason"]) == (True, False, "interrupted (Ctrl-C)")
-    write_csv(tmp_path / "e.csv", [result])
+    write_csv(tmp_path / "e.csv", [ModelResult("m", result)])
     (row,) = csv.DictReader((tmp_path / "e.csv").open(newline=""))
     assert all(row[k] == "" for k in ("p50 latency", "p99 latency", "Avg latency", "Server Queue"))
     line = table([ModelResult("mlp", result)]).splitlines()[2].split()
