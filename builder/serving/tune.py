@@ -734,21 +734,47 @@ def tuned_entry(model: str, winner: Point, measured: list[Result], objective: Ob
 
 def write_winner(repository: Path, point: Point, *, wait: bool = True, tuned: TunedServing | None = None,
                  tuned_toml: Path | None = None) -> Path:
-    """Replace the variant's config.pbtxt atomically under the repository lock, keeping the previous
-    one as a backup; record the settings in build.json and, given `tuned_toml`, as the model's entry
-    there (so `trtbuild engines` keeps them)."""
+    """Replace the variant's config.pbtxt atomically under the repository lock; record the settings in
+    build.json and, given `tuned_toml`, as the model's entry there (so `trtbuild engines` keeps them).
+    Returns the config's path.
+
+    No backup is left in the model folder: Triton skips it, but every deploy would copy it, one more per
+    tune. Nothing is lost: the config is the builder's own with the serving settings replaced, so the
+    previous one is what `trtbuild engines` writes again (build.json keeps `serving_as_built`), and the
+    tune report's `changes` hold the exact diff. The files change together or not at all: when one
+    cannot be written, those already written get their previous content back."""
     with repository_lock(repository, what=f"tune's winner for {point.variant}", wait=wait):
-        target = repository / point.variant / "config.pbtxt"
-        original = target.read_text()
-        backup = target.with_name(f"config.pbtxt.bak-{time.strftime('%Y%m%d-%H%M%S')}")
-        shutil.copy2(target, backup)
+        target = repository / point.variant / tuned_file.CONFIG
+        written = [target, target.parent / tuned_file.RECORD]
+        if tuned is not None and tuned_toml is not None:
+            written.append(tuned_toml)
+        previous = {path: path.read_bytes() if path.exists() else None for path in written}
+        original = target.read_text(encoding="utf-8")
         built = tuned_file.as_built(target.parent) or tuned_file.serving_of(original)
-        write_atomic(target, apply(original, point))
-        if tuned is not None:
-            tuned_file.record_tuned(target.parent, tuned, built)
-            if tuned_toml is not None:
-                tuned_file.save(tuned_toml, tuned)
-    return backup
+        try:
+            write_atomic(target, apply(original, point))
+            if tuned is not None:
+                tuned_file.record_tuned(target.parent, tuned, built)
+                if tuned_toml is not None:
+                    tuned_file.save(tuned_toml, tuned)
+        except BaseException:
+            _restore(previous)
+            raise
+    return target
+
+
+def _restore(previous: dict[Path, bytes | None]) -> None:
+    """Put each file back as it was (absent where it was absent); a file that cannot be put back is
+    logged, and the error on its way stays the one raised."""
+    for path, data in previous.items():
+        try:
+            if data is None:
+                path.unlink(missing_ok=True)
+            elif not path.exists() or path.read_bytes() != data:
+                write_atomic(path, data)
+        except OSError as exc:
+            log.error("tune: could not restore %s (%s); it may hold the new winner's settings",
+                      path, exc.strerror or exc)
 
 
 def planned_changes(repository: Path, point: Point, *, tuned: TunedServing | None,
@@ -844,10 +870,9 @@ def tune(repository: Path, space: Space, objective: Objective, *, search: Search
                 toml = tuned_toml if model else None
                 changes = planned_changes(repository, winner, tuned=entry, tuned_toml=toml)
                 if write:
-                    backup = write_winner(repository, winner, wait=wait, tuned=entry, tuned_toml=toml)
-                    log.info("tune: wrote %s (previous config kept as %s)%s",
-                             repository / winner.variant / "config.pbtxt", backup,
-                             f" and {toml}" if toml else "")
+                    config = write_winner(repository, winner, wait=wait, tuned=entry, tuned_toml=toml)
+                    log.info("tune: wrote %s%s (the report's `changes` hold the diff from the previous one)",
+                             config, f" and {toml}" if toml else "")
                     target.apply(winner)
         except ServerError as exc:
             partial = str(exc)
