@@ -1,0 +1,70 @@
+"""bench/tune_ab.py: a point that fails is recorded with its reason and the rounds go on."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[3] / "bench" / "tune_ab.py"
+
+# Appended to the variant's Python model: the same model, refusing to load with max_batch_size 4.
+PICKY = '''
+
+_Model = TritonPythonModel
+
+
+class TritonPythonModel(_Model):  # noqa: F811
+    def initialize(self, args):
+        if json.loads(args["model_config"]).get("max_batch_size") == 4:
+            raise RuntimeError("max_batch_size 4 refused on purpose")
+        super().initialize(args)
+'''
+
+
+@pytest.fixture(scope="module")
+def tune_ab() -> Iterator[ModuleType]:
+    spec = importlib.util.spec_from_file_location("tune_ab", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["tune_ab"] = module  # dataclasses look their module up while the script runs
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules["tune_ab"]
+
+
+def test_a_failing_point_is_recorded_with_its_reason_and_the_rounds_go_on(
+        tune_ab: ModuleType, repo_copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = repo_copy / "mlp_fp32" / "1" / "model.py"
+    model.write_text(model.read_text() + PICKY)
+    status = tune_ab.main(["--repository", str(repo_copy), "--model", "mlp_fp32", "--a", "8,0,1", "--b", "4,off,1",
+                           "--concurrency", "2", "--measurement-interval", "300", "--max-trials", "2",
+                           "--rounds", "2"])
+    out = capsys.readouterr().out.splitlines()
+    assert status == 1  # one side has no median
+    a = next(line for line in out if line.startswith("a: mlp_fp32 mbs=8 batching=0us inst=1"))
+    assert "median -" not in a and a.count(",") == 1  # two throughputs, both measured
+    failures = [line for line in out if line.strip().startswith("failed:")]
+    assert len(failures) == 2 and all("max_batch_size 4 refused on purpose" in line for line in failures)
+    assert out[-1] == "no ratio: b measured nothing in 2 rounds"
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--a", "8,0"], "argument --a: '8,0': expected MAX_BATCH,QUEUE_DELAY_US,INSTANCES"),
+    (["--b", "8,soon,1"], "argument --b: '8,soon,1': expected MAX_BATCH,QUEUE_DELAY_US,INSTANCES"),
+    (["--b", "8,0,0"], "argument --b: '8,0,0': expected max batch >= 0, delay >= 0 or off, instances >= 1"),
+    (["--rounds", "0"], "argument --rounds: '0': expected a positive integer"),
+    (["--model", "absent"], "--model absent: expected a variant folder with config.pbtxt"),
+])
+def test_bad_arguments_are_one_line_naming_the_flag(
+        tune_ab: ModuleType, args: list[str], message: str, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        tune_ab.main(["--repository", str(tmp_path), *args])
+    assert exit_info.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and message in errors[0]
