@@ -38,7 +38,7 @@ from builder.repository.lock import repository_lock
 from builder.serving.triton_server import ModelControl, Ports, TritonServer, free_ports
 from builder.spec import tuned as tuned_file
 from builder.spec.tuned import TunedServing
-from client import progress, session
+from client import power, progress, session
 from client.choices import Choice
 from client.engine import LoadLevel, Measurement
 from client.errors import PerfClientError
@@ -820,6 +820,30 @@ def _write_outputs(report: TuneReport, report_path: Path | None, plot_path: Path
     return None
 
 
+def require_power(attach: Endpoints | None) -> None:
+    """Fail before anything is measured when perfclient would find no energy reading, which
+    `--objective infer_per_joule` ranks by. Probes what perfclient's `auto` source tries: NVML and RAPL
+    here, and for an attached server its metrics endpoint. A private server's Triton metrics are left
+    out: Triton reports GPU energy through NVML, so they have none where NVML has none."""
+    if attach is not None:
+        metrics = attach.metrics or f"http://{attach.grpc.rpartition(':')[0]}:{session.METRICS_PORT}/metrics"
+        sources = [(power.PowerSource.AUTO, metrics)]
+        expected = f"an NVIDIA GPU readable through NVML, RAPL readable here, or nv_energy_consumption on {metrics}"
+    else:
+        sources = [(power.PowerSource.NVML, ""), (power.PowerSource.RAPL, "")]
+        expected = "an NVIDIA GPU readable through NVML, or RAPL energy counters readable under /sys/class/powercap"
+    reasons = []
+    for source, url in sources:
+        meter = power.open_meter(source, url)
+        meter.close()
+        if meter.source is not power.PowerSource.NONE:
+            log.debug("tune: power source %s", meter.source)
+            return
+        reasons.append(" ".join(str(meter.reason).split()))  # one line whatever the library said
+    raise BuilderError(f"--objective infer_per_joule: expected a power source ({expected}); "
+                       f"found none ({'; '.join(reasons)})")
+
+
 def tune(repository: Path, space: Space, objective: Objective, *, search: Search, concurrencies: Sequence[int],
          measurement_ms: int, default_variant: str, report_path: Path | None, plot_path: Path | None,
          write: bool = True, compare: bool = True, max_trials: int = 6, wait: bool = True,
@@ -830,6 +854,8 @@ def tune(repository: Path, space: Space, objective: Objective, *, search: Search
     entry for `model`) unless `write` is False. With `attach`, measure on that running server and leave
     it serving the winner."""
     started = time.perf_counter()
+    if objective.goal is Goal.INFER_PER_JOULE:
+        require_power(attach)  # before a server starts: without energy readings no point has a value
     configs = _configs(repository, space.variants)
     # The builder's own settings (build.json keeps them once a tune replaced them): where hill climbing
     # and TPE start, and the "default" of the side-by-side comparison.

@@ -1,0 +1,111 @@
+"""`--objective infer_per_joule` without a power source: one line before any server starts or any
+point is measured. The power sources are replaced here so that the tests say the same on a machine
+with a GPU (NVML) or readable RAPL counters as on one without."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+
+from builder.cli import main
+from builder.errors import BuilderError
+from builder.serving import tune as tune_module
+from builder.serving.triton_server import free_ports
+from builder.serving.tune import Endpoints, Goal, Objective, Search, Space, tune
+from client import power
+
+MANIFEST = '''[[model]]
+name = "mlp"
+onnx = "mlp.onnx"
+precisions = ["fp32"]
+batch = { min = 1, opt = 4, max = 8 }
+'''
+
+
+def unavailable(name: str) -> type:
+    class Missing:
+        def __init__(self, *args: object) -> None:
+            raise RuntimeError(f"no {name} on this test's machine")
+
+    return Missing
+
+
+class FakeNvml:
+    """An energy counter that works; it remembers being closed."""
+
+    source = power.PowerSource.NVML
+    trace = None
+    reason = None
+    closed: ClassVar[list[bool]] = []
+
+    def read(self) -> power.Reading:
+        return power.Reading(0.0, 1.0)
+
+    def close(self) -> None:
+        FakeNvml.closed.append(True)
+
+
+class ServerStarted(Exception):
+    """The run got past the checks to the point of starting a server."""
+
+
+@pytest.fixture
+def no_power(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(power, "NvmlMeter", unavailable("NVML"))
+    monkeypatch.setattr(power, "RaplMeter", unavailable("RAPL"))
+
+
+@pytest.fixture
+def servers(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Records each server the run would start or attach to, and stops the run there."""
+    started: list[str] = []
+
+    def enter(self: object) -> object:
+        started.append(type(self).__name__)
+        raise ServerStarted
+
+    monkeypatch.setattr(tune_module.LocalTarget, "__enter__", enter)
+    monkeypatch.setattr(tune_module.RemoteTarget, "__enter__", enter)
+    return started
+
+
+def run(repository: Path, attach: Endpoints | None = None) -> None:
+    tune(repository, Space(("mlp_fp32",), (8,), (0,), (1,)), Objective(Goal.INFER_PER_JOULE),
+         search=Search.EXHAUSTIVE, concurrencies=[1], measurement_ms=300, default_variant="mlp_fp32",
+         report_path=None, plot_path=None, attach=attach)
+
+
+def test_no_power_source_is_one_line_before_any_server_starts(
+        no_power: None, servers: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    manifest = tmp_path / "models.toml"
+    manifest.write_text(MANIFEST)
+    repository = tmp_path / "repository"
+    (repository / "mlp_fp32").mkdir(parents=True)
+    files = ["--manifest", str(manifest), "--repository", str(repository), "--report", str(tmp_path / "t.json"),
+             "--plot", str(tmp_path / "t.png"), "--html", str(tmp_path / "t.html")]
+    assert main(["tune", "mlp", *files, "--precisions", "fp32", "--objective", "infer_per_joule"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("trtbuild: error: --objective infer_per_joule: expected a power "
+                                               "source (an NVIDIA GPU readable through NVML, or RAPL")
+    assert "no NVML on this test's machine" in err[0] and "no RAPL on this test's machine" in err[0]
+    assert servers == [] and not (tmp_path / "t.json").exists()
+
+
+def test_attach_mode_names_the_servers_metrics_too(no_power: None, servers: list[str], repo_copy: Path) -> None:
+    http, grpc, metrics = free_ports(3)  # nothing listens there
+    url = f"http://127.0.0.1:{metrics}/metrics"
+    with pytest.raises(BuilderError, match=r"--objective infer_per_joule: expected a power source") as error:
+        run(repo_copy, Endpoints(f"127.0.0.1:{http}", f"127.0.0.1:{grpc}", url))
+    assert f"nv_energy_consumption on {url}" in str(error.value) and "\n" not in str(error.value)
+    assert servers == []
+
+
+def test_with_a_power_source_the_run_goes_on_and_the_probe_is_closed(
+        no_power: None, servers: list[str], repo_copy: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(power, "NvmlMeter", FakeNvml)
+    FakeNvml.closed.clear()
+    with pytest.raises(ServerStarted):
+        run(repo_copy)
+    assert servers == ["LocalTarget"] and FakeNvml.closed == [True]
