@@ -2,8 +2,9 @@
 
 Control calls (liveness, metadata, config, statistics) go through tritonclient's public asyncio
 clients. The hot path does not: each payload is serialized once (client.wire) and sent as raw
-bytes, on a serializer-less `grpc.aio` channel or on our own aiohttp session, and the response is
-checked for an error but not decoded, as perf_analyzer does. Only `infer` (used by `--validate`)
+bytes, on a serializer-less `grpc.aio` channel or on our own HTTP/1.1 keep-alive connections
+(client.http1: about a ninth of aiohttp's CPU per request), and the response is checked for an error
+but not decoded, as perf_analyzer does. Only `infer` (used by `--validate`)
 decodes the outputs.
 """
 
@@ -24,6 +25,7 @@ from numpy.typing import NDArray
 
 from client.choices import Choice
 from client.errors import PerfClientError
+from client.http1 import Pool, request_bytes
 from client.server_stats import ServerStats, parse_statistics
 from client.shared_memory import SharedMemory, SharedMemoryPool
 from client.wire import (
@@ -78,7 +80,9 @@ class ModelMeta:
 class Prepared:
     """A request serialized once and sent many times: the load loop does no per-request encoding.
 
-    `expected` (with `--validate`): the outputs every answer to it must match; None sends without decoding.
+    `body` is what goes on the wire: over gRPC the serialized ModelInferRequest, over HTTP the whole
+    request (request line, headers, body: client.http1.request_bytes). `expected` (with `--validate`): the
+    outputs every answer to it must match; None sends without decoding.
     """
 
     model: str
@@ -124,13 +128,9 @@ class Connection:
             import tritonclient.http.aio as http_aio
 
             self._control = http_aio.InferenceServerClient(url=url, conn_timeout=CONTROL_TIMEOUT_S)
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=HTTP_CONNECTIONS),
-                timeout=aiohttp.ClientTimeout(total=timeout_s),
-                auto_decompress=False,  # responses are checked, never decoded (as tritonclient does)
-            )
-            self._base = f"http://{url}/v2/models"
-            self._urls: dict[str, str] = {}
+            host, port = _host_port(url)
+            self._pool = Pool(host, port, limit=HTTP_CONNECTIONS, timeout_s=timeout_s)
+            self._host = url  # the Host header, as given
 
     @classmethod
     async def open(cls, protocol: Protocol, url: str, *, timeout_s: float = REQUEST_TIMEOUT_S,
@@ -151,7 +151,7 @@ class Connection:
         if self.protocol is Protocol.GRPC:
             await self._channel.close()
         else:
-            await self._session.close()
+            self._pool.close()
 
     async def live(self) -> bool:
         try:
@@ -199,40 +199,31 @@ class Connection:
         if self.protocol is Protocol.GRPC:
             return Prepared(model, grpc_infer_request(model, arrays, shm), expected=expected)
         body, headers = http_infer_request(arrays, shm)
-        return Prepared(model, body, headers, expected)
+        # The whole request, request line and headers included: the hot path writes it as it is.
+        return Prepared(model, request_bytes(self._host, f"/v2/models/{quote(model)}/infer", body, headers),
+                        headers, expected)
 
     async def send(self, prepared: Prepared) -> None:
         """Send a prepared request; raise on any error the server or the transport reports."""
         if self.protocol is Protocol.GRPC:
             await self._infer(prepared.body, timeout=self._timeout_s)
             return
-        async with self._session.post(self._url(prepared.model), data=prepared.body,
-                                      headers=prepared.headers) as response:
-            payload = await response.read()  # drain, so the connection goes back to the pool
-            if response.status != 200:
-                raise HttpStatusError(response.status, payload)
+        response = await self._pool.request(prepared.body)
+        if response.status != 200:
+            raise HttpStatusError(response.status, response.body)
 
     async def infer(self, prepared: Prepared) -> dict[str, NDArray[Any]]:
         """Send a prepared request and decode the outputs of the answer (ResponseFormatError if garbled)."""
         if self.protocol is Protocol.GRPC:
             return grpc_infer_outputs(await self._infer(prepared.body, timeout=self._timeout_s))
         # The request asks for plain bytes (wire.http_infer_request); a compressed answer is refused below.
-        async with self._session.post(self._url(prepared.model), data=prepared.body,
-                                      headers=prepared.headers) as response:
-            payload = await response.read()
-            if response.status != 200:
-                raise HttpStatusError(response.status, payload)
-            encoding = response.headers.get("Content-Encoding", "identity")
-            if encoding != "identity":
-                raise ResponseFormatError(f"answer is {encoding}-encoded, though identity was asked for")
-            return http_infer_outputs(payload, response.headers.get(HTTP_HEADER_LENGTH))
-
-    def _url(self, model: str) -> str:
-        # Built once per model, not per request: the hot path only looks it up.
-        url = self._urls.get(model)
-        if url is None:
-            url = self._urls[model] = f"{self._base}/{quote(model)}/infer"
-        return url
+        response = await self._pool.request(prepared.body)
+        if response.status != 200:
+            raise HttpStatusError(response.status, response.body)
+        encoding = response.headers.get("content-encoding", "identity")
+        if encoding != "identity":
+            raise ResponseFormatError(f"answer is {encoding}-encoded, though identity was asked for")
+        return http_infer_outputs(response.body, response.headers.get(HTTP_HEADER_LENGTH.lower()))
 
     async def statistics(self, model: str) -> ServerStats | None:
         """The model's cumulative counters; None when the server does not answer (best effort mid-run)."""
@@ -246,6 +237,14 @@ class Connection:
             log.debug("statistics of %s unavailable: %s", model, describe(exc))
             return None
         return parse_statistics(payload, model)
+
+
+def _host_port(url: str) -> tuple[str, int]:
+    """`HOST:PORT` (IPv6 as `[ADDR]:PORT`) as the socket layer wants them."""
+    host, sep, port = url.rpartition(":")
+    if not sep or not port.isdigit():
+        raise PerfClientError(f"-u {url}: expected HOST:PORT")
+    return host.strip("[]"), int(port)
 
 
 async def _bounded(call: Awaitable[Any]) -> Any:

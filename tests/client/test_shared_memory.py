@@ -22,6 +22,7 @@ from numpy.typing import NDArray
 from builder.serving.triton_server import Ports, TritonServer, free_ports
 from builder.spec import ModelSpec
 from client.cli import main
+from client.http1 import request_bytes
 from client.protocol import Connection, Prepared, Protocol
 from client.shared_memory import PREFIX, SharedMemory, SharedMemoryPool
 from client.wire import grpc_infer_request, http_infer_request
@@ -74,10 +75,11 @@ def test_the_server_reads_inputs_from_and_writes_outputs_to_our_regions(protocol
                 # Inputs only in shared memory, outputs in the answer: the answer proves what the server read.
                 inputs_only = pool.layout("mlp_fp32", {"x": x}, outputs=False)
                 assert inputs_only.inputs["x"].byte_size == x.nbytes and not inputs_only.outputs
-                answered = await conn.infer(_prepared(protocol, "mlp_fp32", {"x": x}, inputs_only))
+                url = endpoints.url(protocol)
+                answered = await conn.infer(_prepared(protocol, url, "mlp_fp32", {"x": x}, inputs_only))
                 # Outputs into a region too: the server writes them there, the answer carries none.
                 both = pool.layout("mlp_fp32", {"x": x}, outputs=True)
-                await conn.send(_prepared(protocol, "mlp_fp32", {"x": x}, both))
+                await conn.send(_prepared(protocol, endpoints.url(protocol), "mlp_fp32", {"x": x}, both))
                 written = np.frombuffer(pool.contents(both.outputs["logits"]), np.float32)[: want.size]
                 names = pool.region_names
                 return answered, written.reshape(want.shape).copy(), names
@@ -92,11 +94,11 @@ def test_the_server_reads_inputs_from_and_writes_outputs_to_our_regions(protocol
     assert leftovers(os.getpid()) == []  # and unlinked
 
 
-def _prepared(protocol: str, model: str, arrays: dict[str, NDArray[Any]], layout: Any) -> Prepared:
+def _prepared(protocol: str, url: str, model: str, arrays: dict[str, NDArray[Any]], layout: Any) -> Prepared:
     if protocol == "grpc":
         return Prepared(model, grpc_infer_request(model, arrays, layout))
     body, headers = http_infer_request(arrays, layout)
-    return Prepared(model, body, headers)
+    return Prepared(model, request_bytes(url, f"/v2/models/{model}/infer", body, headers), headers)
 
 
 @pytest.mark.parametrize(("protocol", "processes"), [("grpc", 1), ("http", 1), ("grpc", 2)])

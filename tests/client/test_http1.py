@@ -1,0 +1,232 @@
+"""client.http1 against small real servers on loopback: answers framed by length, by chunks or by
+close; keep-alive reuse; a late answer never taken for the next request's; the connection limit."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from client.http1 import Pool, request_bytes
+from client.protocol import error_kind
+from client.wire import ResponseFormatError
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, dict[str, Any]], Awaitable[None]]
+
+
+async def _read_request(reader: asyncio.StreamReader) -> bytes | None:
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+    except (asyncio.IncompleteReadError, ConnectionError):
+        return None
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":", 1)[1])
+    return await reader.readexactly(length)
+
+
+def _ok(body: bytes, extra: str = "") -> bytes:
+    return f"HTTP/1.1 200 OK\r\nContent-Length: {len(body)}\r\n{extra}\r\n".encode() + body
+
+
+async def _serve(handler: Handler, test: Callable[[Pool, dict[str, Any]], Awaitable[None]], *,
+                 limit: int = 8, timeout_s: float = 5.0) -> dict[str, Any]:
+    state: dict[str, Any] = {"connections": 0, "open": 0, "max_open": 0}
+
+    async def on_client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        state["connections"] += 1
+        state["open"] += 1
+        state["max_open"] = max(state["max_open"], state["open"])
+        try:
+            await handler(reader, writer, state)
+        finally:
+            state["open"] -= 1
+            writer.close()
+
+    server = await asyncio.start_server(on_client, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    pool = Pool("127.0.0.1", port, limit=limit, timeout_s=timeout_s)
+    try:
+        await test(pool, state)
+    finally:
+        pool.close()
+        server.close()
+        await server.wait_closed()
+    return state
+
+
+def _req(body: bytes) -> bytes:
+    return request_bytes("127.0.0.1", "/v2/models/m/infer", body, {"Content-Type": "application/octet-stream"})
+
+
+async def _echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, state: dict[str, Any]) -> None:
+    while (body := await _read_request(reader)) is not None:
+        writer.write(_ok(b"echo:" + body))
+        await writer.drain()
+
+
+def test_answers_come_back_whole_and_one_connection_serves_many_requests() -> None:
+    async def test(pool: Pool, state: dict[str, Any]) -> None:
+        for i in range(20):
+            response = await pool.request(_req(b"x" * i))
+            assert (response.status, response.body) == (200, b"echo:" + b"x" * i)
+        assert state["connections"] == 1
+
+    asyncio.run(_serve(_echo, test))
+
+
+def test_the_request_is_sent_as_http_1_1_with_its_length_and_headers() -> None:
+    data = request_bytes("h:1", "/p", b"abc", {"Inference-Header-Content-Length": "2", "Content-Length": "99"})
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    assert lines[0] == b"POST /p HTTP/1.1" and b"Host: h:1" in lines and body == b"abc"
+    assert [line for line in lines if line.lower().startswith(b"content-length")] == [b"Content-Length: 3"]
+    assert b"Inference-Header-Content-Length: 2" in lines
+
+
+def test_a_chunked_answer_is_joined_and_the_connection_reused() -> None:
+    async def chunked(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, state: dict[str, Any]) -> None:
+        while await _read_request(reader) is not None:
+            # Split across writes, so the parser sees partial chunks.
+            for piece in (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n4\r\nab", b"cd\r\n3;ext=1\r\nefg\r\n",
+                          b"0\r\n\r\n"):
+                writer.write(piece)
+                await writer.drain()
+                await asyncio.sleep(0.01)
+
+    async def test(pool: Pool, state: dict[str, Any]) -> None:
+        for _ in range(3):
+            assert (await pool.request(_req(b"q"))).body == b"abcdefg"
+        assert state["connections"] == 1
+
+    asyncio.run(_serve(chunked, test))
+
+
+def test_connection_close_means_a_new_connection_for_the_next_request() -> None:
+    async def closing(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, state: dict[str, Any]) -> None:
+        if await _read_request(reader) is not None:
+            writer.write(_ok(b"bye", "Connection: close\r\n"))
+            await writer.drain()
+
+    async def test(pool: Pool, state: dict[str, Any]) -> None:
+        for _ in range(3):
+            assert (await pool.request(_req(b"q"))).body == b"bye"
+        assert state["connections"] == 3
+
+    asyncio.run(_serve(closing, test))
+
+
+def test_an_answer_framed_by_close_is_read_to_the_end() -> None:
+    async def until_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, state: dict[str, Any]) -> None:
+        if await _read_request(reader) is not None:
+            writer.write(b"HTTP/1.0 500 Internal\r\n\r\nsomething broke")
+            await writer.drain()
+
+    async def test(pool: Pool, state: dict[str, Any]) -> None:
+        response = await pool.request(_req(b"q"))
+        assert (response.status, response.body) == (500, b"something broke")
+
+    asyncio.run(_serve(until_close, test))
+
+
+def test_a_server_that_drops_the_connection_mid_answer_is_a_connection_error() -> None:
+    async def dropping(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, state: dict[str, Any]) -> None:
+        if await _read_request(reader) is not None:
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly part")
+            await writer.drain()
+
+    async def test(pool: Pool, state: dict[str, Any]) -> None:
+        with pytest.raises(ConnectionError) as caught:
+            await pool.request(_req(b"q"))
+        assert error_kind(caught.value) == "unavailable"
+
+    asyncio.run(_serve(dropping, test))
+
+
+def test_garbage_is_a_format_error_not_an_answer() -> None:
+    async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, state: dict[str, Any]) -> None:
+        if await _read_request(reader) is not None:
+            writer.write(b"\x00\x00\x12\x04\x00\x00\x00\x00\x00\r\n\r\n")  # an HTTP/2 frame, say
+            await writer.drain()
+
+    async def test(pool: Pool, state: dict[str, Any]) -> None:
+        with pytest.raises(ResponseFormatError, match="not an HTTP/1.x answer"):
+            await pool.request(_req(b"q"))
+
+    asyncio.run(_serve(garbage, test))
+
+
+def test_a_late_answer_is_never_taken_for_the_next_requests() -> None:
+    async def slow_first(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, state: dict[str, Any]) -> None:
+        while (body := await _read_request(reader)) is not None:
+            if body == b"slow":
+                await asyncio.sleep(0.5)
+            writer.write(_ok(b"answer to " + body))
+            try:
+                await writer.drain()
+            except ConnectionError:
+                return
+
+    async def test(pool: Pool, state: dict[str, Any]) -> None:
+        with pytest.raises(TimeoutError) as caught:
+            await pool.request(_req(b"slow"))
+        assert error_kind(caught.value) == "timeout"
+        await asyncio.sleep(0.7)  # the slow answer has been written by now, to the aborted connection
+        assert (await pool.request(_req(b"fast"))).body == b"answer to fast"
+        assert state["connections"] == 2
+
+    asyncio.run(_serve(slow_first, test, timeout_s=0.2))
+
+
+def test_no_more_connections_than_the_limit_and_every_request_answered() -> None:
+    async def slowish(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, state: dict[str, Any]) -> None:
+        while (body := await _read_request(reader)) is not None:
+            await asyncio.sleep(0.02)
+            writer.write(_ok(body))
+            await writer.drain()
+
+    async def test(pool: Pool, state: dict[str, Any]) -> None:
+        answers = await asyncio.gather(*[pool.request(_req(str(i).encode())) for i in range(12)])
+        assert sorted(int(a.body) for a in answers) == list(range(12))
+        assert state["max_open"] <= 3
+
+    asyncio.run(_serve(slowish, test, limit=3))
+
+
+def test_a_cancelled_request_does_not_leave_its_connection_for_another() -> None:
+    async def slow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, state: dict[str, Any]) -> None:
+        while (body := await _read_request(reader)) is not None:
+            await asyncio.sleep(0.2)
+            writer.write(_ok(b"answer to " + body))
+            try:
+                await writer.drain()
+            except ConnectionError:
+                return
+
+    async def test(pool: Pool, state: dict[str, Any]) -> None:
+        task = asyncio.ensure_future(pool.request(_req(b"first")))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert (await pool.request(_req(b"second"))).body == b"answer to second"
+
+    asyncio.run(_serve(slow, test))
+
+
+def test_nobody_listening_is_a_connection_error() -> None:
+    async def test() -> None:
+        server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        server.close()
+        await server.wait_closed()
+        pool = Pool("127.0.0.1", port, limit=2, timeout_s=2)
+        with pytest.raises(OSError) as caught:
+            await pool.request(_req(b"q"))
+        assert error_kind(caught.value) == "unavailable"
+        pool.close()
+
+    asyncio.run(test())
