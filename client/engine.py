@@ -21,7 +21,7 @@ from client.choices import Choice
 from client.errors import PerfClientError
 from client.intervals import RequestIntervals
 from client.power import Meter, PowerFigures, PowerSource, Reading, window_power
-from client.protocol import Connection, Prepared, error_kind
+from client.protocol import TRANSPORT_ERRORS, Connection, Prepared, error_kind
 from client.server_stats import ServerBreakdown, ServerStats, server_breakdown
 from client.stats import Records, Tally, Window, close, is_stable, merge
 from client.validate import MISMATCH
@@ -271,7 +271,7 @@ class LoadRun:
                 return MISMATCH
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # noqa: BLE001 - every outcome is recorded, none raised
+        except TRANSPORT_ERRORS as exc:  # a bug of ours is no request's outcome: it keeps its traceback
             return error_kind(exc)
         return None
 
@@ -352,7 +352,10 @@ class LoadRun:
         self._stop.set()
         for task in [*drivers, *self._tasks]:
             task.cancel()
-        await asyncio.gather(*drivers, *self._tasks, return_exceptions=True)
+        outcomes = await asyncio.gather(*drivers, *self._tasks, return_exceptions=True)
+        for outcome in outcomes:
+            if isinstance(outcome, Exception):  # a driver died of a bug (CancelledError is no Exception)
+                raise outcome
 
     async def run(self, level: LoadLevel) -> LevelResult:
         """Measure `level`; LevelStopped (with what was measured) if the server stops or the run is aborted."""
