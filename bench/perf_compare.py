@@ -36,6 +36,7 @@ from builder.serving.triton_server import Ports, TritonServer, free_ports, libra
 from builder.spec import DimRange, ServingSpec, TensorSpec
 from client.engine import LoadLevel, Measurement
 from client.power import PowerSource
+from client.protocol import Protocol
 from client.session import SessionConfig, run
 
 
@@ -51,9 +52,9 @@ def perf_analyzer_env(tmp: Path) -> dict[str, str]:
     return {"LD_LIBRARY_PATH": str(libs), "PATH": str(Path(sys.executable).parent)}
 
 
-def run_perf_analyzer(binary: Path, env: dict[str, str], model: str, grpc_port: int, concurrency: int,
+def run_perf_analyzer(binary: Path, env: dict[str, str], model: str, protocol: str, port: int, concurrency: int,
                       interval_ms: int, stability: float, out: Path) -> dict[str, float]:
-    cmd = [str(binary), "-m", model, "-u", f"127.0.0.1:{grpc_port}", "-i", "grpc",
+    cmd = [str(binary), "-m", model, "-u", f"127.0.0.1:{port}", "-i", protocol,
            "--concurrency-range", f"{concurrency}:{concurrency}", "--measurement-interval", str(interval_ms),
            "--stability-percentage", f"{stability:g}", "--max-trials", "10", "-f", str(out), "--verbose-csv"]
     out.unlink(missing_ok=True)
@@ -66,10 +67,11 @@ def run_perf_analyzer(binary: Path, env: dict[str, str], model: str, grpc_port: 
             "p99_us": float(row["p99 latency"]), "avg_us": float(row["Avg latency"])}
 
 
-def run_perfclient(model: str, grpc_port: int, concurrency: int, interval_ms: int,
+def run_perfclient(model: str, protocol: str, port: int, concurrency: int, interval_ms: int,
                    stability: float, processes: int = 1) -> dict[str, float]:
     config = SessionConfig(
-        models=(model,), url=f"127.0.0.1:{grpc_port}", levels=(LoadLevel(concurrency=concurrency),),
+        models=(model,), url=f"127.0.0.1:{port}", protocol=Protocol(protocol),
+        levels=(LoadLevel(concurrency=concurrency),),
         measurement=Measurement(measurement_ms=interval_ms, max_trials=10, stability_percentage=stability,
                                 warmup_requests=20),
         power_source=PowerSource.NONE, processes=processes,
@@ -114,6 +116,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds per tool; medians are compared")
     p.add_argument("--stability", type=float, default=10.0, help="±%% for both tools (trivial model: 2x)")
     p.add_argument("--processes", type=int, default=1, help="perfclient --processes N (default 1)")
+    p.add_argument("--protocols", default="grpc,http", help="both tools over each (default grpc,http)")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     binary = Path(sys.executable).parent / "perf_analyzer"
@@ -136,8 +139,11 @@ def main() -> int:
         server = TritonServer(repository, tmp / "state", Ports(http, grpc, metrics))
         server.start(timeout=120)
         try:
-            cases = [(args.model, c) for c in levels] + [(trivial, args.trivial_concurrency)]
-            for model, concurrency in cases:
+            protocols = args.protocols.split(",")
+            cases = [(m, c, proto) for proto in protocols
+                     for m, c in [(args.model, c) for c in levels] + [(trivial, args.trivial_concurrency)]]
+            for model, concurrency, protocol in cases:
+                port = grpc if protocol == "grpc" else http
                 # The trivial model's rate swings more on a shared 2-core machine.
                 stability = args.stability * (2 if model == trivial else 1)
                 pa_runs, pc_runs = [], []
@@ -146,33 +152,35 @@ def main() -> int:
                     for tool in order:
                         if tool == "pa":
                             try:
-                                pa_runs.append(run_perf_analyzer(binary, env, model, grpc, concurrency,
+                                pa_runs.append(run_perf_analyzer(binary, env, model, protocol, port, concurrency,
                                                                  args.interval_ms, stability, tmp / "pa.csv"))
                             except RuntimeError as exc:
                                 print(f"{model} c={concurrency}: {exc}", file=sys.stderr)
                         else:
-                            pc_runs.append(run_perfclient(model, grpc, concurrency, args.interval_ms, stability,
-                                                          args.processes))
+                            pc_runs.append(run_perfclient(model, protocol, port, concurrency, args.interval_ms,
+                                                          stability, args.processes))
                 if not pa_runs:
                     print(f"{model} c={concurrency}: no stable perf_analyzer run; skipped", file=sys.stderr)
                     continue
                 pa = {k: statistics.median(r[k] for r in pa_runs) for k in pa_runs[0]}
                 pa["stable_runs"] = float(len(pa_runs))
                 pc = {k: statistics.median(r[k] for r in pc_runs) for k in pc_runs[0]}
-                rows.append({"model": model, "concurrency": concurrency, "perf_analyzer": pa, "perfclient": pc,
+                rows.append({"model": model, "protocol": protocol, "concurrency": concurrency,
+                             "perf_analyzer": pa, "perfclient": pc,
                              "throughput_ratio": pc["throughput"] / pa["throughput"],
                              "p50_ratio": pc["p50_us"] / pa["p50_us"], "runs": {"pa": pa_runs, "pc": pc_runs}})
         finally:
             server.stop()
     print(f"same server, model and load; medians of {args.rounds} alternating runs per tool; "
           f"{args.interval_ms} ms windows, ±{args.stability:g} % stability (trivial model ±{2 * args.stability:g} %)")
-    head = (f"{'model':<24} {'conc':>4} {'PA infer/s':>10} {'PC infer/s':>10} {'ratio':>6} "
+    head = (f"{'model':<24} {'proto':<5} {'conc':>4} {'PA infer/s':>10} {'PC infer/s':>10} {'ratio':>6} "
             f"{'PA p50 ms':>9} {'PC p50 ms':>9} {'ratio':>6} {'PA p99 ms':>9} {'PC p99 ms':>9}")
     print(head)
     print("-" * len(head))
     for r in rows:
         pa, pc = r["perf_analyzer"], r["perfclient"]
-        print(f"{r['model']:<24} {r['concurrency']:>4} {pa['throughput']:>10.1f} {pc['throughput']:>10.1f} "
+        print(f"{r['model']:<24} {r['protocol']:<5} {r['concurrency']:>4} "
+              f"{pa['throughput']:>10.1f} {pc['throughput']:>10.1f} "
               f"{r['throughput_ratio']:>6.3f} {pa['p50_us'] / 1e3:>9.2f} {pc['p50_us'] / 1e3:>9.2f} "
               f"{r['p50_ratio']:>6.3f} {pa['p99_us'] / 1e3:>9.2f} {pc['p99_us'] / 1e3:>9.2f}")
     print()
@@ -190,11 +198,12 @@ def verdicts(rows: list[dict[str, Any]], *, trivial: str) -> list[str]:
     for r in rows:
         if r["model"] == trivial:
             ratio = r["throughput_ratio"]
-            lines.append(f"drive rate ({trivial}, c={r['concurrency']}): perfclient/perf_analyzer "
+            lines.append(f"drive rate ({trivial}, {r['protocol']}, c={r['concurrency']}): perfclient/perf_analyzer "
                          f"{ratio:.3f}x (target >= 1.0x): {'met' if ratio >= 1.0 else 'NOT met'}")
             continue
         t_ok, p_ok = abs(r["throughput_ratio"] - 1) <= 0.05, abs(r["p50_ratio"] - 1) <= 0.10
-        lines.append(f"{r['model']} c={r['concurrency']}: throughput ratio {r['throughput_ratio']:.3f} "
+        lines.append(f"{r['model']} {r['protocol']} c={r['concurrency']}: "
+                     f"throughput ratio {r['throughput_ratio']:.3f} "
                      f"(target within 5 %: {'met' if t_ok else 'NOT met'}), p50 ratio {r['p50_ratio']:.3f} "
                      f"(target within 10 %: {'met' if p_ok else 'NOT met'})")
     return lines
