@@ -169,6 +169,24 @@ def grpc_infer_outputs(body: bytes) -> dict[str, NDArray[Any]]:
             for out, data in zip(response.outputs, response.raw_output_contents, strict=True)}
 
 
+def _output_fields(out: Any, index: int) -> tuple[str, str, list[int], int | None]:
+    """name, datatype, shape and binary size of one output of a JSON header; a garbled field is a format
+    error of the answer, never a crash of ours."""
+    if not isinstance(out, dict):
+        raise ResponseFormatError(f"outputs[{index}] is {type(out).__name__}, expected an object")
+    name, datatype, shape = out.get("name"), out.get("datatype"), out.get("shape")
+    if not isinstance(name, str) or not isinstance(datatype, str):
+        raise ResponseFormatError(f"outputs[{index}]: expected string 'name' and 'datatype'")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                              for d in shape):
+        raise ResponseFormatError(f"output {name!r}: shape {shape!r}, expected a list of non-negative integers")
+    params = out.get("parameters") or {}
+    size = params.get("binary_data_size") if isinstance(params, dict) else None
+    if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 0):
+        raise ResponseFormatError(f"output {name!r}: binary_data_size {size!r}, expected a non-negative integer")
+    return name, datatype, shape, size
+
+
 def http_infer_outputs(body: bytes, header_length: str | None) -> dict[str, NDArray[Any]]:
     """The outputs of an HTTP response: a JSON header (`header_length` bytes, the whole body when None),
     then each binary output's bytes in order (`binary_data_size`); JSON `data` lists are read too."""
@@ -178,16 +196,19 @@ def http_infer_outputs(body: bytes, header_length: str | None) -> dict[str, NDAr
         outputs = header["outputs"]
     except (ValueError, KeyError, TypeError) as exc:
         raise ResponseFormatError(f"not an inference response header: {exc}") from exc
+    if not isinstance(outputs, list):
+        raise ResponseFormatError(f"'outputs' is {type(outputs).__name__}, expected a list")
     arrays, offset = {}, split
-    for out in outputs:
-        name, datatype, shape = out["name"], out["datatype"], [int(d) for d in out["shape"]]
-        size = (out.get("parameters") or {}).get("binary_data_size")
+    for index, out in enumerate(outputs):
+        name, datatype, shape, size = _output_fields(out, index)
         if size is not None:
-            arrays[name] = _tensor(name, datatype, shape, body[offset : offset + int(size)])
-            offset += int(size)
+            if offset + size > len(body):
+                raise ResponseFormatError(f"output {name!r}: {size} bytes announced, {len(body) - offset} left")
+            arrays[name] = _tensor(name, datatype, shape, body[offset : offset + size])
+            offset += size
         else:
             try:
                 arrays[name] = np.asarray(out["data"], dtype=numpy_dtype(datatype)).reshape(shape)
-            except (KeyError, ValueError) as exc:
+            except (KeyError, ValueError, TypeError) as exc:
                 raise ResponseFormatError(f"output {name!r}: no binary data and no readable data list") from exc
     return arrays

@@ -16,10 +16,12 @@ from tritonclient.grpc import service_pb2
 
 from client.wire import (
     HTTP_HEADER_LENGTH,
+    ResponseFormatError,
     ShmLayout,
     ShmRef,
     grpc_infer_request,
     http_error_message,
+    http_infer_outputs,
     http_infer_request,
 )
 
@@ -161,3 +163,36 @@ def test_http_shared_memory_request_equals_tritonclients_own() -> None:
     assert mine["inputs"] == theirs["inputs"]
     assert [(o["name"], o["parameters"]) for o in mine["outputs"]] == \
         [(o["name"], {k: v for k, v in o["parameters"].items() if k != "binary_data"}) for o in theirs["outputs"]]
+
+
+def _answer(outputs: Any, tail: bytes = b"") -> tuple[bytes, str]:
+    header = json.dumps({"model_name": "m", "outputs": outputs}).encode()
+    return header + tail, str(len(header))
+
+
+def test_an_http_answer_decodes_into_its_outputs() -> None:
+    data = np.arange(6, dtype=np.float32)
+    body, length = _answer([{"name": "y", "datatype": "FP32", "shape": [2, 3],
+                             "parameters": {"binary_data_size": data.nbytes}},
+                            {"name": "z", "datatype": "INT64", "shape": [2], "data": [7, 8]}], data.tobytes())
+    got = http_infer_outputs(body, length)
+    np.testing.assert_array_equal(got["y"], data.reshape(2, 3))
+    np.testing.assert_array_equal(got["z"], np.array([7, 8]))
+
+
+@pytest.mark.parametrize(("outputs", "tail", "message"), [
+    ({"y": 1}, b"", "expected a list"),
+    (["y"], b"", r"outputs\[0\] is str"),
+    ([{"datatype": "FP32", "shape": [1]}], b"", "expected string 'name'"),
+    ([{"name": "y", "datatype": "FP32", "shape": "1"}], b"", "shape '1'"),
+    ([{"name": "y", "datatype": "FP32", "shape": [-1]}], b"", "non-negative"),
+    ([{"name": "y", "datatype": "FP32", "shape": [1], "parameters": {"binary_data_size": "4"}}], b"\0" * 4,
+     "binary_data_size '4'"),
+    ([{"name": "y", "datatype": "FP32", "shape": [2], "parameters": {"binary_data_size": 8}}], b"\0" * 4,
+     "8 bytes announced, 4 left"),
+    ([{"name": "y", "datatype": "FP32", "shape": [2], "data": [[1], "x"]}], b"", "no readable data list"),
+])
+def test_a_garbled_http_answer_is_a_format_error_naming_what_is_wrong(outputs: Any, tail: bytes, message: str) -> None:
+    body, length = _answer(outputs, tail)
+    with pytest.raises(ResponseFormatError, match=message):
+        http_infer_outputs(body, length)
