@@ -1,10 +1,10 @@
 """A lean HTTP/1.1 client for perfclient's load path: keep-alive connections, requests sent as bytes
 built once, answers parsed only as far as status, length and body.
 
-Why not aiohttp: measured on a trivial model against the bundled Triton (2-core machine, closed loop,
-concurrency 16), aiohttp spent about 270 us of client CPU per request, this client about 30 us. The
-client's CPU is what limits the rate a load generator can drive; on a small machine it also competes
-with the server it measures. Control calls (metadata, statistics) still go through tritonclient.
+Why not aiohttp: measured on a trivial model against the bundled Triton (`bench/client_cost.py`:
+2-core machine, closed loop, concurrency 16), aiohttp spent 147 us of client CPU per request, this
+client 45 us. The client's CPU is what limits the rate a load generator can drive; on a small machine
+it also competes with the server it measures. Control calls (metadata, statistics) still go through tritonclient.
 
 One request per connection at a time (no pipelining): concurrency N uses N connections, as
 perf_analyzer's HTTP client does. A request that outlives its deadline aborts its connection: HTTP/1.1

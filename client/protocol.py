@@ -3,7 +3,7 @@
 Control calls (liveness, metadata, config, statistics) go through tritonclient's public asyncio
 clients. The hot path does not: each payload is serialized once (client.wire) and sent as raw
 bytes, on a serializer-less `grpc.aio` channel or on our own HTTP/1.1 keep-alive connections
-(client.http1: about a ninth of aiohttp's CPU per request), and the response is checked for an error
+(client.http1: about a third of aiohttp's CPU per request), and the response is checked for an error
 but not decoded, as perf_analyzer does. Only `infer` (used by `--validate`)
 decodes the outputs.
 """
