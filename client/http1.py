@@ -117,13 +117,21 @@ class _Connection(asyncio.Protocol):
 
     def _parse(self) -> Response | None:
         buf = self._buf
-        if self._head is None:
+        while self._head is None:
             end = buf.find(b"\r\n\r\n")
             if end < 0:
                 if len(buf) > _MAX_HEAD_BYTES:
                     raise ResponseFormatError(f"answer's head exceeds {_MAX_HEAD_BYTES} bytes")
                 return None
-            self._head = _parse_head(bytes(buf[:end]))
+            head = _parse_head(bytes(buf[:end]))
+            if 100 <= head[0] < 200:
+                # An interim answer (100 Continue, 102, 103) has no body and is not the request's answer
+                # (RFC 9110 15.2: parsed and skipped even when unasked); 101 would switch protocols, unasked.
+                if head[0] == 101:
+                    raise ResponseFormatError("101 Switching Protocols, though no upgrade was asked for")
+                del buf[:end + 4]
+                continue
+            self._head = head
             self._body_at = end + 4
             headers = self._head[1]
             if headers.get("connection", "").lower() == "close":
@@ -135,7 +143,7 @@ class _Connection(asyncio.Protocol):
                     self._length = int(headers["content-length"])
                 except ValueError:
                     raise ResponseFormatError(f"bad Content-Length {headers['content-length']!r}") from None
-            elif self._head[0] in (204, 304) or 100 <= self._head[0] < 200:
+            elif self._head[0] in (204, 304):
                 self._length = 0
             else:
                 self._length = -3

@@ -153,7 +153,7 @@ def test_garbage_is_a_format_error_not_an_answer() -> None:
             await writer.drain()
 
     async def test(pool: Pool, state: dict[str, Any]) -> None:
-        with pytest.raises(ResponseFormatError, match="not an HTTP/1.x answer"):
+        with pytest.raises(ResponseFormatError, match=r"not an HTTP/1\.x answer"):
             await pool.request(_req(b"q"))
 
     asyncio.run(_serve(garbage, test))
@@ -230,3 +230,23 @@ def test_nobody_listening_is_a_connection_error() -> None:
         pool.close()
 
     asyncio.run(test())
+
+
+def test_an_interim_1xx_answer_is_skipped_for_the_final_one() -> None:
+    # RFC 9110 15.2: a client must parse 1xx answers before the final one, even unasked; the final answer
+    # is the request's, and the connection stays usable.
+    async def continuing(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, state: dict[str, Any]) -> None:
+        while (body := await _read_request(reader)) is not None:
+            writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.01)
+            writer.write(b"HTTP/1.1 102 Processing\r\n\r\n" + _ok(b"answer to " + body))
+            await writer.drain()
+
+    async def test(pool: Pool, state: dict[str, Any]) -> None:
+        for i in range(3):
+            response = await pool.request(_req(str(i).encode()))
+            assert (response.status, response.body) == (200, f"answer to {i}".encode())
+        assert state["connections"] == 1
+
+    asyncio.run(_serve(continuing, test))
