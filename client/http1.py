@@ -139,10 +139,12 @@ class _Connection(asyncio.Protocol):
             if "chunked" in headers.get("transfer-encoding", "").lower():
                 self._length = -2
             elif "content-length" in headers:
-                try:
-                    self._length = int(headers["content-length"])
-                except ValueError:
-                    raise ResponseFormatError(f"bad Content-Length {headers['content-length']!r}") from None
+                text = headers["content-length"]
+                # Digits only: int() would take "-1" (a body never complete, or this parser's own markers
+                # below), "+3", "1_0" or " 3 ".
+                if not (text.isascii() and text.isdigit()):
+                    raise ResponseFormatError(f"bad Content-Length {text[:20]!r}")
+                self._length = int(text)
             elif self._head[0] in (204, 304):
                 self._length = 0
             else:
@@ -168,10 +170,10 @@ class _Connection(asyncio.Protocol):
             if line_end < 0:
                 return None
             size_text = bytes(buf[at:line_end]).split(b";", 1)[0].strip()
-            try:
-                size = int(size_text, 16)
-            except ValueError:
-                raise ResponseFormatError(f"bad chunk size {size_text[:20]!r}") from None
+            # Hex digits only: int(_, 16) would take "-1", "0x3" or "1_0".
+            if not size_text or size_text.strip(b"0123456789abcdefABCDEF"):
+                raise ResponseFormatError(f"bad chunk size {size_text[:20]!r}")
+            size = int(size_text, 16)
             start = line_end + 2
             if size == 0:
                 end = buf.find(b"\r\n\r\n", line_end)  # trailers (usually none) end with an empty line
@@ -181,6 +183,8 @@ class _Connection(asyncio.Protocol):
                 return b"".join(parts)
             if len(buf) < start + size + 2:
                 return None
+            if buf[start + size:start + size + 2] != b"\r\n":  # the chunk is not the size it announced
+                raise ResponseFormatError(f"chunk of {size} bytes not followed by CRLF")
             parts.append(bytes(buf[start:start + size]))
             at = start + size + 2
 

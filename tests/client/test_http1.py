@@ -250,3 +250,27 @@ def test_an_interim_1xx_answer_is_skipped_for_the_final_one() -> None:
         assert state["connections"] == 1
 
     asyncio.run(_serve(continuing, test))
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\nabc",  # would wait for a body that is never complete
+     b"HTTP/1.1 200 OK\r\nContent-Length: -2\r\n\r\n0\r\n\r\n",  # -2 and -3 were the parser's own markers
+     b"HTTP/1.1 200 OK\r\nContent-Length: +3\r\n\r\nabc",
+     b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n-1\r\nabc\r\n0\r\n\r\n",
+     b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0x3\r\nabc\r\n0\r\n\r\n",
+     b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabcdef\r\n0\r\n\r\n"],  # chunk longer than said
+    ids=["length-1", "length-2", "length+3", "chunk-1", "chunk0x3", "chunk-overrun"],
+)
+def test_a_misframed_answer_is_a_format_error_at_once(answer: bytes) -> None:
+    async def misframed(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, state: dict[str, Any]) -> None:
+        if await _read_request(reader) is not None:
+            writer.write(answer)
+            await writer.drain()
+            await asyncio.sleep(5)  # the connection stays open: only the framing can end the wait
+
+    async def test(pool: Pool, state: dict[str, Any]) -> None:
+        with pytest.raises(ResponseFormatError):
+            await pool.request(_req(b"q"))
+
+    asyncio.run(_serve(misframed, test, timeout_s=2.0))
