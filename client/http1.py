@@ -256,6 +256,12 @@ class Pool:
             try:
                 async with asyncio.timeout_at(deadline):
                     await slot
+            except BaseException:
+                # Woken, but leaving (its deadline or a cancellation came in the same step): the place it
+                # was woken for goes to the next waiter, or that one would wait for a release never coming.
+                if slot.done() and not slot.cancelled():
+                    self._wake_one()
+                raise
             finally:
                 if slot in self._waiting:
                     self._waiting.remove(slot)
@@ -268,8 +274,11 @@ class Pool:
         try:
             async with asyncio.timeout_at(deadline):
                 _, conn = await asyncio.get_running_loop().create_connection(_Connection, self.host, self.port)
-        finally:
+        except BaseException:
             self._open.discard(placeholder)
+            self._wake_one()  # its place is free again: a waiter may connect in its stead
+            raise
+        self._open.discard(placeholder)
         self._open.add(conn)
         return conn
 
@@ -279,6 +288,9 @@ class Pool:
         else:
             conn.abort()
             self._open.discard(conn)
+        self._wake_one()
+
+    def _wake_one(self) -> None:
         while self._waiting:
             slot = self._waiting.popleft()
             if not slot.done():

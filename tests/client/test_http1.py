@@ -274,3 +274,54 @@ def test_a_misframed_answer_is_a_format_error_at_once(answer: bytes) -> None:
             await pool.request(_req(b"q"))
 
     asyncio.run(_serve(misframed, test, timeout_s=2.0))
+
+
+def test_a_waiter_woken_and_cancelled_at_once_passes_its_turn_on() -> None:
+    # The race of a waiter whose deadline (or cancellation) comes in the same loop step as its wake-up: the
+    # freed connection must go to the next waiter, not wait for a release that never comes.
+    async def slowish(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, state: dict[str, Any]) -> None:
+        while (body := await _read_request(reader)) is not None:
+            await asyncio.sleep(0.1)
+            writer.write(_ok(b"answer to " + body))
+            await writer.drain()
+
+    async def test(pool: Pool, state: dict[str, Any]) -> None:
+        first = asyncio.create_task(pool.request(_req(b"a")))
+        await asyncio.sleep(0.05)  # `first` holds the only connection
+        second = asyncio.create_task(pool.request(_req(b"b")))
+        third = asyncio.create_task(pool.request(_req(b"c")))
+        await asyncio.sleep(0.01)  # both wait for it
+        release = pool._release
+
+        def release_then_cancel_the_woken(conn: Any, *, reuse: bool) -> None:
+            release(conn, reuse=reuse)
+            second.cancel()  # woken by the release above, cancelled before it ran
+
+        pool._release = release_then_cancel_the_woken  # type: ignore[method-assign]
+        assert (await first).body == b"answer to a"
+        pool._release = release  # type: ignore[method-assign]
+        with pytest.raises(asyncio.CancelledError):
+            await second
+        assert (await third).body == b"answer to c"  # before the fix: TimeoutError at its deadline
+
+    asyncio.run(_serve(slowish, test, limit=1, timeout_s=1.0))
+
+
+def test_a_failed_connect_frees_its_place_for_a_waiter() -> None:
+    # limit 1: the second request waits while the first connects; the first's connect fails, so the second
+    # must try its own (and be refused: unavailable), not wait to its deadline and be counted a timeout.
+    async def test() -> None:
+        server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        server.close()
+        await server.wait_closed()
+        pool = Pool("127.0.0.1", port, limit=1, timeout_s=1.0)
+        try:
+            outcomes = await asyncio.gather(pool.request(_req(b"a")), pool.request(_req(b"b")),
+                                            return_exceptions=True)
+        finally:
+            pool.close()
+        assert [error_kind(exc) for exc in outcomes if isinstance(exc, Exception)] == ["unavailable"] * 2
+
+    asyncio.run(test())
+
