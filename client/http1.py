@@ -28,6 +28,10 @@ class ConnectionClosedError(ConnectionResetError):
     """The server closed the connection before the whole answer arrived."""
 
 
+class ConnectFailedError(ConnectionError):
+    """No address of the server's name accepted a connection."""
+
+
 @dataclass(frozen=True)
 class Response:
     status: int
@@ -274,9 +278,13 @@ class Pool:
         try:
             async with asyncio.timeout_at(deadline):
                 _, conn = await asyncio.get_running_loop().create_connection(_Connection, self.host, self.port)
-        except BaseException:
+        except BaseException as exc:
             self._open.discard(placeholder)
             self._wake_one()  # its place is free again: a waiter may connect in its stead
+            if type(exc) is OSError and exc.errno is None:
+                # asyncio's "Multiple exceptions: ..." when every address of the name failed (`localhost` as
+                # ::1 and 127.0.0.1): no errno left to classify by, but the server could not be reached.
+                raise ConnectFailedError(f"cannot connect to {self.host}:{self.port}: {exc}") from exc
             raise
         self._open.discard(placeholder)
         self._open.add(conn)

@@ -4,6 +4,7 @@ close; keep-alive reuse; a late answer never taken for the next request's; the c
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -325,3 +326,29 @@ def test_a_failed_connect_frees_its_place_for_a_waiter() -> None:
 
     asyncio.run(test())
 
+
+
+def test_every_address_of_a_name_refused_is_unavailable() -> None:
+    # `localhost` that resolves to ::1 and 127.0.0.1 with nobody listening: asyncio tries both and raises a
+    # bare OSError("Multiple exceptions: ...") without errno, which was counted "os_error", not unavailable.
+    async def test() -> None:
+        server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        server.close()
+        await server.wait_closed()
+        loop = asyncio.get_running_loop()
+
+        async def two_addresses(host: str, port: int, **kwargs: Any) -> list[Any]:
+            return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (address, port))
+                    for address in ("127.0.0.1", "127.0.0.2")]
+
+        loop.getaddrinfo = two_addresses  # type: ignore[method-assign]
+        pool = Pool("localhost", port, limit=2, timeout_s=2)
+        try:
+            with pytest.raises(ConnectionError) as caught:
+                await pool.request(_req(b"q"))
+        finally:
+            pool.close()
+        assert error_kind(caught.value) == "unavailable"
+
+    asyncio.run(test())
