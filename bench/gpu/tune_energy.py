@@ -233,6 +233,8 @@ def main() -> int:
                    help="p99 budgets (0: none) to rank the same points by too, for the record")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # tune's one line per measured point, timestamped: where the time of a run went (a slow load shows).
+    logging.getLogger("builder.serving.tune").setLevel(logging.DEBUG)
     goal = Goal(args.objective)
     precisions = [v for v in args.precisions.split(",") if v]
     max_batches = ints(args.max_batch, "--max-batch")
