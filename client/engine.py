@@ -238,6 +238,7 @@ class LoadRun:
         self._enough = asyncio.Event()  # request-count windows: the open tally reached the count
         self._target = 0
         self._tasks: set[asyncio.Task[None]] = set()
+        self._failed: asyncio.Task[None] | None = None  # the first open-loop send that died of a bug
         self._count = 0
         self.together = together
         self.pool = pool
@@ -328,8 +329,15 @@ class LoadRun:
             else:
                 task = asyncio.create_task(self._scheduled_send(int(next_t), late_ns))
                 self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+                task.add_done_callback(self._send_done)
             next_t += gap
+
+    def _send_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        # A send that died of a bug of ours (its transport errors are counted inside): kept for stop_drivers
+        # to raise, as a closed-loop worker's is, rather than logged at garbage collection and lost.
+        if not task.cancelled() and task.exception() is not None and self._failed is None:
+            self._failed = task
 
     def start_drivers(self, level: LoadLevel, *, offset_ns: float = 0.0) -> list[asyncio.Task[None]]:
         """The tasks that generate `level`'s load on this loop (`offset_ns` delays an open loop's schedule)."""
@@ -353,6 +361,8 @@ class LoadRun:
         for task in [*drivers, *self._tasks]:
             task.cancel()
         outcomes = await asyncio.gather(*drivers, *self._tasks, return_exceptions=True)
+        if self._failed is not None:
+            outcomes.insert(0, self._failed.exception())
         for outcome in outcomes:
             if isinstance(outcome, Exception):  # a driver died of a bug (CancelledError is no Exception)
                 raise outcome
