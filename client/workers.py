@@ -20,6 +20,7 @@ import multiprocessing.connection
 import signal
 import threading
 import time
+import traceback
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
@@ -37,6 +38,11 @@ log = logging.getLogger(__name__)
 # A worker that does not answer within this long is gone (its process died): the run fails loudly.
 _REPLY_TIMEOUT_S = 30.0
 _START_TIMEOUT_S = 60.0
+
+
+class WorkerCrashed(RuntimeError):
+    """A worker process failed of a bug of ours; raised from the worker's own exception, whose note holds the
+    worker's traceback (an exception loses its frames when it crosses the pipe)."""
 
 
 def shares(level: LoadLevel, processes: int) -> list[tuple[LoadLevel, float]]:
@@ -104,9 +110,12 @@ class ProcessPool:
         return merge_tallies(await self._ask("swap"))
 
     async def stop(self) -> None:
+        crashed: WorkerCrashed | None = None
         try:
             await self._ask("stop")
-        except PerfClientError as exc:
+        except WorkerCrashed as exc:  # a driver died of a bug: its figures are not to be trusted, raised below
+            crashed = exc
+        except PerfClientError as exc:  # a worker already gone: the run has failed for it already
             log.debug("stopping the workers: %s", exc)
         for proc in self._procs:
             proc.join(timeout=5)
@@ -114,6 +123,8 @@ class ProcessPool:
                 proc.kill()
         for pipe in self._pipes:
             pipe.close()
+        if crashed is not None:
+            raise crashed
 
     async def _ask(self, command: str, timeout_s: float = _REPLY_TIMEOUT_S) -> list[Any]:
         """Send `command` to every worker at once, then collect their replies (off the event loop)."""
@@ -136,8 +147,10 @@ class ProcessPool:
                 code = self._procs[index].exitcode if index < len(self._procs) else None
                 raise PerfClientError(f"--processes: worker {index} exited (status {code}) before answering "
                                       f"{command!r}") from exc
-            if isinstance(reply, BaseException):
+            if isinstance(reply, PerfClientError):  # a usage or server problem, said in one line
                 raise PerfClientError(f"--processes: worker {index} failed: {reply}")
+            if isinstance(reply, BaseException):  # a bug of ours: it keeps the worker's traceback (its note)
+                raise WorkerCrashed(f"--processes: worker {index} failed: {type(reply).__name__}: {reply}") from reply
             replies.append(reply)
         return replies
 
@@ -170,6 +183,8 @@ def _worker_main(pipe: multiprocessing.connection.Connection, protocol: str, url
     try:
         uvloop.run(_serve(pipe, Protocol(protocol), url, timeout_s, model, payloads, batch, level, offset_ns))
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which fails with it
+        if not isinstance(exc, PerfClientError):  # the frames do not cross the pipe: their text does
+            exc.add_note("in worker process:\n" + "".join(traceback.format_exception(exc)).rstrip())
         with contextlib.suppress(OSError):  # unless the parent is gone
             pipe.send(exc)
 

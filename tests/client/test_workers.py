@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -9,8 +11,9 @@ import pytest
 
 from client.engine import LoadLevel, Measurement
 from client.errors import PerfClientError
+from client.protocol import Prepared, Protocol
 from client.session import SessionConfig
-from client.workers import shares
+from client.workers import ProcessPool, WorkerCrashed, shares
 
 
 @pytest.mark.parametrize(("extra", "other"), [
@@ -32,3 +35,24 @@ def test_concurrency_splits_exactly_and_the_rate_evenly() -> None:
     rates = shares(LoadLevel(request_rate=300.0, max_inflight=10), 3)
     assert [level.request_rate for level, _ in rates] == [100.0, 100.0, 100.0]
     assert [offset for _, offset in rates] == pytest.approx([0.0, 1e9 / 300, 2e9 / 300])
+
+
+class _BuggyCheck:
+    """A --validate check whose own code fails: a bug of ours inside a worker process, not a request error."""
+
+    def due(self) -> bool:
+        raise KeyError("a bug inside the worker")
+
+
+def test_a_bug_in_a_worker_is_raised_by_the_parent_with_the_workers_traceback() -> None:
+    async def go() -> None:
+        pool = ProcessPool(1, protocol=Protocol.HTTP, url="127.0.0.1:1", timeout_s=1.0, model="m",
+                           payloads=[Prepared("m", b"", expected=_BuggyCheck())], batch=1)  # type: ignore[arg-type]
+        await pool.start(LoadLevel(concurrency=1))
+        await asyncio.sleep(0.2)  # its driver has died of the bug by now
+        with pytest.raises(WorkerCrashed) as raised:
+            await pool.stop()  # before: logged at debug level, and the run went on as if nothing happened
+        text = "".join(traceback.format_exception(raised.value))
+        assert "a bug inside the worker" in text and "in due" in text  # the worker's frame, by name
+
+    asyncio.run(go())
