@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from client.http1 import Pool, request_bytes
+from client.http1 import Pool, _Connection, request_bytes
 from client.protocol import error_kind
 from client.wire import ResponseFormatError
 
@@ -342,7 +342,7 @@ def test_every_address_of_a_name_refused_is_unavailable() -> None:
             return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (address, port))
                     for address in ("127.0.0.1", "127.0.0.2")]
 
-        loop.getaddrinfo = two_addresses  # type: ignore[method-assign]
+        loop.getaddrinfo = two_addresses  # type: ignore[method-assign,assignment]
         pool = Pool("localhost", port, limit=2, timeout_s=2)
         try:
             with pytest.raises(ConnectionError) as caught:
@@ -352,3 +352,37 @@ def test_every_address_of_a_name_refused_is_unavailable() -> None:
         assert error_kind(caught.value) == "unavailable"
 
     asyncio.run(test())
+
+
+class _NullTransport:
+    def write(self, data: bytes) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("answer", [
+    b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello",
+    b"HTTP/1.1 100 Continue\r\n\r\n"
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nhe\r\n3\r\nllo\r\n0\r\n\r\n",
+    b"HTTP/1.1 204 No Content\r\n\r\n",
+], ids=["length", "continue-chunked", "no-content"])
+def test_an_answer_split_anywhere_parses_the_same(answer: bytes) -> None:
+    # Every cut into two and three pieces, the cut at the head/body boundary among them: the same answer,
+    # and the connection still reusable.
+    async def go() -> None:
+        for cut in range(1, len(answer)):
+            for cut2 in sorted({cut, min(cut + 1, len(answer) - 1)}):
+                conn = _Connection()
+                conn.transport = _NullTransport()  # type: ignore[assignment]
+                answered = conn.send(b"request")
+                pieces = [answer[:cut], answer[cut:cut2], answer[cut2:]]
+                for piece in pieces:
+                    if piece:  # a transport never delivers empty data
+                        conn.data_received(piece)
+                response = answered.result()
+                assert response.body == (b"" if b"204" in answer else b"hello"), (cut, cut2)
+                assert conn.reusable, (cut, cut2)
+
+    asyncio.run(go())
