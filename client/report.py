@@ -125,13 +125,19 @@ def write_csv(path: Path, rows: Sequence[ModelResult]) -> None:
     named = len(models) > 1
     handle = io.StringIO()
     writer = csv.writer(handle)
-    open_loop = any(row.result.level.concurrency is None for row in rows)
-    writer.writerow([*(["Model"] if named else []), "Request Rate" if open_loop else "Concurrency",
-                     *CSV_COLUMNS[1:]])
+    open_loop = {row.result.level.concurrency is None for row in rows}
+    # Models at a concurrency and models at a rate in one file: each load under its own name, the other
+    # cell empty (one shared column would call a concurrency a request rate).
+    mixed = named and len(open_loop) > 1
+    load_columns = (["Concurrency", "Request Rate"] if mixed
+                    else ["Request Rate"] if True in open_loop else ["Concurrency"])
+    writer.writerow([*(["Model"] if named else []), *load_columns, *CSV_COLUMNS[1:]])
     for model in models:
         results = [row.result for row in rows if row.model == model]
         for r in sorted(results, key=lambda r: r.summary.throughput):
-            writer.writerow([*([model] if named else []), *_csv_row(r)])
+            load, *rest = _csv_row(r)
+            loads = ([load, ""] if r.level.concurrency is not None else ["", load]) if mixed else [load]
+            writer.writerow([*([model] if named else []), *loads, *rest])
     files.write_atomic(path, handle.getvalue())
 
 

@@ -147,3 +147,12 @@ def test_table_shows_missing_figures_as_a_dash(power: PowerFigures, expected: st
     assert line[0] == "mlp" and line[3] == "200.0" and line[6] == expected
     assert line[-2] == "–"  # batch: nothing executed
     assert text.splitlines()[-1] == ("power source: nvml" if power is NVML else "power source: none (nvml: no GPU)")
+
+
+def test_models_at_a_concurrency_and_at_a_rate_in_one_csv_keep_each_load_under_its_own_name(tmp_path: Path) -> None:
+    # --model-concurrency a=4 --model-request-rate b=100: a's 4 is no request rate, b's 100 no concurrency.
+    write_csv(tmp_path / "mixed.csv", [ModelResult("a", level_result(LoadLevel(concurrency=4))),
+                                       ModelResult("b", level_result(LoadLevel(request_rate=100.0)))])
+    rows = list(csv.DictReader((tmp_path / "mixed.csv").open(newline="")))
+    assert [(r["Model"], r.get("Concurrency"), r.get("Request Rate")) for r in rows] == [
+        ("a", "4", ""), ("b", "", "100.0")]
