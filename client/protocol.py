@@ -111,6 +111,8 @@ class Connection:
         self.protocol = protocol
         self.url = url
         self._timeout_s = timeout_s
+        # A bad HTTP -u is refused before anything is opened (a control session left unclosed otherwise).
+        address = _host_port(url) if protocol is Protocol.HTTP else None
         # --shared-memory: payloads' tensors go through registered regions, released by close().
         self._shm = (SharedMemoryPool(shared_memory, protocol=str(protocol), url=url)
                      if shared_memory is not None and shared_memory.enabled else None)
@@ -128,8 +130,8 @@ class Connection:
             import tritonclient.http.aio as http_aio
 
             self._control = http_aio.InferenceServerClient(url=url, conn_timeout=CONTROL_TIMEOUT_S)
-            host, port = _host_port(url)
-            self._pool = Pool(host, port, limit=HTTP_CONNECTIONS, timeout_s=timeout_s)
+            assert address is not None
+            self._pool = Pool(*address, limit=HTTP_CONNECTIONS, timeout_s=timeout_s)
             self._host = url  # the Host header, as given
 
     @classmethod

@@ -4,6 +4,7 @@ failures are labelled by the exception's type and status."""
 from __future__ import annotations
 
 import asyncio
+import gc
 from typing import Any
 
 import grpc
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 from numpy.typing import NDArray
 
+from client.errors import PerfClientError
 from client.protocol import Connection, HttpStatusError, Protocol, describe, error_kind
 from client.server_stats import ServerStats
 from tests.helpers.servers import Endpoints
@@ -109,3 +111,17 @@ def test_every_grpc_status_code_has_its_own_kind() -> None:
 @pytest.mark.parametrize("protocol", list(Protocol))
 def test_statistics_of_an_unreachable_server_are_none(protocol: Protocol, dead_url: str) -> None:
     assert asyncio.run(_successes(protocol, dead_url, "mlp_fp32")) is None
+
+
+@pytest.mark.parametrize("url", ["localhost", "localhost:http", "[::1]"])
+def test_an_http_url_without_a_port_is_one_line_and_leaves_nothing_open(url: str) -> None:
+    async def go() -> list[str]:
+        seen: list[str] = []
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: seen.append(context["message"]))
+        with pytest.raises(PerfClientError, match=r"^-u .*: expected HOST:PORT$"):
+            Connection(Protocol.HTTP, url)
+        gc.collect()  # an unclosed aiohttp session says so when collected
+        await asyncio.sleep(0)
+        return seen
+
+    assert asyncio.run(go()) == []
