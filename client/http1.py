@@ -287,6 +287,9 @@ class Pool:
                 raise ConnectFailedError(f"cannot connect to {self.host}:{self.port}: {exc}") from exc
             raise
         self._open.discard(placeholder)
+        if self._closed:  # closed while this one connected: not the pool's any more, so never used
+            conn.abort()
+            raise ConnectionClosedError("the connection pool is closed")
         self._open.add(conn)
         return conn
 

@@ -386,3 +386,22 @@ def test_an_answer_split_anywhere_parses_the_same(answer: bytes) -> None:
                 assert conn.reusable, (cut, cut2)
 
     asyncio.run(go())
+
+
+def test_a_request_still_connecting_when_the_pool_closes_is_never_sent() -> None:
+    async def counting(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, state: dict[str, Any]) -> None:
+        while (body := await _read_request(reader)) is not None:
+            state["requests"] = state.get("requests", 0) + 1
+            writer.write(_ok(body))
+            await writer.drain()
+
+    async def test(pool: Pool, state: dict[str, Any]) -> None:
+        request = asyncio.create_task(pool.request(_req(b"q")))
+        await asyncio.sleep(0)  # it is connecting now
+        pool.close()
+        with pytest.raises(ConnectionError):
+            await request
+        await asyncio.sleep(0.05)
+        assert state.get("requests", 0) == 0  # before: sent on a connection the closed pool no longer owned
+
+    asyncio.run(_serve(counting, test))
