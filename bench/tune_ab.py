@@ -34,6 +34,7 @@ class Side:
     point: Point
     throughputs: list[float] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
+    tried: int = 0  # rounds begun: the one a dying server cut short counts, those never reached do not
 
     @property
     def median(self) -> float | None:
@@ -93,6 +94,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def measure_once(tuner: Tuner, side: Side) -> None:
     """One round of one point; a failure is recorded with its reason (ServerError, a dead server, is raised)."""
+    side.tried += 1
     tuner.failures.pop(side.point, None)
     results = tuner.remeasure(side.point)
     reason = tuner.failures.get(side.point)
@@ -110,8 +112,8 @@ def summary(sides: Sequence[Side], rounds: int, stopped: str | None) -> list[str
     if a.median is not None and b.median is not None and a.median > 0:
         lines.append(f"b/a median ratio {b.median / a.median:.3f}")
     else:
-        missing = [s.name for s in sides if s.median is None or s.median <= 0]
-        lines.append(f"no ratio: {' and '.join(missing)} measured nothing in {rounds} rounds")
+        lines.append("no ratio: " + "; ".join(f"{s.name} measured nothing in {s.tried} of {rounds} rounds"
+                                              for s in sides if s.median is None or s.median <= 0))
     if stopped:
         lines.append(f"partial: {stopped}")
     return lines

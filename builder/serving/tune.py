@@ -22,6 +22,7 @@ import logging
 import math
 import shutil
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -417,7 +418,35 @@ class LocalTarget(Target):
         assert self.tmp is not None, "use LocalTarget as a context manager"
         write_atomic(self.tmp / "repository" / point.variant / "config.pbtxt",
                      apply(self.originals[point.variant], point))
-        self.http.request(f"/v2/repository/models/{point.variant}/load", {}, timeout=300.0)
+        self._while_running(point, lambda: self.http.request(f"/v2/repository/models/{point.variant}/load", {},
+                                                             timeout=300.0))
+
+    def _while_running(self, point: Point, call: Callable[[], object]) -> None:
+        """Run a repository request, but stop waiting when the server process exits. A server killed
+        mid-load (a backend's crash, the OOM killer) does not close the request's connection: its
+        python-backend stubs inherit the socket and keep it open, so the request would wait its whole
+        timeout (minutes) for an answer that cannot come."""
+        assert self.server is not None and self.server.process is not None
+        process = self.server.process
+        outcome: list[BaseException | None] = []
+
+        def run() -> None:
+            try:
+                call()
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread, raised there
+                outcome.append(exc)
+            else:
+                outcome.append(None)
+
+        worker = threading.Thread(target=run, name="tune-load", daemon=True)
+        worker.start()
+        while not outcome:
+            worker.join(0.2)
+            if not outcome and process.poll() is not None:
+                raise ServerError(f"tune: the tuning server exited (code {process.returncode}) while loading "
+                                  f"{point.label()}; see {self.where()}")
+        if outcome[0] is not None:
+            raise outcome[0]
 
     def where(self) -> str:
         assert self.server is not None

@@ -50,7 +50,7 @@ def test_a_failing_point_is_recorded_with_its_reason_and_the_rounds_go_on(
     assert "median -" not in a and a.count(",") == 1  # two throughputs, both measured
     failures = [line for line in out if line.strip().startswith("failed:")]
     assert len(failures) == 2 and all("max_batch_size 4 refused on purpose" in line for line in failures)
-    assert out[-1] == "no ratio: b measured nothing in 2 rounds"
+    assert out[-1] == "no ratio: b measured nothing in 2 of 2 rounds"
 
 
 @pytest.mark.parametrize(("args", "message"), [
@@ -68,3 +68,35 @@ def test_bad_arguments_are_one_line_naming_the_flag(
     assert exit_info.value.code == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert len(errors) == 1 and message in errors[0]
+
+
+# Appended to the variant's Python model: loading it with max_batch_size 4 kills the server (the stub's
+# parent), as an out-of-memory kill or a crash in a backend would.
+FATAL = '''
+
+_Model = TritonPythonModel
+
+
+class TritonPythonModel(_Model):  # noqa: F811
+    def initialize(self, args):
+        if json.loads(args["model_config"]).get("max_batch_size") == 4:
+            import os
+            import signal
+            os.kill(os.getppid(), signal.SIGKILL)
+        super().initialize(args)
+'''
+
+
+def test_a_server_that_dies_mid_run_keeps_what_was_measured_and_says_how_far_it_got(
+        tune_ab: ModuleType, repo_copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = repo_copy / "mlp_fp32" / "1" / "model.py"
+    model.write_text(model.read_text() + FATAL)
+    status = tune_ab.main(["--repository", str(repo_copy), "--model", "mlp_fp32", "--a", "8,0,1", "--b", "4,off,1",
+                           "--concurrency", "2", "--measurement-interval", "300", "--max-trials", "2",
+                           "--rounds", "3"])
+    out = capsys.readouterr().out.splitlines()
+    assert status == 1
+    a = next(line for line in out if line.startswith("a: mlp_fp32 mbs=8 batching=0us inst=1"))
+    assert "median -" not in a and a.count(",") == 0  # the one round measured before b killed the server
+    assert "no ratio: b measured nothing in 1 of 3 rounds" in out
+    assert out[-1].startswith("partial: tune: the tuning server exited") and "mbs=4" in out[-1]
