@@ -338,6 +338,7 @@ class H2Connection(asyncio.Protocol):
             self._write(_RST.pack(4 << 8 | RST_STREAM, 0, stream.id, CANCEL))
         if error is not None and not stream.future.done():
             stream.future.set_exception(error)
+        self._released()
 
     def abort(self) -> None:
         if self.transport is not None:
@@ -582,6 +583,11 @@ class H2Connection(asyncio.Protocol):
                 future.set_exception(outcome)
             else:
                 future.set_result(outcome)
+        self._released()
+
+    def _released(self) -> None:
+        """A stream closed, by either side: its slot goes to a waiting call; a draining connection with
+        nothing left open closes."""
         if self._slot_waiters:
             self._wake_slots()
         if self.draining and not self.streams and self.transport is not None:

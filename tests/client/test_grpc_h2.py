@@ -635,3 +635,41 @@ def test_a_killed_server_fails_requests_in_flight_as_unavailable(h2_repository: 
         server.stop()
     assert all(isinstance(o, BaseException) for o in outcomes), outcomes
     assert [error_kind(o) for o in outcomes if isinstance(o, BaseException)] == ["unavailable"] * 3
+
+
+# --- stream slots, given-up calls, close() -----------------------------------------------------------------
+@pytest.mark.parametrize("how", ["cancelled", "deadline"])
+def test_a_stream_given_up_frees_its_slot_for_a_waiting_call(how: str) -> None:
+    # With MAX_CONCURRENT_STREAMS 1, a call waiting for the slot must get it as soon as the stream holding it
+    # is given up (its caller cancelled, or its deadline passed), not only when some other stream ends.
+    async def script(peer: Peer, state: dict[str, Any]) -> None:
+        await peer.handshake({0x3: 1})
+        held = await peer.request()
+        state.setdefault("held", asyncio.Event()).set()
+        while (frame := await peer.frame()).kind != RST_STREAM:
+            pass
+        state["reset"] = (frame.sid, struct.unpack(">I", frame.payload)[0], held.sid)
+        request = await peer.request()
+        peer.respond(request.sid, b"echo:" + request.message)
+        await peer.writer.drain()
+        await peer.frame()
+
+    async def test(channel: Channel, state: dict[str, Any]) -> None:
+        first = asyncio.create_task(channel.infer(b"held"))
+        await state.setdefault("held", asyncio.Event()).wait()
+        if how == "deadline":
+            await asyncio.sleep(0.3)  # the waiting call's deadline is this much later than the held one's
+        waiting = asyncio.create_task(channel.infer(b"waiting"))
+        for _ in range(5):
+            await asyncio.sleep(0)  # the waiting call is now queued for the slot
+        assert not waiting.done()
+        if how == "cancelled":
+            first.cancel()
+        results = await asyncio.gather(first, waiting, return_exceptions=True)
+        expected = asyncio.CancelledError if how == "cancelled" else TimeoutError
+        assert isinstance(results[0], expected), results
+        assert results[1] == b"echo:waiting", results
+
+    state = asyncio.run(_serve(script, test, timeout_s=5.0 if how == "cancelled" else 0.6))
+    reset_sid, code, held_sid = state["reset"]
+    assert (reset_sid, code) == (held_sid, CANCEL)
