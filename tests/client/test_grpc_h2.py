@@ -673,3 +673,34 @@ def test_a_stream_given_up_frees_its_slot_for_a_waiting_call(how: str) -> None:
     state = asyncio.run(_serve(script, test, timeout_s=5.0 if how == "cancelled" else 0.6))
     reset_sid, code, held_sid = state["reset"]
     assert (reset_sid, code) == (held_sid, CANCEL)
+
+
+def test_a_woken_slot_waiter_that_gives_up_passes_the_slot_on() -> None:
+    # Two calls wait for the one slot; the first one woken is cancelled before it runs. The slot must go to the
+    # other waiter, which otherwise sits out its deadline while the connection has nothing open.
+    async def script(peer: Peer, state: dict[str, Any]) -> None:
+        await peer.handshake({0x3: 1})
+        while True:
+            request = await peer.request()
+            if request.message == b"held":
+                await state.setdefault("release", asyncio.Event()).wait()
+            peer.respond(request.sid, b"echo:" + request.message)
+            await peer.writer.drain()
+
+    async def test(channel: Channel, state: dict[str, Any]) -> None:
+        held = asyncio.create_task(channel.infer(b"held"))
+        while (conn := channel._conns[0]) is None or not conn.streams:
+            await asyncio.sleep(0.01)  # connected, the held stream open
+        woken = asyncio.create_task(channel.infer(b"woken"))
+        other = asyncio.create_task(channel.infer(b"other"))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not woken.done() and not other.done()
+        # Runs right after the held stream ends, before the woken waiter's task resumes.
+        next(iter(conn.streams.values())).future.add_done_callback(lambda _: woken.cancel())
+        state.setdefault("release", asyncio.Event()).set()
+        results = await asyncio.gather(held, woken, other, return_exceptions=True)
+        assert results[0] == b"echo:held" and isinstance(results[1], asyncio.CancelledError), results
+        assert results[2] == b"echo:other", results
+
+    asyncio.run(_serve(script, test))
