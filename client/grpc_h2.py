@@ -771,7 +771,13 @@ class Channel:
                         pending.add_done_callback(_retrieve)
                         self._connecting[index] = pending
                     # Shielded: a caller that gives up must not cancel the set-up others wait for.
-                    await asyncio.shield(pending)
+                    try:
+                        await asyncio.shield(pending)
+                    except asyncio.CancelledError:
+                        task = asyncio.current_task()
+                        if pending.cancelled() and self._closed and task is not None and not task.cancelling():
+                            continue  # close() cancelled the set-up, not this caller: fail as a closed channel
+                        raise
         except TimeoutError:
             raise TimeoutError(f"no connection or stream slot within the request's deadline "
                                f"({self.timeout_s:g} s)") from None

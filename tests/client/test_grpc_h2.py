@@ -704,3 +704,23 @@ def test_a_woken_slot_waiter_that_gives_up_passes_the_slot_on() -> None:
         assert results[2] == b"echo:other", results
 
     asyncio.run(_serve(script, test))
+
+
+def test_close_while_connecting_fails_the_waiting_calls_as_connection_errors() -> None:
+    # The server accepts but has not sent its SETTINGS when the channel is closed: the calls waiting for the
+    # connection fail as a lost connection (counted 'unavailable'), not as if their own tasks were cancelled.
+    async def script(peer: Peer, state: dict[str, Any]) -> None:
+        assert await peer.reader.readexactly(len(PREFACE)) == PREFACE
+        state.setdefault("accepted", asyncio.Event()).set()
+        await peer.frame()
+        await peer.reader.read()  # until the client goes
+
+    async def test(channel: Channel, state: dict[str, Any]) -> None:
+        calls = [asyncio.create_task(channel.send(b"x")) for _ in range(2)]
+        await state.setdefault("accepted", asyncio.Event()).wait()
+        channel.close()
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        assert all(isinstance(r, ConnectionError) for r in results), results
+        assert [error_kind(r) for r in results if isinstance(r, BaseException)] == ["unavailable"] * 2
+
+    asyncio.run(_serve(script, test))
