@@ -478,6 +478,9 @@ class H2Connection(asyncio.Protocol):
                 self._peer_window = value
                 for stream in self.streams.values():  # §6.9.2: open streams' windows move by the change
                     stream.window += delta
+                    if stream.window > MAX_WINDOW:
+                        raise _ProtocolError(f"INITIAL_WINDOW_SIZE {value} takes stream {stream.id}'s window "
+                                             "above 2^31-1", FLOW_CONTROL_ERROR)
             elif key == S_MAX_FRAME_SIZE:
                 if not DEFAULT_FRAME <= value <= 2**24 - 1:
                     raise _ProtocolError(f"MAX_FRAME_SIZE {value}")

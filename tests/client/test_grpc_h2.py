@@ -724,3 +724,26 @@ def test_close_while_connecting_fails_the_waiting_calls_as_connection_errors() -
         assert [error_kind(r) for r in results if isinstance(r, BaseException)] == ["unavailable"] * 2
 
     asyncio.run(_serve(script, test))
+
+
+def test_an_initial_window_change_that_overflows_a_stream_window_is_a_flow_control_error() -> None:
+    # RFC 9113 §6.9.2: a SETTINGS_INITIAL_WINDOW_SIZE change that takes an open stream's window above 2^31-1 is
+    # a connection error of type FLOW_CONTROL_ERROR.
+    async def script(peer: Peer, state: dict[str, Any]) -> None:
+        await peer.handshake()
+        request = await peer.request()
+        window = 65_535 - (len(request.message) + 5)
+        peer.grant(request.sid, 2**31 - 1 - window)  # the stream's window is now exactly 2^31-1
+        peer.send(SETTINGS, 0, 0, struct.pack(">HI", 0x4, 65_536))  # one more
+        await peer.writer.drain()
+        while (frame := await peer.frame()).kind != GOAWAY:
+            pass
+        state["goaway"] = struct.unpack(">II", frame.payload[:8])
+
+    async def test(channel: Channel, state: dict[str, Any]) -> None:
+        with pytest.raises(GrpcError) as caught:
+            await channel.send(b"x")
+        assert error_kind(caught.value) == "internal"
+
+    state = asyncio.run(_serve(script, test, timeout_s=2.0))
+    assert state["goaway"][1] == 0x3  # FLOW_CONTROL_ERROR
