@@ -747,3 +747,51 @@ def test_an_initial_window_change_that_overflows_a_stream_window_is_a_flow_contr
 
     state = asyncio.run(_serve(script, test, timeout_s=2.0))
     assert state["goaway"][1] == 0x3  # FLOW_CONTROL_ERROR
+
+
+def test_a_lowered_initial_window_leaves_a_stream_owing_credit_before_it_sends_again() -> None:
+    # RFC 9113 §6.9.2: lowering SETTINGS_INITIAL_WINDOW_SIZE mid-connection can make an open stream's window
+    # negative; the client then sends nothing more on it until WINDOW_UPDATEs bring it above zero.
+    size = 100_000
+
+    async def script(peer: Peer, state: dict[str, Any]) -> None:
+        await peer.handshake()
+        sent = 0
+        sid = 0
+        while sent < 65_535:  # the client uses the whole default window
+            frame = await peer.frame()
+            if frame.kind == DATA:
+                sent, sid = sent + len(frame.payload), frame.sid
+        peer.send(SETTINGS, 0, 0, struct.pack(">HI", 0x4, 16_384))
+        peer.stream_credit[sid] += 16_384 - peer.initial_window  # -49,151: the stream owes credit
+        peer.initial_window = 16_384
+        peer.grant(0, 1 << 20)
+        peer.grant(sid, 49_151 + 100)  # the stream may send 100 bytes, no more
+        await peer.writer.drain()
+        while sent < 65_535 + 100:
+            frame = await peer.frame()
+            if frame.kind == DATA:
+                sent += len(frame.payload)
+        try:
+            await asyncio.wait_for(peer.frame(), 0.2)
+            state["more"] = True
+        except TimeoutError:
+            pass
+        peer.grant(sid, size)
+        body = bytearray()
+        while True:  # the rest of the request
+            frame = await peer.frame()
+            if frame.kind == DATA:
+                body += frame.payload
+                if frame.flags & END_STREAM:
+                    break
+        peer.respond(sid, b"done")
+        await peer.writer.drain()
+        await peer.frame()
+
+    async def test(channel: Channel, state: dict[str, Any]) -> None:
+        assert await channel.infer(b"\x07" * size) == b"done"
+
+    state = asyncio.run(_serve(script, test))
+    assert state["peers"][0].violations == []
+    assert "more" not in state
