@@ -504,7 +504,8 @@ class H2Connection(asyncio.Protocol):
         # A server may reset with NO_ERROR after its whole answer (§8.1); such a stream is already finished
         # and not found above. Before the answer is complete, any reset fails the call.
         status = _RST_CODES.get(code, grpc.StatusCode.INTERNAL)
-        self._end(stream, GrpcError(status, f"stream reset by the server (HTTP/2 error code {code})"), reset=False)
+        self._end(stream, GrpcError(status, f"stream reset by the server (HTTP/2 error code {code})"), reset=False,
+                  gone=True)
 
     def _on_goaway(self, buf: bytes | bytearray, start: int, stop: int) -> None:
         if stop - start < 8:
@@ -518,7 +519,7 @@ class H2Connection(asyncio.Protocol):
         for stream in [s for sid, s in self.streams.items() if sid > last]:
             self._end(stream, GrpcError(grpc.StatusCode.UNAVAILABLE,
                                         f"server going away (code {code}{': ' + debug if debug else ''})"),
-                      reset=False)
+                      reset=False, gone=True)
         self._wake_all_slots()  # callers waiting for a stream slot here go to a new connection
         if not self.streams and self.transport is not None:
             self.transport.close()
@@ -576,13 +577,16 @@ class H2Connection(asyncio.Protocol):
             message = whole[5:]
         self._end(stream, message, reset=False)
 
-    def _end(self, stream: _Stream, outcome: bytes | BaseException | None, *, reset: bool) -> None:
+    def _end(self, stream: _Stream, outcome: bytes | BaseException | None, *, reset: bool,
+             gone: bool = False) -> None:
         """Close a stream with a result or an error; reset it when the server's side may still be open,
-        or when our request is not all sent (the server answered before reading it)."""
+        or when our request is not all sent (the server answered before reading it), unless the server
+        already closed it entirely (`gone`: its RST_STREAM, which is never answered with another, §5.4.2;
+        or a GOAWAY that did not take it)."""
         if self.streams.pop(stream.id, None) is None:
             return
         unsent = self._forget(stream)
-        if (reset or unsent) and self.transport is not None:
+        if (reset or unsent) and not gone and self.transport is not None:
             self._write(_RST.pack(4 << 8 | RST_STREAM, 0, stream.id, CANCEL))
         future = stream.future
         if not future.done():

@@ -135,7 +135,7 @@ class Peer:
                 self._headers[frame.sid] = {k.decode(): v.decode() for k, v in self.decoder.decode(block, raw=True)}
                 self._bodies[frame.sid] = bytearray()
                 self.stream_credit.setdefault(frame.sid, self.initial_window)
-            elif frame.kind == DATA:
+            elif frame.kind == DATA and frame.sid in self._bodies:  # else: of a request the script read itself
                 self._bodies[frame.sid] += frame.payload
                 if frame.flags & END_STREAM:
                     body = bytes(self._bodies.pop(frame.sid))
@@ -795,3 +795,30 @@ def test_a_lowered_initial_window_leaves_a_stream_owing_credit_before_it_sends_a
     state = asyncio.run(_serve(script, test))
     assert state["peers"][0].violations == []
     assert "more" not in state
+
+
+def test_a_reset_from_the_server_is_not_answered_with_a_reset() -> None:
+    # RFC 9113 §5.4.2: never RST_STREAM in response to RST_STREAM, even when part of our request is unsent.
+    async def script(peer: Peer, state: dict[str, Any]) -> None:
+        await peer.handshake()
+        while (frame := await peer.frame()).kind != DATA:
+            pass
+        refused = frame.sid  # a request larger than the window: most of it still waits for credit
+        peer.send(RST_STREAM, 0, refused, struct.pack(">I", REFUSED_STREAM))
+        peer.grant(0, 1 << 20)  # the connection's credit back, for the next call
+        await peer.writer.drain()
+        request = await peer.request()  # the next call, sent after the client read the reset
+        state["rst_sids"] = [f.sid for f in peer.seen if f.kind == RST_STREAM]
+        state["refused"] = refused
+        peer.respond(request.sid, b"next")
+        await peer.writer.drain()
+        await peer.frame()
+
+    async def test(channel: Channel, state: dict[str, Any]) -> None:
+        with pytest.raises(GrpcError) as caught:
+            await channel.send(b"\x01" * 200_000)
+        assert error_kind(caught.value) == "unavailable"
+        assert await channel.infer(b"n") == b"next"
+
+    state = asyncio.run(_serve(script, test))
+    assert state["refused"] not in state["rst_sids"]
