@@ -454,11 +454,13 @@ class H2Connection(asyncio.Protocol):
         if stream is None:
             return
         if increment == 0:
-            self._end(stream, GrpcError(grpc.StatusCode.INTERNAL, "stream WINDOW_UPDATE of 0"), reset=True)
+            self._end(stream, GrpcError(grpc.StatusCode.INTERNAL, "stream WINDOW_UPDATE of 0"), reset=True,
+                      code=PROTOCOL_ERROR)
             return
         stream.window += increment
         if stream.window > MAX_WINDOW:
-            self._end(stream, GrpcError(grpc.StatusCode.INTERNAL, "stream window above 2^31-1"), reset=True)
+            self._end(stream, GrpcError(grpc.StatusCode.INTERNAL, "stream window above 2^31-1"), reset=True,
+                      code=FLOW_CONTROL_ERROR)
 
     def _on_settings(self, buf: bytes | bytearray, start: int, stop: int, flags: int, sid: int) -> None:
         if sid:
@@ -578,7 +580,7 @@ class H2Connection(asyncio.Protocol):
         self._end(stream, message, reset=False)
 
     def _end(self, stream: _Stream, outcome: bytes | BaseException | None, *, reset: bool,
-             gone: bool = False) -> None:
+             gone: bool = False, code: int = CANCEL) -> None:
         """Close a stream with a result or an error; reset it when the server's side may still be open,
         or when our request is not all sent (the server answered before reading it), unless the server
         already closed it entirely (`gone`: its RST_STREAM, which is never answered with another, §5.4.2;
@@ -587,7 +589,7 @@ class H2Connection(asyncio.Protocol):
             return
         unsent = self._forget(stream)
         if (reset or unsent) and not gone and self.transport is not None:
-            self._write(_RST.pack(4 << 8 | RST_STREAM, 0, stream.id, CANCEL))
+            self._write(_RST.pack(4 << 8 | RST_STREAM, 0, stream.id, code))
         future = stream.future
         if not future.done():
             if isinstance(outcome, BaseException):

@@ -822,3 +822,27 @@ def test_a_reset_from_the_server_is_not_answered_with_a_reset() -> None:
 
     state = asyncio.run(_serve(script, test))
     assert state["refused"] not in state["rst_sids"]
+
+
+@pytest.mark.parametrize(("increment", "code"), [(2**31 - 1, 0x3), (0, PROTOCOL_ERROR)],
+                         ids=["overflow", "zero"])
+def test_a_bad_stream_window_update_resets_the_stream_with_its_error_code(increment: int, code: int) -> None:
+    # RFC 9113 §6.9.1: a stream window above 2^31-1 is a stream error FLOW_CONTROL_ERROR; §6.9: an increment
+    # of 0 on a stream is a stream error PROTOCOL_ERROR.
+    async def script(peer: Peer, state: dict[str, Any]) -> None:
+        await peer.handshake()
+        request = await peer.request()
+        peer.send(WINDOW_UPDATE, 0, request.sid, struct.pack(">I", increment))
+        await peer.writer.drain()
+        while (frame := await peer.frame()).kind != RST_STREAM:
+            pass
+        state["reset"] = (frame.sid, struct.unpack(">I", frame.payload)[0], request.sid)
+
+    async def test(channel: Channel, state: dict[str, Any]) -> None:
+        with pytest.raises(GrpcError) as caught:
+            await channel.send(b"x")
+        assert error_kind(caught.value) == "internal"
+
+    state = asyncio.run(_serve(script, test))
+    reset_sid, reset_code, sid = state["reset"]
+    assert (reset_sid, reset_code) == (sid, code)
