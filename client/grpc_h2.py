@@ -556,7 +556,8 @@ class H2Connection(asyncio.Protocol):
             if stream.http_status != 200:
                 self._end(stream, _http_error(stream.http_status), reset=False)
             else:
-                self._end(stream, GrpcError(grpc.StatusCode.INTERNAL, "stream ended without grpc-status"),
+                # UNKNOWN, as grpc-core (grpc.aio) reports it: "No status received".
+                self._end(stream, GrpcError(grpc.StatusCode.UNKNOWN, "stream ended without grpc-status"),
                           reset=False)
             return
         raw = trailers[b"grpc-status"]

@@ -846,3 +846,29 @@ def test_a_bad_stream_window_update_resets_the_stream_with_its_error_code(increm
     state = asyncio.run(_serve(script, test))
     reset_sid, reset_code, sid = state["reset"]
     assert (reset_sid, reset_code) == (sid, code)
+
+
+@pytest.mark.parametrize("shape", ["data_ends_stream", "trailers_without_status", "trailers_only_without_status"])
+def test_an_answer_without_grpc_status_is_unknown_as_with_grpc_aio(shape: str) -> None:
+    # grpc.aio (grpc-core) reports UNKNOWN ("No status received") for an HTTP 200 answer whose stream ends with
+    # no grpc-status, in each of these shapes (checked against grpc.aio with this scripted peer).
+    async def script(peer: Peer, state: dict[str, Any]) -> None:
+        await peer.handshake()
+        sid = (await peer.request()).sid
+        start = [(":status", "200"), ("content-type", "application/grpc")]
+        if shape == "trailers_only_without_status":
+            peer.headers(sid, start, end_stream=True)
+        else:
+            peer.headers(sid, start)
+            peer.send(DATA, END_STREAM if shape == "data_ends_stream" else 0, sid, b"\x00\x00\x00\x00\x00")
+            if shape == "trailers_without_status":
+                peer.headers(sid, [("x-other", "1")], end_stream=True)
+        await peer.writer.drain()
+        await peer.frame()
+
+    async def test(channel: Channel, state: dict[str, Any]) -> None:
+        with pytest.raises(GrpcError) as caught:
+            await channel.infer(b"x")
+        assert error_kind(caught.value) == "unknown"
+
+    asyncio.run(_serve(script, test))
