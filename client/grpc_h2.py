@@ -524,6 +524,7 @@ class H2Connection(asyncio.Protocol):
                       reset=False, gone=True)
         self._wake_all_slots()  # callers waiting for a stream slot here go to a new connection
         if not self.streams and self.transport is not None:
+            self._flush_out()
             self.transport.close()
 
     # helpers ----------------------------------------------------------------------------------------
@@ -605,6 +606,7 @@ class H2Connection(asyncio.Protocol):
         if self._slot_waiters:
             self._wake_slots()
         if self.draining and not self.streams and self.transport is not None:
+            self._flush_out()  # first: what this iteration queued (the stream's RST_STREAM) still goes out
             self.transport.close()
 
     def _forget(self, stream: _Stream) -> bool:

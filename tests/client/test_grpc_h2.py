@@ -872,3 +872,31 @@ def test_an_answer_without_grpc_status_is_unknown_as_with_grpc_aio(shape: str) -
         assert error_kind(caught.value) == "unknown"
 
     asyncio.run(_serve(script, test))
+
+
+def test_the_last_stream_of_a_draining_connection_is_reset_before_the_connection_closes() -> None:
+    # After a GOAWAY that took our stream, its deadline passes: the server must get the RST_STREAM (so it stops
+    # the work) before the connection, now with nothing open, closes.
+    async def script(peer: Peer, state: dict[str, Any]) -> None:
+        await peer.handshake()
+        request = await peer.request()
+        peer.send(GOAWAY, 0, 0, struct.pack(">II", request.sid, 0))
+        await peer.writer.drain()
+        state["sid"] = request.sid
+        state["resets"] = []
+        try:
+            while True:
+                frame = await peer.frame()
+                if frame.kind == RST_STREAM:
+                    state["resets"].append((frame.sid, struct.unpack(">I", frame.payload)[0]))
+        except asyncio.IncompleteReadError:
+            state["eof"] = True
+
+    async def test(channel: Channel, state: dict[str, Any]) -> None:
+        with pytest.raises(TimeoutError):
+            await channel.send(b"x")
+        while "eof" not in state:
+            await asyncio.sleep(0.01)
+
+    state = asyncio.run(_serve(script, test, timeout_s=0.3))
+    assert state["resets"] == [(state["sid"], CANCEL)]
