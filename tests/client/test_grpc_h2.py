@@ -900,3 +900,20 @@ def test_the_last_stream_of_a_draining_connection_is_reset_before_the_connection
 
     state = asyncio.run(_serve(script, test, timeout_s=0.3))
     assert state["resets"] == [(state["sid"], CANCEL)]
+
+
+def test_a_connection_whose_stream_ids_run_out_is_replaced() -> None:
+    # Stream ids are odd and at most 2^31-1: the call that takes the last one completes on its connection, the
+    # next goes to a new connection, and the old one closes once its last stream has ended.
+    async def test(channel: Channel, state: dict[str, Any]) -> None:
+        assert await channel.infer(b"a") == b"echo:a"
+        first = channel._conns[0]
+        assert first is not None
+        first._next_id = 2**31 - 1
+        assert await channel.infer(b"last") == b"echo:last"
+        assert await channel.infer(b"b") == b"echo:b"
+        assert state["connections"] == 2 and channel._conns[0] is not first
+        while not first.closed:
+            await asyncio.sleep(0.01)
+
+    asyncio.run(_serve(_echo, test))
