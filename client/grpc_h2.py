@@ -206,7 +206,10 @@ class H2Connection(asyncio.Protocol):
         self._blocked: collections.deque[_Stream] = collections.deque()  # streams with request bytes unsent
         self._recv = 0  # DATA bytes since our last connection WINDOW_UPDATE
         self._continuation: tuple[int, int, list[bytes]] | None = None  # stream id, HEADERS flags, fragments
-        self._slot_waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        # Calls waiting for a stream slot, first come first served: a woken one (True) holds a reserved slot
+        # until it runs, so that a call arriving meanwhile cannot take it and send it back to wait again.
+        self._slot_waiters: collections.deque[asyncio.Future[bool]] = collections.deque()
+        self._reserved = 0
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
         self._timeout_s = timeout_s
@@ -292,7 +295,9 @@ class H2Connection(asyncio.Protocol):
 
     # our side ---------------------------------------------------------------------------------------
     def usable(self) -> bool:
-        return not self.closed and not self.draining and self.ready.done() and len(self.streams) < self.max_streams
+        """Whether a new call may open a stream here now (not ahead of calls already waiting for a slot)."""
+        return (not self.closed and not self.draining and self.ready.done() and not self._slot_waiters
+                and len(self.streams) + self._reserved < self.max_streams)
 
     def start(self, body: bytes, want: bool, deadline: float) -> _Stream:
         """Open a stream sending `body` (one gRPC message); its future gets the response message or None."""
@@ -344,19 +349,25 @@ class H2Connection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.abort()
 
-    async def slot(self) -> None:
-        """Wait until this connection may open another stream (SETTINGS_MAX_CONCURRENT_STREAMS)."""
-        waiter = self._loop.create_future()
+    async def slot(self) -> bool:
+        """Wait for a stream slot (SETTINGS_MAX_CONCURRENT_STREAMS): True when the caller may open its stream
+        here at once (synchronously, before it yields), False when it must look again (connection going)."""
+        waiter: asyncio.Future[bool] = self._loop.create_future()
         self._slot_waiters.append(waiter)
         try:
-            await waiter
+            granted = await waiter
         except asyncio.CancelledError:
-            if waiter.done() and not waiter.cancelled():
+            if waiter.done() and not waiter.cancelled() and waiter.result():
+                self._reserved -= 1
                 self._wake_slots()  # woken for a free slot but gone (cancelled, deadline): pass it on
             raise
         finally:
             if waiter in self._slot_waiters:
                 self._slot_waiters.remove(waiter)
+        if granted:
+            self._reserved -= 1
+        return (granted and not self.closed and not self.draining
+                and len(self.streams) + self._reserved < self.max_streams)
 
     # frames -----------------------------------------------------------------------------------------
     def _on_data(self, buf: bytes | bytearray, start: int, stop: int, flags: int, sid: int) -> None:
@@ -653,11 +664,12 @@ class H2Connection(asyncio.Protocol):
             self.transport.writelines(out)
 
     def _wake_slots(self) -> None:
-        free = self.max_streams - len(self.streams)
+        free = self.max_streams - len(self.streams) - self._reserved
         while self._slot_waiters and free > 0:
             waiter = self._slot_waiters.popleft()
             if not waiter.done():
-                waiter.set_result(None)
+                waiter.set_result(True)
+                self._reserved += 1
                 free -= 1
 
     def _arm(self, when: float) -> None:
@@ -689,7 +701,7 @@ class H2Connection(asyncio.Protocol):
         while self._slot_waiters:
             waiter = self._slot_waiters.popleft()
             if not waiter.done():
-                waiter.set_result(None)  # the waiter re-checks usable() and moves on
+                waiter.set_result(False)  # the waiter looks again and moves on (to a new connection)
 
     def _connection_error(self, message: str, code: int) -> None:
         log.debug("HTTP/2 connection error %d: %s", code, message)
@@ -774,7 +786,8 @@ class Channel:
                     if conn is not None and conn.usable():
                         return conn
                     if conn is not None and not conn.closed and not conn.draining and conn.ready.done():
-                        await conn.slot()  # at the server's MAX_CONCURRENT_STREAMS
+                        if await conn.slot():  # at the server's MAX_CONCURRENT_STREAMS
+                            return conn
                         continue
                     pending = self._connecting[index]
                     if pending is None:

@@ -917,3 +917,31 @@ def test_a_connection_whose_stream_ids_run_out_is_replaced() -> None:
             await asyncio.sleep(0.01)
 
     asyncio.run(_serve(_echo, test))
+
+
+def test_a_call_waiting_for_a_stream_slot_is_not_overtaken_by_later_calls() -> None:
+    # MAX_CONCURRENT_STREAMS 1 and a closed loop that sends its next call as soon as its last one is answered:
+    # a call already waiting for the slot gets it next, instead of waiting until the loop stops (a load
+    # generator at a concurrency above the server's limit would time out its waiting calls).
+    async def script(peer: Peer, state: dict[str, Any]) -> None:
+        await peer.handshake({0x3: 1})
+        while True:
+            request = await peer.request()
+            peer.respond(request.sid, request.message)
+            await peer.writer.drain()
+
+    async def test(channel: Channel, state: dict[str, Any]) -> None:
+        answered: list[bytes] = []
+
+        async def loop() -> None:
+            for i in range(10):
+                answered.append(await channel.infer(b"loop%d" % i))
+
+        looping = asyncio.create_task(loop())
+        while not answered:
+            await asyncio.sleep(0.001)
+        answered.append(await channel.infer(b"waiter"))
+        await looping
+        assert answered.index(b"waiter") <= 3, answered
+
+    asyncio.run(_serve(script, test))
