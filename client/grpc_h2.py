@@ -386,7 +386,8 @@ class H2Connection(asyncio.Protocol):
                 raise _ProtocolError(f"DATA on idle stream {sid}")
             return  # a stream we reset or finished: its bytes still counted for the connection above
         if not stream.response_started:
-            self._end(stream, GrpcError(grpc.StatusCode.INTERNAL, "DATA before the response's HEADERS"), reset=True)
+            # UNKNOWN, INTERNAL below, as grpc-core (grpc.aio) labels these: errors count as they did with it.
+            self._end(stream, GrpcError(grpc.StatusCode.UNKNOWN, "DATA before the response's HEADERS"), reset=True)
             return
         if stream.want:
             stream.message.append(buf[start:stop])
@@ -445,7 +446,7 @@ class H2Connection(asyncio.Protocol):
                 self._end(stream, _http_error(stream.http_status), reset=True)
             return
         if not flags & END_STREAM:
-            self._end(stream, GrpcError(grpc.StatusCode.INTERNAL, "a second HEADERS block without END_STREAM"),
+            self._end(stream, GrpcError(grpc.StatusCode.UNKNOWN, "a second HEADERS block without END_STREAM"),
                       reset=True)
             return
         self._finish(stream, headers)
@@ -577,7 +578,7 @@ class H2Connection(asyncio.Protocol):
             try:
                 code = _CODES.get(int(raw), grpc.StatusCode.UNKNOWN)
             except ValueError:
-                code = grpc.StatusCode.UNKNOWN
+                code = grpc.StatusCode.INTERNAL  # not a number: grpc-core fails parsing it
             details = unquote(trailers.get(b"grpc-message", b"").decode("ascii", "replace"))
             self._end(stream, GrpcError(code, details), reset=False)
             return

@@ -945,3 +945,32 @@ def test_a_call_waiting_for_a_stream_slot_is_not_overtaken_by_later_calls() -> N
         assert answered.index(b"waiter") <= 3, answered
 
     asyncio.run(_serve(script, test))
+
+
+@pytest.mark.parametrize(("shape", "kind"), [
+    ("data_before_headers", "unknown"), ("headers_twice", "unknown"), ("grpc_status_not_a_number", "internal"),
+    ("grpc_status_out_of_range", "unknown")])
+def test_malformed_answers_are_labelled_as_grpc_aio_labels_them(shape: str, kind: str) -> None:
+    # The kinds grpc.aio (grpc-core) gives these answers, checked against it with this scripted peer: results
+    # must count errors as they did before the switch.
+    async def script(peer: Peer, state: dict[str, Any]) -> None:
+        await peer.handshake()
+        sid = (await peer.request()).sid
+        start = [(":status", "200"), ("content-type", "application/grpc")]
+        if shape == "data_before_headers":
+            peer.send(DATA, END_STREAM, sid, b"\x00\x00\x00\x00\x00")
+        elif shape == "headers_twice":
+            peer.headers(sid, start)
+            peer.headers(sid, start)
+        else:
+            status = "abc" if shape == "grpc_status_not_a_number" else "99"
+            peer.headers(sid, [*start, ("grpc-status", status)], end_stream=True)
+        await peer.writer.drain()
+        await peer.frame()
+
+    async def test(channel: Channel, state: dict[str, Any]) -> None:
+        with pytest.raises(GrpcError) as caught:
+            await channel.infer(b"x")
+        assert error_kind(caught.value) == kind
+
+    asyncio.run(_serve(script, test))
