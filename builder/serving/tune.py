@@ -21,6 +21,7 @@ import json
 import logging
 import math
 import shutil
+import socket
 import tempfile
 import threading
 import time
@@ -522,6 +523,7 @@ class Tuner:
         self.point_timeout_s = point_timeout_s or len(self.concurrencies) * (
             60 + max_trials * measurement_ms / 1000 + 15) + 30
         self.count = 0
+        self.power_source = power_source(target.endpoints if isinstance(target, RemoteTarget) else None)
         self.failures: dict[Point, str] = {}
         self.measured: dict[Point, list[Result]] = {}  # what the search measured (a run cut short reports it)
 
@@ -548,7 +550,7 @@ class Tuner:
         config = session.SessionConfig(
             models=(point.variant,), url=endpoints.grpc,
             levels=tuple(LoadLevel(concurrency=c) for c in self.concurrencies), measurement=self.measurement,
-            metrics_url=endpoints.metrics,
+            metrics_url=endpoints.metrics, power_source=self.power_source,
         )
         try:
             # perfclient's windows show inside it, one bar per concurrency.
@@ -915,6 +917,19 @@ def _write_outputs(report: TuneReport, report_path: Path | None, plot_path: Path
     return None
 
 
+def power_source(endpoints: Endpoints | None) -> power.PowerSource:
+    """Where a point's energy is read. A server on another host (a pod, a GPU box) is measured by its
+    own `nv_energy_consumption`: this machine's NVML or RAPL would meter the wrong hardware. A server on
+    this host: perfclient's auto order (NVML, Triton's metrics, RAPL)."""
+    if endpoints is None:
+        return power.PowerSource.AUTO
+    host = endpoints.grpc.rpartition(":")[0].strip("[]").lower()
+    local = {"localhost", "::1", "0.0.0.0", socket.gethostname().lower(), socket.getfqdn().lower()}
+    if host in local or host.startswith("127."):
+        return power.PowerSource.AUTO
+    return power.PowerSource.TRITON
+
+
 def require_power(attach: Endpoints | None) -> None:
     """Fail before anything is measured when perfclient would find no energy reading, which
     `--objective infer_per_joule` ranks by. Probes what perfclient's `auto` source tries: NVML and RAPL
@@ -922,8 +937,11 @@ def require_power(attach: Endpoints | None) -> None:
     out: Triton reports GPU energy through NVML, so they have none where NVML has none."""
     if attach is not None:
         metrics = attach.metrics or f"http://{attach.grpc.rpartition(':')[0]}:{session.METRICS_PORT}/metrics"
-        sources = [(power.PowerSource.AUTO, metrics)]
-        expected = f"an NVIDIA GPU readable through NVML, RAPL readable here, or nv_energy_consumption on {metrics}"
+        source = power_source(attach)
+        sources = [(source, metrics)]
+        expected = (f"nv_energy_consumption on {metrics} (the server is on another host)"
+                    if source is power.PowerSource.TRITON else
+                    f"an NVIDIA GPU readable through NVML, RAPL readable here, or nv_energy_consumption on {metrics}")
     else:
         sources = [(power.PowerSource.NVML, ""), (power.PowerSource.RAPL, "")]
         expected = "an NVIDIA GPU readable through NVML, or RAPL energy counters readable under /sys/class/powercap"

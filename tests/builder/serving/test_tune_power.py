@@ -109,3 +109,26 @@ def test_with_a_power_source_the_run_goes_on_and_the_probe_is_closed(
     with pytest.raises(ServerStarted):
         run(repo_copy)
     assert servers == ["LocalTarget"] and FakeNvml.closed == [True]
+
+
+@pytest.mark.parametrize(("grpc", "expected"), [
+    ("127.0.0.1:8001", power.PowerSource.AUTO), ("localhost:8001", power.PowerSource.AUTO),
+    ("[::1]:8001", power.PowerSource.AUTO), ("triton.inference.svc:8001", power.PowerSource.TRITON),
+    ("10.1.2.3:8001", power.PowerSource.TRITON),
+])
+def test_a_server_on_another_host_is_metered_by_its_own_energy_counter(grpc: str, expected: power.PowerSource) -> None:
+    # This machine's NVML or RAPL would meter the wrong hardware for a server in a pod or on a GPU host.
+    assert tune_module.power_source(Endpoints("unused:8000", grpc)) is expected
+    assert tune_module.power_source(None) is power.PowerSource.AUTO
+
+
+def test_a_remote_server_without_energy_metrics_is_refused_even_with_power_here(
+    monkeypatch: pytest.MonkeyPatch, servers: list[str], repo_copy: Path,
+) -> None:
+    monkeypatch.setattr(power, "NvmlMeter", lambda *args: FakeNvml())  # this machine has a GPU
+    monkeypatch.setattr(power, "RaplMeter", unavailable("RAPL"))
+    http, grpc, metrics = free_ports(3)
+    url = f"http://127.0.0.1:{metrics}/metrics"  # nothing listens: the remote server exports no energy
+    with pytest.raises(BuilderError, match=r"the server is on another host"):
+        run(repo_copy, Endpoints(f"10.255.255.1:{http}", f"10.255.255.1:{grpc}", url))
+    assert servers == []
