@@ -79,16 +79,19 @@ class NvmlMeter:
 
         self._nvml: Any = pynvml
         pynvml.nvmlInit()
-        count = pynvml.nvmlDeviceGetCount()
-        if count == 0:
-            pynvml.nvmlShutdown()
-            raise RuntimeError("NVML found no GPU")
-        self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
-        self.trace = PowerTrace()
-        self._stop = threading.Event()
-        self._interval = sample_interval
-        self._thread = threading.Thread(target=self._sample, name="nvml-power", daemon=True)
-        self.read()  # fail now, not mid-run, if the counters are not readable
+        try:
+            count = pynvml.nvmlDeviceGetCount()
+            if count == 0:
+                raise RuntimeError("NVML found no GPU")
+            self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+            self.trace = PowerTrace()
+            self._stop = threading.Event()
+            self._interval = sample_interval
+            self._thread = threading.Thread(target=self._sample, name="nvml-power", daemon=True)
+            self.read()  # fail now, not mid-run, if the counters are not readable
+        except BaseException:
+            pynvml.nvmlShutdown()  # every failed open releases NVML (the tuner probes before each run)
+            raise
         self._thread.start()
 
     def instant_power_w(self) -> float:

@@ -9,6 +9,7 @@ import pytest
 
 from client.power import (
     NoMeter,
+    NvmlMeter,
     PowerFigures,
     PowerSource,
     PowerTrace,
@@ -133,3 +134,27 @@ def test_no_inference_and_no_energy_used_give_none_ratios() -> None:
     p = window_power(meter, Reading(0.0, 10.0), Reading(1.0, 10.0), 0)
     assert p.energy_j == 0.0 and p.j_per_infer is None and p.infer_per_j is None
     assert p.energy_j_from_samples is None  # fewer than two samples: nothing to integrate
+
+
+def test_an_nvml_meter_that_fails_to_open_releases_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A GPU whose energy counter cannot be read: the meter refuses, and NVML is shut down again.
+    import sys
+    import types
+
+    calls: list[str] = []
+
+    class NVMLError(Exception):
+        pass
+
+    fake = types.SimpleNamespace(
+        NVMLError=NVMLError,
+        nvmlInit=lambda: calls.append("init"),
+        nvmlShutdown=lambda: calls.append("shutdown"),
+        nvmlDeviceGetCount=lambda: 1,
+        nvmlDeviceGetHandleByIndex=lambda i: object(),
+        nvmlDeviceGetTotalEnergyConsumption=lambda handle: (_ for _ in ()).throw(NVMLError("not supported")),
+    )
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    with pytest.raises(NVMLError, match="not supported"):
+        NvmlMeter()
+    assert calls == ["init", "shutdown"]
