@@ -974,3 +974,43 @@ def test_malformed_answers_are_labelled_as_grpc_aio_labels_them(shape: str, kind
         assert error_kind(caught.value) == kind
 
     asyncio.run(_serve(script, test))
+
+
+def test_a_table_size_update_empties_the_memo_of_indexed_only_blocks() -> None:
+    # The server shrinks its dynamic table to 0 (an HPACK dynamic table size update): entry 62 is gone, so the
+    # block 0xBE that decoded (and was memoized) before must now fail to decode, a connection error, not give
+    # the earlier answer.
+    head = b"\x88"
+    blocks = [
+        _literal_indexed(b"grpc-status", b"0"),  # entry 62 = grpc-status 0
+        b"\xbe",  # -> OK (memoized from here)
+        b"\x20" + b"\x00\x0bgrpc-status\x010",  # size update to 0, then a literal not indexed: OK, table empty
+        b"\xbe",  # no entry 62 any more: COMPRESSION_ERROR
+    ]
+
+    async def script(peer: Peer, state: dict[str, Any]) -> None:
+        await peer.handshake()
+        for block in blocks:
+            request = await peer.request()
+            peer.send(HEADERS, END_HEADERS, request.sid, head)
+            peer.send(DATA, 0, request.sid, b"\x00\x00\x00\x00\x01!")
+            peer.send(HEADERS, END_HEADERS | END_STREAM, request.sid, block)
+            await peer.writer.drain()
+        while (frame := await peer.frame()).kind != GOAWAY:
+            pass
+        state["goaway"] = struct.unpack(">II", frame.payload[:8])
+
+    async def test(channel: Channel, state: dict[str, Any]) -> None:
+        outcomes = []
+        for _ in blocks:
+            try:
+                await channel.send(b"x")
+                outcomes.append("ok")
+            except GrpcError as exc:
+                outcomes.append(error_kind(exc))
+        assert outcomes == ["ok", "ok", "ok", "internal"]
+        while "goaway" not in state:
+            await asyncio.sleep(0.01)
+
+    state = asyncio.run(_serve(script, test))
+    assert state["goaway"][1] == 0x9  # COMPRESSION_ERROR
