@@ -23,7 +23,8 @@ from client.report import result_dict
 from client.session import ModelResult, SessionConfig
 
 # Packages whose versions decide what perfclient measured (the transport, the event loop, the numbers).
-PACKAGES = ("trt-serve-kit", "tritonclient", "grpcio", "aiohttp", "uvloop", "numpy", "nvidia-ml-py", "matplotlib")
+PACKAGES = ("trt-serve-kit", "tritonclient", "grpcio", "aiohttp", "hpack", "uvloop", "numpy", "nvidia-ml-py",
+            "matplotlib")
 MISSING = "–"
 
 _STYLE = """
