@@ -13,6 +13,8 @@ What it does of HTTP/2 (RFC 9113) and gRPC's HTTP/2 mapping:
   no dynamic table, so nothing can go out of step); the server's header blocks go through one `hpack`
   Decoder per connection, every block in order (CONTINUATION included), also for streams we no longer
   track, since the server's dynamic table depends on all of them;
+- calls beyond the server's MAX_CONCURRENT_STREAMS wait in arrival order (a freed slot is held for the
+  first waiter, so a closed loop re-sending at once cannot starve the calls already waiting);
 - sending respects the server's MAX_FRAME_SIZE, MAX_CONCURRENT_STREAMS and both flow-control windows
   (a request larger than the window waits for WINDOW_UPDATE); receiving advertises a large window and
   returns credit with WINDOW_UPDATE as DATA arrives; PING is answered, SETTINGS acknowledged;
