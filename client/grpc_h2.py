@@ -819,9 +819,13 @@ class Channel:
                     lambda: H2Connection(path=self._method, authority=self._authority, timeout_s=self.timeout_s),
                     self.host, self.port)
                 await conn.ready
-        except BaseException:
+        except BaseException as exc:
             if conn is not None:  # connected, but no SETTINGS in time (or cancelled): not left open
                 conn.abort()
+            if type(exc) is OSError and exc.errno is None:
+                # asyncio's "Multiple exceptions: ..." when every address of the name failed (`localhost` as
+                # ::1 and 127.0.0.1, plain asyncio loop): no errno left, but the server could not be reached.
+                raise ConnectionLostError(f"cannot connect to {self.host}:{self.port}: {exc}") from exc
             raise
         finally:
             self._connecting[index] = None

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import socket
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -316,6 +317,8 @@ def error_kind(exc: BaseException) -> str:
     # aiohttp's ServerTimeoutError is also a connection error: test for the timeout first.
     if isinstance(exc, TimeoutError | asyncio.TimeoutError):
         return "timeout"
+    if isinstance(exc, socket.gaierror):  # the server's name does not resolve (DNS down, pod gone)
+        return "unresolvable"
     if isinstance(exc, aiohttp.ClientConnectionError | ConnectionError):
         return "unavailable"
     if isinstance(exc, aiohttp.ClientResponseError):  # an answer aiohttp itself refused (bad status line…)

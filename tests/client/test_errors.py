@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import socket
 import traceback
 
 import aiohttp
@@ -49,6 +50,7 @@ def _aio(code: grpc.StatusCode) -> grpc.aio.AioRpcError:
         (aiohttp.ClientResponseError(None, (), status=502), "unavailable"),  # type: ignore[arg-type]
         (OSError(errno.EMFILE, "Too many open files"), "os_emfile"),
         (OSError("no errno"), "os_error"),
+        (socket.gaierror(socket.EAI_NONAME, "Name or service not known"), "unresolvable"),
         (aiohttp.ClientPayloadError("truncated body"), "ClientPayloadError"),
     ],
     ids=lambda value: type(value).__name__ if isinstance(value, BaseException) else str(value),

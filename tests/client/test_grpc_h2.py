@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import socket
 import struct
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -431,6 +432,29 @@ def test_nothing_listening_is_unavailable() -> None:
     async def main() -> None:
         port = free_ports(1)[0]
         channel = Channel("127.0.0.1", port, method=GRPC_INFER_METHOD, timeout_s=2)
+        try:
+            with pytest.raises(ConnectionError) as caught:
+                await channel.send(b"x")
+            assert error_kind(caught.value) == "unavailable"
+        finally:
+            channel.close()
+
+    asyncio.run(main())
+
+
+def test_every_address_of_a_name_refused_is_unavailable() -> None:
+    # `localhost` as ::1 and 127.0.0.1 with nobody listening, on a plain asyncio loop (trtbuild tune's): asyncio
+    # raises a bare OSError("Multiple exceptions: ...") without errno, which error_kind can only call os_error.
+    async def main() -> None:
+        port = free_ports(1)[0]
+        loop = asyncio.get_running_loop()
+
+        async def two_addresses(host: str, port: int, **kwargs: Any) -> list[Any]:
+            return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (address, port))
+                    for address in ("127.0.0.1", "127.0.0.2")]
+
+        loop.getaddrinfo = two_addresses  # type: ignore[method-assign,assignment]
+        channel = Channel("localhost", port, method=GRPC_INFER_METHOD, timeout_s=2)
         try:
             with pytest.raises(ConnectionError) as caught:
                 await channel.send(b"x")
