@@ -16,6 +16,7 @@ import contextlib
 import hashlib
 import html
 import io
+import ipaddress
 import itertools
 import json
 import logging
@@ -923,11 +924,17 @@ def power_source(endpoints: Endpoints | None) -> power.PowerSource:
     this host: perfclient's auto order (NVML, Triton's metrics, RAPL)."""
     if endpoints is None:
         return power.PowerSource.AUTO
-    host = endpoints.grpc.rpartition(":")[0].strip("[]").lower()
-    local = {"localhost", "::1", "0.0.0.0", socket.gethostname().lower(), socket.getfqdn().lower()}
-    if host in local or host.startswith("127."):
+    host = endpoints.grpc.rpartition(":")[0].strip("[]").lower().rstrip(".")
+    if host in {"localhost", socket.gethostname().lower(), socket.getfqdn().lower()}:
         return power.PowerSource.AUTO
-    return power.PowerSource.TRITON
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:  # a name other than this host's own
+        return power.PowerSource.TRITON
+    # Compared as addresses, not as text: "::", "0:0:0:0:0:0:0:1" and "::ffff:127.0.0.1" are this host too.
+    mapped = address.ipv4_mapped if isinstance(address, ipaddress.IPv6Address) else None
+    local = any(a.is_loopback or a.is_unspecified for a in (address, mapped) if a is not None)
+    return power.PowerSource.AUTO if local else power.PowerSource.TRITON
 
 
 def require_power(attach: Endpoints | None) -> None:

@@ -115,6 +115,10 @@ def test_with_a_power_source_the_run_goes_on_and_the_probe_is_closed(
     ("127.0.0.1:8001", power.PowerSource.AUTO), ("localhost:8001", power.PowerSource.AUTO),
     ("[::1]:8001", power.PowerSource.AUTO), ("triton.inference.svc:8001", power.PowerSource.TRITON),
     ("10.1.2.3:8001", power.PowerSource.TRITON),
+    # Loopback and "any" addresses however they are spelled are this machine too.
+    ("[::]:8001", power.PowerSource.AUTO), ("[0:0:0:0:0:0:0:1]:8001", power.PowerSource.AUTO),
+    ("[::ffff:127.0.0.1]:8001", power.PowerSource.AUTO), ("LOCALHOST.:8001", power.PowerSource.AUTO),
+    ("[fe80::1]:8001", power.PowerSource.TRITON),
 ])
 def test_a_server_on_another_host_is_metered_by_its_own_energy_counter(grpc: str, expected: power.PowerSource) -> None:
     # This machine's NVML or RAPL would meter the wrong hardware for a server in a pod or on a GPU host.
