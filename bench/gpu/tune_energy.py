@@ -96,12 +96,16 @@ def figures(point: Point, results: list[Result], failure: str | None, budget_us:
     if not n:
         return row | {"feasible": False}
     throughput = sum(r.throughput for r in results) / n
-    p99 = max((r.p99_us for r in results if r.p99_us is not None), default=None)
+    # A concurrency that completed nothing has no latency: the row's worst-case figure is then unknown
+    # (None), never 0 or the worst of the others.
+    p50s, p99s = [r.p50_us for r in results], [r.p99_us for r in results]
+    p50 = None if None in p50s else max(v for v in p50s if v is not None)
+    p99 = None if None in p99s else max(v for v in p99s if v is not None)
     per_j = [r.infer_per_joule for r in results]
     inf_j = sum(v for v in per_j if v is not None) / n if all(v is not None for v in per_j) else None
     return row | {
         "infer_per_s": round(throughput, 1),
-        "p50_ms": round(max(r.p50_us or 0.0 for r in results) / 1e3, 2),
+        "p50_ms": None if p50 is None else round(p50 / 1e3, 2),
         "p99_ms": None if p99 is None else round(p99 / 1e3, 2),
         "infer_per_joule": None if inf_j is None else round(inf_j, 3),
         "j_per_infer": None if not inf_j else round(1 / inf_j, 5),
