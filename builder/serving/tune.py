@@ -1031,7 +1031,10 @@ def tune(repository: Path, space: Space, objective: Objective, *, search: Search
             report = TuneReport(
                 objective, space, search, tuner.count if count is None else count, winner, default,
                 report_points(measured, objective, tuner.failures), [p.label() for p in front],
-                explain(winner, measured, objective, default) if winner else "no point met the constraints",
+                explain(winner, measured, objective, default) if winner else
+                # A run cut short has no pick even where its measured points met the constraints.
+                f"no pick: the run stopped before the search ended ({partial})" if partial else
+                "no point met the constraints",
                 comparison, round(time.perf_counter() - started, 1), failed=len(tuner.failures),
                 attached=attach.http if attach else None, changes=changes, partial=partial)
             unwritten = _write_outputs(report, report_path, plot_path, measured, front, html_path)

@@ -203,6 +203,9 @@ def test_sigterm_stops_a_tune_run_cleanly_and_the_report_says_partial(
     assert code == 130 and "trtbuild: interrupted" in capsys.readouterr().err
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the CLI's handler is gone
     assert list(tmp.glob("trtbuild-tune-*")) == []  # the private server's folder (and the server) are gone
-    assert json.loads((tmp_path / "t.json").read_text())["partial"] == "interrupted"
+    report = json.loads((tmp_path / "t.json").read_text())
+    assert report["partial"] == "interrupted" and report["winner"] is None
+    # No pick because the run stopped, not because the points measured missed the constraints.
+    assert report["why"] == "no pick: the run stopped before the search ended (interrupted)"
     assert "Partial run: interrupted" in (tmp_path / "t.html").read_text()
     assert snapshot(repo_copy) == before and not (tmp_path / "tuned.toml").exists()
