@@ -9,6 +9,8 @@ it also competes with the server it measures. Control calls (metadata, statistic
 One request per connection at a time (no pipelining): concurrency N uses N connections, as
 perf_analyzer's HTTP client does. A request that outlives its deadline aborts its connection: HTTP/1.1
 has no other way to cancel it, and an answer arriving later must not be taken for the next request's.
+A request written on a reused connection that the server closes before any byte of an answer (its idle
+timeout racing our write) is sent once more on a new connection, as curl does; its latency includes both.
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.waiter: asyncio.Future[Response] | None = None
         self.reusable = True
+        self.answered = 0  # answers completed on this connection
+        self.heard = False  # whether any byte of the current request's answer arrived
         self._buf = bytearray()
         self._head: tuple[int, dict[str, str]] | None = None
         self._length = -1  # body length when known (Content-Length); -2: chunked; -3: until close
@@ -68,6 +72,7 @@ class _Connection(asyncio.Protocol):
             self.reusable = False
             self.abort()
             return
+        self.heard = True
         self._buf += data
         try:
             response = self._parse()
@@ -96,6 +101,7 @@ class _Connection(asyncio.Protocol):
         assert self.waiter is None and self.transport is not None
         self.waiter = asyncio.get_running_loop().create_future()
         self._buf.clear()
+        self.heard = False
         self._head, self._length, self._body_at = None, -1, 0
         self.transport.write(data)
         return self.waiter
@@ -113,6 +119,7 @@ class _Connection(asyncio.Protocol):
         self.abort()
 
     def _finish(self, response: Response) -> None:
+        self.answered += 1
         waiter, self.waiter = self.waiter, None
         if len(self._buf) > self._consumed:  # more bytes than the answer: nothing may follow it
             self.reusable = False
@@ -234,19 +241,29 @@ class Pool:
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_s
-        conn = await self._acquire(deadline)
-        ok = False
-        try:
-            future = conn.send(data)
-            timer = loop.call_at(deadline, _expire, future)
+        for attempt in range(2):
+            conn = await self._acquire(deadline)
+            reused = conn.answered > 0
+            ok = False
             try:
-                response = await future
+                future = conn.send(data)
+                timer = loop.call_at(deadline, _expire, future)
+                try:
+                    response = await future
+                finally:
+                    timer.cancel()
+                ok = True
+                return response
+            except ConnectionError:
+                # A keep-alive connection the server closed while idle, just as we wrote on it: nothing of an
+                # answer came back, so the server dropped the request unread. Once more on a new connection,
+                # as curl does; any other connection error is the request's outcome.
+                if attempt == 0 and reused and not conn.heard:
+                    continue
+                raise
             finally:
-                timer.cancel()
-            ok = True
-            return response
-        finally:
-            self._release(conn, reuse=ok and conn.reusable)
+                self._release(conn, reuse=ok and conn.reusable)
+        raise AssertionError("unreachable: the second attempt returns or raises")
 
     async def _acquire(self, deadline: float) -> _Connection:
         while self._idle:

@@ -405,3 +405,56 @@ def test_a_request_still_connecting_when_the_pool_closes_is_never_sent() -> None
         assert state.get("requests", 0) == 0  # before: sent on a connection the closed pool no longer owned
 
     asyncio.run(_serve(counting, test))
+
+
+def test_a_keep_alive_connection_closed_as_we_write_is_retried_once_on_a_new_one() -> None:
+    # The server answers the first request, then drops the connection on the next one unanswered (its idle
+    # timeout firing as the request arrived): that request goes again on a new connection, once.
+    async def idle_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, state: dict[str, Any]) -> None:
+        state.setdefault("requests", []).append(state["connections"])
+        if state["connections"] == 1:
+            if (body := await _read_request(reader)) is not None:
+                writer.write(_ok(body))
+                await writer.drain()
+            if await _read_request(reader) is not None:
+                state["requests"].append("dropped")
+            return  # closes the connection without an answer
+        await _echo(reader, writer, state)
+
+    async def test(pool: Pool, state: dict[str, Any]) -> None:
+        assert (await pool.request(_req(b"one"))).body == b"one"
+        assert (await pool.request(_req(b"two"))).body == b"echo:two"
+        assert state["connections"] == 2 and "dropped" in state["requests"]
+
+    asyncio.run(_serve(idle_close, test))
+
+
+def test_a_new_connection_closed_unanswered_is_an_error_not_retried() -> None:
+    async def drop(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, state: dict[str, Any]) -> None:
+        await _read_request(reader)  # read it, answer nothing, close
+
+    async def test(pool: Pool, state: dict[str, Any]) -> None:
+        with pytest.raises(ConnectionError) as caught:
+            await pool.request(_req(b"q"))
+        assert error_kind(caught.value) == "unavailable"
+        assert state["connections"] == 1  # sent once: a fresh connection's failure is the request's outcome
+
+    asyncio.run(_serve(drop, test))
+
+
+def test_a_reused_connection_dropped_mid_answer_is_not_retried() -> None:
+    async def half(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, state: dict[str, Any]) -> None:
+        if (body := await _read_request(reader)) is not None:
+            writer.write(_ok(body))
+            await writer.drain()
+        if await _read_request(reader) is not None:
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 50\r\n\r\npart")  # the server had started answering
+            await writer.drain()
+
+    async def test(pool: Pool, state: dict[str, Any]) -> None:
+        await pool.request(_req(b"one"))
+        with pytest.raises(ConnectionError):
+            await pool.request(_req(b"two"))
+        assert state["connections"] == 1
+
+    asyncio.run(_serve(half, test))
