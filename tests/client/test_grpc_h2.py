@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import socket
 import struct
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -47,6 +46,7 @@ from client.grpc_h2 import (
 )
 from client.protocol import TRANSPORT_ERRORS, error_kind
 from client.wire import GRPC_INFER_METHOD, grpc_infer_outputs, grpc_infer_request
+from tests.helpers.addresses import resolve_every_name_to
 
 ACK = 0x1
 
@@ -428,33 +428,18 @@ def test_a_lost_connection_fails_streams_in_flight_and_the_next_call_reconnects(
     asyncio.run(_serve(script, test))
 
 
-def test_nothing_listening_is_unavailable() -> None:
+@pytest.mark.parametrize("every_address", [False, True], ids=["one address", "every address of a name"])
+def test_nothing_listening_is_unavailable(every_address: bool) -> None:
+    # Every address: `localhost` as ::1 and 127.0.0.1 with nobody listening, on a plain asyncio loop (trtbuild
+    # tune's): asyncio raises a bare OSError("Multiple exceptions: ...") without errno, which error_kind can
+    # only call os_error.
     async def main() -> None:
         port = free_ports(1)[0]
-        channel = Channel("127.0.0.1", port, method=GRPC_INFER_METHOD, timeout_s=2)
-        try:
-            with pytest.raises(ConnectionError) as caught:
-                await channel.send(b"x")
-            assert error_kind(caught.value) == "unavailable"
-        finally:
-            channel.close()
-
-    asyncio.run(main())
-
-
-def test_every_address_of_a_name_refused_is_unavailable() -> None:
-    # `localhost` as ::1 and 127.0.0.1 with nobody listening, on a plain asyncio loop (trtbuild tune's): asyncio
-    # raises a bare OSError("Multiple exceptions: ...") without errno, which error_kind can only call os_error.
-    async def main() -> None:
-        port = free_ports(1)[0]
-        loop = asyncio.get_running_loop()
-
-        async def two_addresses(host: str, port: int, **kwargs: Any) -> list[Any]:
-            return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (address, port))
-                    for address in ("127.0.0.1", "127.0.0.2")]
-
-        loop.getaddrinfo = two_addresses  # type: ignore[method-assign,assignment]
-        channel = Channel("localhost", port, method=GRPC_INFER_METHOD, timeout_s=2)
+        host = "127.0.0.1"
+        if every_address:
+            resolve_every_name_to("127.0.0.1", "127.0.0.2")
+            host = "localhost"
+        channel = Channel(host, port, method=GRPC_INFER_METHOD, timeout_s=2)
         try:
             with pytest.raises(ConnectionError) as caught:
                 await channel.send(b"x")

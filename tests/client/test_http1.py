@@ -4,7 +4,6 @@ close; keep-alive reuse; a late answer never taken for the next request's; the c
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -13,6 +12,7 @@ import pytest
 from client.http1 import Pool, _Connection, request_bytes
 from client.protocol import error_kind
 from client.wire import ResponseFormatError
+from tests.helpers.addresses import resolve_every_name_to
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, dict[str, Any]], Awaitable[None]]
 
@@ -336,13 +336,7 @@ def test_every_address_of_a_name_refused_is_unavailable() -> None:
         port = server.sockets[0].getsockname()[1]
         server.close()
         await server.wait_closed()
-        loop = asyncio.get_running_loop()
-
-        async def two_addresses(host: str, port: int, **kwargs: Any) -> list[Any]:
-            return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (address, port))
-                    for address in ("127.0.0.1", "127.0.0.2")]
-
-        loop.getaddrinfo = two_addresses  # type: ignore[method-assign,assignment]
+        resolve_every_name_to("127.0.0.1", "127.0.0.2")
         pool = Pool("localhost", port, limit=2, timeout_s=2)
         try:
             with pytest.raises(ConnectionError) as caught:
