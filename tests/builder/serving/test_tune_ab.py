@@ -37,14 +37,21 @@ def tune_ab() -> Iterator[ModuleType]:
     del sys.modules["tune_ab"]
 
 
-def test_a_failing_point_is_recorded_with_its_reason_and_the_rounds_go_on(
-        tune_ab: ModuleType, repo_copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def _ab_with_max_batch_4_patched(tune_ab: ModuleType, repo_copy: Path, patch: str, *, rounds: int,
+                                 capsys: pytest.CaptureFixture[str]) -> tuple[int, list[str]]:
+    """tune_ab's a (max batch 8) against b (max batch 4) with `patch` appended to the variant's Python model:
+    the exit status and the lines printed."""
     model = repo_copy / "mlp_fp32" / "1" / "model.py"
-    model.write_text(model.read_text() + PICKY)
+    model.write_text(model.read_text() + patch)
     status = tune_ab.main(["--repository", str(repo_copy), "--model", "mlp_fp32", "--a", "8,0,1", "--b", "4,off,1",
                            "--concurrency", "2", "--measurement-interval", "300", "--max-trials", "2",
-                           "--rounds", "2"])
-    out = capsys.readouterr().out.splitlines()
+                           "--rounds", str(rounds)])
+    return status, capsys.readouterr().out.splitlines()
+
+
+def test_a_failing_point_is_recorded_with_its_reason_and_the_rounds_go_on(
+        tune_ab: ModuleType, repo_copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    status, out = _ab_with_max_batch_4_patched(tune_ab, repo_copy, PICKY, rounds=2, capsys=capsys)
     assert status == 1  # one side has no median
     a = next(line for line in out if line.startswith("a: mlp_fp32 mbs=8 batching=0us inst=1"))
     assert "median -" not in a and a.count(",") == 1  # two throughputs, both measured
@@ -89,12 +96,7 @@ class TritonPythonModel(_Model):  # noqa: F811
 
 def test_a_server_that_dies_mid_run_keeps_what_was_measured_and_says_how_far_it_got(
         tune_ab: ModuleType, repo_copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    model = repo_copy / "mlp_fp32" / "1" / "model.py"
-    model.write_text(model.read_text() + FATAL)
-    status = tune_ab.main(["--repository", str(repo_copy), "--model", "mlp_fp32", "--a", "8,0,1", "--b", "4,off,1",
-                           "--concurrency", "2", "--measurement-interval", "300", "--max-trials", "2",
-                           "--rounds", "3"])
-    out = capsys.readouterr().out.splitlines()
+    status, out = _ab_with_max_batch_4_patched(tune_ab, repo_copy, FATAL, rounds=3, capsys=capsys)
     assert status == 1
     a = next(line for line in out if line.startswith("a: mlp_fp32 mbs=8 batching=0us inst=1"))
     assert "median -" not in a and a.count(",") == 0  # the one round measured before b killed the server
