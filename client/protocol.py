@@ -114,7 +114,7 @@ class Connection:
         self.url = url
         self._timeout_s = timeout_s
         # A bad -u is refused before anything is opened (a control session left unclosed otherwise).
-        address = _host_port(url)
+        address = host_port(url)
         # --shared-memory: payloads' tensors go through registered regions, released by close().
         self._shm = (SharedMemoryPool(shared_memory, protocol=str(protocol), url=url)
                      if shared_memory is not None and shared_memory.enabled else None)
@@ -241,11 +241,11 @@ class Connection:
         return parse_statistics(payload, model)
 
 
-def _host_port(url: str) -> tuple[str, int]:
-    """`HOST:PORT` (IPv6 as `[ADDR]:PORT`) as the socket layer wants them."""
+def host_port(url: str) -> tuple[str, int]:
+    """`-u`'s `HOST:PORT` (IPv6 as `[ADDR]:PORT`) as the socket layer wants them."""
     host, sep, port = url.rpartition(":")
-    if not sep or not port.isdigit():
-        raise PerfClientError(f"-u {url}: expected HOST:PORT")
+    if not sep or not host or not port.isdigit():
+        raise PerfClientError(f"-u {url!r}: expected HOST:PORT")
     return host.strip("[]"), int(port)
 
 

@@ -39,7 +39,16 @@ from client.engine import (
 from client.errors import PerfClientError, RunAborted
 from client.inputs import InputData, InputKind, build_payloads
 from client.power import Meter, NoMeter, PowerFigures, PowerSource, Reading, open_cross_checks, open_meter, window_power
-from client.protocol import REQUEST_TIMEOUT_S, TRANSPORT_ERRORS, Connection, ModelMeta, Prepared, Protocol, describe
+from client.protocol import (
+    REQUEST_TIMEOUT_S,
+    TRANSPORT_ERRORS,
+    Connection,
+    ModelMeta,
+    Prepared,
+    Protocol,
+    describe,
+    host_port,
+)
 from client.server_stats import ServerBreakdown
 from client.shared_memory import SharedMemory
 from client.stats import Latency, Window, latency_summary
@@ -113,9 +122,7 @@ class SessionConfig:
     def check(self) -> None:
         if not self.models or not all(isinstance(m, str) and m for m in self.models):
             raise PerfClientError(f"-m {list(self.models)}: expected one or more model names")
-        host, sep, port = self.url.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise PerfClientError(f"-u {self.url!r}: expected HOST:PORT")
+        host_port(self.url)
         if not self.levels:
             raise PerfClientError("--concurrency: expected at least one load level")
         for level in self.levels:
