@@ -40,6 +40,8 @@ from urllib.parse import unquote
 import grpc
 from hpack import Decoder, HPACKError
 
+from client.connecting import connect
+
 log = logging.getLogger(__name__)
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -811,21 +813,16 @@ class Channel:
                                f"({self.timeout_s:g} s)") from None
 
     async def _connect(self, index: int) -> H2Connection:
-        loop = asyncio.get_running_loop()
         conn: H2Connection | None = None
         try:
             async with asyncio.timeout(self.timeout_s):
-                _, conn = await loop.create_connection(
+                conn = await connect(
                     lambda: H2Connection(path=self._method, authority=self._authority, timeout_s=self.timeout_s),
                     self.host, self.port)
                 await conn.ready
-        except BaseException as exc:
+        except BaseException:
             if conn is not None:  # connected, but no SETTINGS in time (or cancelled): not left open
                 conn.abort()
-            if type(exc) is OSError and exc.errno is None:
-                # asyncio's "Multiple exceptions: ..." when every address of the name failed (`localhost` as
-                # ::1 and 127.0.0.1, plain asyncio loop): no errno left, but the server could not be reached.
-                raise ConnectionLostError(f"cannot connect to {self.host}:{self.port}: {exc}") from exc
             raise
         finally:
             self._connecting[index] = None

@@ -20,6 +20,7 @@ import collections
 from dataclasses import dataclass
 from typing import cast
 
+from client.connecting import connect
 from client.wire import ResponseFormatError
 
 # An answer's head larger than this is not Triton's: refuse it rather than buffer without bound.
@@ -28,10 +29,6 @@ _MAX_HEAD_BYTES = 64 * 1024
 
 class ConnectionClosedError(ConnectionResetError):
     """The server closed the connection before the whole answer arrived."""
-
-
-class ConnectFailedError(ConnectionError):
-    """No address of the server's name accepted a connection."""
 
 
 @dataclass(frozen=True)
@@ -294,14 +291,10 @@ class Pool:
         self._open.add(placeholder)
         try:
             async with asyncio.timeout_at(deadline):
-                _, conn = await asyncio.get_running_loop().create_connection(_Connection, self.host, self.port)
-        except BaseException as exc:
+                conn = await connect(_Connection, self.host, self.port)
+        except BaseException:
             self._open.discard(placeholder)
             self._wake_one()  # its place is free again: a waiter may connect in its stead
-            if type(exc) is OSError and exc.errno is None:
-                # asyncio's "Multiple exceptions: ..." when every address of the name failed (`localhost` as
-                # ::1 and 127.0.0.1): no errno left to classify by, but the server could not be reached.
-                raise ConnectFailedError(f"cannot connect to {self.host}:{self.port}: {exc}") from exc
             raise
         self._open.discard(placeholder)
         if self._closed:  # closed while this one connected: not the pool's any more, so never used
