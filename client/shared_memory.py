@@ -12,20 +12,19 @@ System regions are Python's `multiprocessing.shared_memory` segments, which is w
 system shared-memory module uses from 2.55 on: the 2.50 module that pins perf_analyzer's binary here
 finds its C helper through `pkg_resources`, which setuptools 81 removed. The standard library's resource
 tracker also unlinks a segment its creator left behind when the process is killed outright (SIGKILL), so
-no /dev/shm entry outlives perfclient. CUDA regions use `tritonclient.utils.cuda_shared_memory` (cuda-python).
+no /dev/shm entry outlives perfclient. CUDA regions are device buffers allocated through cuda-python
+(`client.cuda_memory`; tritonclient 2.50's CUDA module needs the `cuda.cudart` that cuda-python 13 dropped),
+registered with their IPC handle; the server opens them once and reads each request's tensors in place.
 """
 
 from __future__ import annotations
 
 import atexit
-import importlib.util
 import logging
 import math
 import os
 import secrets
-import sys
 import time
-import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from multiprocessing import shared_memory as mpshm
@@ -34,6 +33,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from client import cuda_memory
 from client.choices import Choice
 from client.datatypes import numpy_dtype
 from client.errors import PerfClientError
@@ -86,27 +86,9 @@ class _Region:
     name: str  # registered under this name; the system segment's key is "/" + name
     byte_size: int
     release: Callable[[], None]  # unmap and unlink (system) or free (CUDA)
-    handle: Any = None  # CUDA: tritonclient's handle, whose IPC handle registration sends
+    buffer: cuda_memory.DeviceBuffer | None = None  # CUDA: the device buffer, whose IPC handle registration sends
     segment: mpshm.SharedMemory | None = None  # system: the mapped segment
     registered: bool = False
-
-
-def _load_cuda_module() -> Any:
-    """tritonclient's CUDA shared-memory module, or one line saying what is missing."""
-    # tritonclient 2.50 imports pkg_resources there without using it; setuptools >= 81 has none. An empty
-    # stand-in only for that import, removed again so nothing else mistakes it for the real one.
-    stand_in = "pkg_resources" not in sys.modules and importlib.util.find_spec("pkg_resources") is None
-    if stand_in:
-        sys.modules["pkg_resources"] = types.ModuleType("pkg_resources")
-    try:
-        import tritonclient.utils.cuda_shared_memory as cudashm
-    except (ImportError, RuntimeError) as exc:  # RuntimeError: tritonclient's own "requires cuda-python"
-        raise PerfClientError(f"{FLAG} cuda: needs cuda-python and an NVIDIA GPU (pip install '.[gpu]'); "
-                              f"{_first_line(exc)}") from exc
-    finally:
-        if stand_in:
-            sys.modules.pop("pkg_resources", None)
-    return cudashm
 
 
 def _output_bytes(datatype: str, shape: list[int], batch: int | None) -> int | None:
@@ -137,7 +119,7 @@ class SharedMemoryPool:
         self._token = f"{PREFIX}_{os.getpid()}_{secrets.token_hex(4)}"
         self._regions: list[_Region] = []
         self._outputs: dict[str, dict[str, ShmRef]] = {}  # model -> output name -> its region
-        self._cudashm = _load_cuda_module() if config.kind is SharedMemoryKind.CUDA else None
+        self._cudart = cuda_memory.runtime(FLAG) if config.kind is SharedMemoryKind.CUDA else None
         self._client: Any
         if protocol == "grpc":
             import tritonclient.grpc as grpc_tc
@@ -164,7 +146,7 @@ class SharedMemoryPool:
         name = f"{self._token}_{len(self._regions)}"
         size = max(byte_size, 1)  # a zero-byte tensor still needs a mappable region
         try:
-            if self._cudashm is None:
+            if self._cudart is None:
                 region = self._system_region(name, size, data)
             else:
                 region = self._cuda_region(name, size, data)
@@ -193,20 +175,23 @@ class SharedMemoryPool:
         return _Region(name, size, release, segment=segment)
 
     def _cuda_region(self, name: str, size: int, data: NDArray[Any] | None) -> _Region:
-        cudashm = self._cudashm
-        assert cudashm is not None
-        handle = cudashm.create_shared_memory_region(name, size, self.config.device_id)
-        if data is not None:
-            cudashm.set_shared_memory_region(handle, [np.ascontiguousarray(data)])
-        return _Region(name, size, lambda: cudashm.destroy_shared_memory_region(handle), handle)
+        assert self._cudart is not None
+        buffer = cuda_memory.DeviceBuffer(self._cudart, size, self.config.device_id)
+        try:
+            if data is not None:
+                buffer.write(np.ascontiguousarray(data).tobytes())
+        except BaseException:
+            buffer.free()
+            raise
+        return _Region(name, size, buffer.free, buffer=buffer)
 
     def _register(self, region: _Region) -> None:
         try:
-            if self._cudashm is None:
+            if region.buffer is None:
                 self._client.register_system_shared_memory(region.name, f"/{region.name}", region.byte_size,
                                                            **self._timeout())
             else:
-                raw = self._cudashm.get_raw_handle(region.handle)
+                raw = region.buffer.raw_handle_b64()
                 self._client.register_cuda_shared_memory(region.name, raw, self.config.device_id,
                                                          region.byte_size, **self._timeout())
         except Exception as exc:
@@ -250,11 +235,15 @@ class SharedMemoryPool:
         return refs
 
     def contents(self, ref: ShmRef) -> bytes:
-        """The bytes `ref` points at in a system region (what the server wrote into an output region)."""
+        """The bytes `ref` points at in a region (what the server wrote into an output region)."""
         for region in self._regions:
-            if region.name == ref.region and region.segment is not None and region.segment.buf is not None:
+            if region.name != ref.region:
+                continue
+            if region.buffer is not None:
+                return region.buffer.read(ref.byte_size, ref.offset)
+            if region.segment is not None and region.segment.buf is not None:
                 return bytes(region.segment.buf[ref.offset : ref.offset + ref.byte_size])
-        raise KeyError(f"no open system region {ref.region!r}")
+        raise KeyError(f"no open region {ref.region!r}")
 
     def close(self) -> None:
         """Unregister every region from the server (best effort) and release it here; idempotent."""
@@ -296,7 +285,7 @@ class SharedMemoryPool:
             log.debug("closing the shared-memory control client: %s", _first_line(exc))
 
     def _unregister(self, region: _Region) -> None:
-        if self._cudashm is None:
+        if region.buffer is None:
             self._client.unregister_system_shared_memory(region.name, **self._timeout())
         else:
             self._client.unregister_cuda_shared_memory(region.name, **self._timeout())

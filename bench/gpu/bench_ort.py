@@ -9,8 +9,9 @@ Steps, each printed as one JSON line and gathered in DIR/ort_gpu_bench.json and 
 2. in-process, per precision at batch 64: the ceiling (IO binding, input and output on the GPU, no
    copies) and the runner's own path (host buffer -> device -> host), NVML energy over each;
 3. served by the bundled Triton through the python-backend runner (builder/repository/python_model.py,
-   provider cuda), loaded by perfclient over gRPC: each precision at concurrency 32 and 256 with dynamic
-   batching, FP16 at 32 without it, FP16 at 256 without shared memory, and FP16 at 256 with two instances;
+   provider cuda), loaded by perfclient over gRPC with CUDA shared memory (--shared-memory): each precision
+   at concurrency 32 and 256 with dynamic batching, FP16 at 32 without it, FP16 at 32 and 256 with system
+   shared memory and with none;
    NVML energy per window cross-checked against Triton's nv_energy_consumption; CPU seconds of the
    client, the Triton server and the python stubs per second of load.
 """
@@ -31,9 +32,10 @@ from typing import Any
 import numpy as np
 
 from builder.repository import python_model  # the runner copied into each model folder (untyped)
-from builder.repository.triton_config import BackendConfig, ConfigInputs, InstanceKind, TritonBackend, build, to_text
+from builder.repository.triton_config import ConfigInputs, build, to_text
+from builder.runtimes.onnxruntime_cuda import CudaOptions, CudnnSearch, cuda_backend_config
 from builder.serving.triton_server import Ports, TritonServer, free_ports
-from builder.spec import DimRange, ServingSpec, TensorSpec
+from builder.spec import DimRange, ServingBackend, ServingSpec, TensorSpec
 from client.engine import LevelResult, LoadLevel, Measurement
 from client.power import PowerSource
 from client.report import result_dict
@@ -184,9 +186,9 @@ def ablation(models: Path, seconds: float) -> dict[str, Any]:
 def write_model(root: Path, name: str, onnx: Path, *, batching: bool, instances: int, delay_us: int,
                 graphs: bool = True) -> None:
     serving = ServingSpec(instances=instances, dynamic_batching=batching, max_queue_delay_us=delay_us)
-    backend = BackendConfig(TritonBackend.PYTHON, "model.onnx", InstanceKind.GPU,
-                            parameters=(("provider", "cuda"), ("cudnn_conv_algo_search", SEARCH),
-                                        ("cuda_graphs", "1" if graphs else "0")))
+    # The config `trtbuild --runtime onnxruntime-cuda` writes (python runner, provider cuda, GPU inputs kept).
+    options = CudaOptions(cudnn_conv_algo_search=CudnnSearch(SEARCH), cuda_graphs=graphs)
+    backend = cuda_backend_config(ServingBackend.PYTHON, options)
     config = build(ConfigInputs(name=name, inputs=(INPUT,), outputs=(OUTPUT,), batch=DimRange(1, 32, MAX_BATCH),
                                 serving=serving, backend=backend))
     version = root / name / "1"
@@ -227,27 +229,31 @@ def window_checks(level: LevelResult) -> list[dict[str, float | None]]:
     return rows
 
 
-def served(models: Path, *, interval_ms: int, delay_us: int, tmp: Path, instances: int = 1) -> list[dict[str, Any]]:
+def served(models: Path, *, interval_ms: int, delay_us: int, tmp: Path, instances: int = 1,
+           shm: str = "cuda") -> list[dict[str, Any]]:
+    """Every model on one server, each load level measured in turn. `shm` is the shared memory of the
+    main rows (cuda: inputs reach the runner as device tensors); FP16 is also measured with system
+    shared memory and with none, to show what each host copy costs."""
     repository = tmp / "repository"
-    plan: list[tuple[str, int, bool]] = []  # (model, concurrency, shared memory)
+    plan: list[tuple[str, int, str]] = []  # (model, concurrency, shared memory)
     for precision in PRECISIONS:
         name = f"{precision}_batched"
         # INT8 Q/DQ: ONNX Runtime leaves some nodes on the CPU and refuses CUDA graphs (in-process step).
         write_model(repository, name, onnx_path(models, precision), batching=True, instances=instances,
                     delay_us=delay_us, graphs=precision != "int8")
-        plan += [(name, 32, True), (name, 256, True)]
+        plan += [(name, 32, shm), (name, 256, shm)]
     write_model(repository, "fp16_unbatched", onnx_path(models, "fp16"), batching=False, instances=instances,
                 delay_us=0)
-    plan += [("fp16_unbatched", 32, True), ("fp16_batched", 256, False)]
-    if instances == 1:  # does a second instance help? (each is its own python stub process)
-        write_model(repository, "fp16_batched_x2", onnx_path(models, "fp16"), batching=True, instances=2,
-                    delay_us=delay_us)
-        plan.append(("fp16_batched_x2", 256, True))
+    plan += [("fp16_unbatched", 32, shm)]
+    plan += [("fp16_batched", c, kind) for kind in ("system", "none") if kind != shm for c in (32, 256)]
     http, grpc, metrics = free_ports(3)
     server = TritonServer(repository, tmp / "state", Ports(http, grpc, metrics),
                           # Loading a CUDA runner (a session and a cuDNN search per bucket) outlasts the
                           # python backend's default 30 s stub timeout.
-                          extra_args=["--metrics-interval-ms=100", "--backend-config=python,stub-timeout-seconds=600"])
+                          extra_args=["--metrics-interval-ms=100", "--backend-config=python,stub-timeout-seconds=600",
+                                      # GPU inputs reach the python stubs through this pool (default 64 MB,
+                                      # less than 256 requests of 602 KB in flight).
+                                      "--cuda-memory-pool-byte-size=0:1073741824"])
     t0 = time.perf_counter()
     try:
         server.start(timeout=540)
@@ -263,19 +269,19 @@ def served(models: Path, *, interval_ms: int, delay_us: int, tmp: Path, instance
     try:
         assert server.process is not None
         stubs = stub_pids()
-        for model, concurrency, shm in plan:
+        for model, concurrency, kind in plan:
             config = SessionConfig(
                 models=(model,), url=f"127.0.0.1:{grpc}", levels=(LoadLevel(concurrency=concurrency),),
                 measurement=Measurement(measurement_ms=interval_ms, max_trials=5, warmup_requests=2 * concurrency),
                 metrics_url=f"http://127.0.0.1:{metrics}/metrics", power_source=PowerSource.NVML,
-                shared_memory=SharedMemory(SharedMemoryKind.SYSTEM if shm else SharedMemoryKind.NONE, 0),
+                shared_memory=SharedMemory(SharedMemoryKind(kind), 0),
             )
             cpu0 = (resource.getrusage(resource.RUSAGE_SELF), cpu_seconds(server.process.pid),
                     sum(cpu_seconds(p) for p in stubs), time.perf_counter())
             (row,) = run(config)
             me, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter() - cpu0[3]
             result = result_dict(row.result)
-            result |= {"model": model, "shared_memory": shm, "window_checks": window_checks(row.result),
+            result |= {"model": model, "shared_memory": kind, "window_checks": window_checks(row.result),
                        "cpu_cores_busy": {
                            "client": round((me.ru_utime + me.ru_stime - cpu0[0].ru_utime - cpu0[0].ru_stime) / wall, 2),
                            "tritonserver": round((cpu_seconds(server.process.pid) - cpu0[1]) / wall, 2),
@@ -320,7 +326,7 @@ def markdown(doc: dict[str, Any]) -> str:
         worst = max(ratios, key=lambda x: abs(x - 1)) if ratios else None
         cpu = r["cpu_cores_busy"]
         lines.append(
-            f"| {r['model']} | {r['concurrency']} | {'system' if r['shared_memory'] else 'no'} | "
+            f"| {r['model']} | {r['concurrency']} | {r['shared_memory']} | "
             f"{r['throughput']:.0f} | {f(r['throughput'] / ceilings[p] if p in ceilings else None, '.2f')} | "
             f"{r['latency_us']['p50'] / 1e3:.1f} | "
             f"{r['latency_us']['p99'] / 1e3:.1f} | {f(r['power'].get('avg_w'), '.0f')} | "
@@ -339,6 +345,8 @@ def main() -> int:
     p.add_argument("--delay-us", type=int, default=1000, help="dynamic batching max queue delay")
     p.add_argument("--search", default=SEARCH, help="cudnn_conv_algo_search of every runner")
     p.add_argument("--instances", type=int, default=1, help="model instances (python stubs) per served model")
+    p.add_argument("--shared-memory", default="cuda", choices=("cuda", "system", "none"),
+                   help="how perfclient sends the main rows' inputs (FP16 is also measured with the others)")
     p.add_argument("--skip", default="", help="comma-separated steps to skip: shape,ablation,inprocess,served")
     args = p.parse_args()
     SEARCH = args.search
@@ -359,7 +367,7 @@ def main() -> int:
     if "served" not in skip:
         with tempfile.TemporaryDirectory(prefix="ort-gpu-bench-") as tmp:
             doc["served"] = served(args.models, interval_ms=args.interval_ms, delay_us=args.delay_us, tmp=Path(tmp),
-                                   instances=args.instances)
+                                   instances=args.instances, shm=args.shared_memory)
     doc["instances"] = args.instances
     (args.out / "ort_gpu_bench.json").write_text(json.dumps(doc, indent=2) + "\n")
     if doc["in_process"] and doc.get("served"):

@@ -79,6 +79,8 @@ def check_answers(repository: Path, grpc_url: str, http_url: str) -> list[dict[s
     import onnxruntime as ort
     import tritonclient.grpc as grpcclient
     clients: dict[str, Any] = {"grpc": (grpcclient, grpcclient.InferenceServerClient(grpc_url))}
+    # The same requests with their inputs in CUDA shared memory: the runner gets them as device tensors.
+    clients["grpc-cudashm"] = (grpcclient, grpcclient.InferenceServerClient(grpc_url))
     try:  # the GPU machines' tritonclient has no HTTP extra (geventhttpclient)
         import tritonclient.http as httpclient
 
@@ -108,19 +110,31 @@ def _compare(pair: Any, protocol: str, config: Any, feeds: dict[str, NDArray[Any
     module, client = pair
     row: dict[str, Any] = {"model": config.name, "protocol": protocol, "batch": batch,
                            "seq": seq if any(a.dtype == np.int64 for a in feeds.values()) else None}
+    buffers: list[Any] = []
     try:
         request = []
         for name, array in feeds.items():
             item = module.InferInput(name, list(array.shape), "INT64" if array.dtype == np.int64 else "FP32")
-            item.set_data_from_numpy(array)
+            if protocol.endswith("cudashm"):
+                from client.cuda_memory import DeviceBuffer, runtime
+
+                buffer = DeviceBuffer(runtime("validate"), array.nbytes, 0)
+                buffers.append(buffer)
+                buffer.write(np.ascontiguousarray(array).tobytes())
+                region = f"validate_{config.name}_{name}_{len(buffers)}"
+                client.register_cuda_shared_memory(region, buffer.raw_handle_b64(), 0, array.nbytes)
+                item.set_shared_memory(region, array.nbytes)
+            else:
+                item.set_data_from_numpy(array)
             request.append(item)
         outputs = [module.InferRequestedOutput(o.name) for o in config.output]
         t0 = time.perf_counter()
         answer = client.infer(config.name, request, outputs=outputs)
         row["served_ms"] = round((time.perf_counter() - t0) * 1e3, 1)
         response = answer.get_response()
-        row["response_outputs"] = str(response.outputs if protocol == "grpc" else response.get("outputs"))[:600]
-        if protocol == "grpc":
+        grpc = protocol.startswith("grpc")
+        row["response_outputs"] = str(response.outputs if grpc else response.get("outputs"))[:600]
+        if grpc:
             row["raw_output_bytes"] = [len(b) for b in response.raw_output_contents]
         for output in config.output:
             got = answer.as_numpy(output.name)
@@ -135,6 +149,11 @@ def _compare(pair: Any, protocol: str, config: Any, feeds: dict[str, NDArray[Any
             row["ok"] = bool(row["max_abs_diff_vs_ort_cuda"] <= 1e-2 and cos >= 0.999)
     except Exception as exc:  # noqa: BLE001 -- a failed answer is this row's result
         row |= {"ok": False, "error": repr(exc)[:600]}
+    finally:
+        if buffers:
+            client.unregister_cuda_shared_memory()
+            for buffer in buffers:
+                buffer.free()
     print(json.dumps(row), flush=True)
     return row
 

@@ -11,12 +11,15 @@ shape changes (seconds per run in FP16, measured), and consecutive batches under
 differ in size. A batch is padded up to the next bucket, so each session only ever sees one shape.
 Each bucket has its input and output tensors preallocated on the device (IO binding), page-locked
 host staging buffers where cuda-python is importable, and, where every node runs on the CUDA
-provider, a CUDA graph captured once at load.
+provider, a CUDA graph captured once at load. Inputs that a client sent through CUDA shared memory
+arrive as device tensors (the config sets FORCE_CPU_ONLY_INPUT_TENSORS no) and are copied on the GPU
+straight into the bucket's bound input, so no byte of them crosses host memory.
 """
 
 # mypy: ignore-errors
 from __future__ import annotations
 
+import ctypes
 import gc
 import json
 import logging
@@ -67,6 +70,7 @@ class CpuRunner:
         return self.session.run(self.output_names, feed)
 
     def run_many(self, feeds):
+        feeds = [host_feed(f) for f in feeds]
         return self.run({n: np.concatenate([f[n] for f in feeds]) for n in feeds[0]})
 
     def describe(self):
@@ -89,6 +93,95 @@ def _pin(array):
     return True
 
 
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):  # DLManagedTensor starts with it (DLPack < 1.0, what the backend exports)
+    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32), ("dtype", _DLDataType),
+                ("shape", ctypes.POINTER(ctypes.c_int64)), ("strides", ctypes.POINTER(ctypes.c_int64)),
+                ("byte_offset", ctypes.c_uint64)]
+
+
+_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_pointer.restype = ctypes.c_void_p
+_capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+_DL_CUDA, _DL_CUDA_MANAGED = 2, 13
+_NUMPY_OF_DL = {(2, 32): np.float32, (2, 16): np.float16, (2, 64): np.float64, (0, 64): np.int64,
+                (0, 32): np.int32, (0, 8): np.int8, (1, 8): np.uint8, (6, 8): np.bool_}
+
+
+class DeviceInput:
+    """A request's input that lives on the GPU: its address, shape and dtype read from the DLPack capsule
+    the python backend exports (`Tensor.to_dlpack()`), which it keeps alive while the batch runs."""
+
+    devices = (_DL_CUDA, _DL_CUDA_MANAGED)
+
+    def __init__(self, capsule, owner=None):
+        self._keep = (capsule, owner)
+        view = ctypes.cast(_capsule_pointer(capsule, b"dltensor"), ctypes.POINTER(_DLTensor)).contents
+        if view.device.device_type not in self.devices:
+            raise ValueError(f"DLPack device type {view.device.device_type} is not a CUDA device")
+        key = (view.dtype.code, view.dtype.bits)
+        if key not in _NUMPY_OF_DL or view.dtype.lanes != 1:
+            raise ValueError(f"DLPack dtype code {view.dtype.code}, {view.dtype.bits} bits is not supported")
+        self.dtype = np.dtype(_NUMPY_OF_DL[key])
+        self.shape = tuple(int(view.shape[i]) for i in range(view.ndim))
+        if view.strides:  # NULL strides mean row-major; anything else must be row-major too
+            expected, step = [], 1
+            for dim in reversed(self.shape):
+                expected.insert(0, step)
+                step *= max(dim, 1)
+            if [int(view.strides[i]) for i in range(view.ndim)] != expected:
+                raise ValueError(f"a non-contiguous device tensor (shape {self.shape}) is not supported")
+        self.ptr = int(view.data or 0) + int(view.byte_offset)
+        self.device_id = int(view.device.device_id)
+        self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+    def __len__(self):
+        return self.shape[0] if self.shape else 1
+
+    def numpy(self):
+        """A host copy, for runners that take numpy arrays (CPU, one plain CUDA session)."""
+        out = np.empty(self.shape, dtype=self.dtype)
+        _memcpy(out.ctypes.data, self.ptr, self.nbytes)
+        return out
+
+
+def _cudart():
+    from cuda.bindings import runtime as cudart
+
+    return cudart
+
+
+def _memcpy(dst, src, nbytes, *, stream=0, sync=True):
+    """cudaMemcpyAsync with the direction taken from the addresses (unified addressing), on the legacy
+    default stream; `sync` waits for it. ONNX Runtime runs on its own stream afterwards, so the
+    copies into a bound input must be complete before the run starts."""
+    rt = _cudart()
+    (err,) = rt.cudaMemcpyAsync(dst, src, nbytes, rt.cudaMemcpyKind.cudaMemcpyDefault, stream)
+    if err != rt.cudaError_t.cudaSuccess:
+        raise RuntimeError(f"cudaMemcpyAsync of {nbytes} bytes: {err}")
+    if sync:
+        _synchronize(stream)
+
+
+def _synchronize(stream=0):
+    rt = _cudart()
+    (err,) = rt.cudaStreamSynchronize(stream)
+    if err != rt.cudaError_t.cudaSuccess:
+        raise RuntimeError(f"cudaStreamSynchronize: {err}")
+
+
+def host_feed(feed):
+    """`feed` with every device input copied to a numpy array."""
+    return {n: v.numpy() if isinstance(v, DeviceInput) else v for n, v in feed.items()}
+
+
 class DynamicDims(ValueError):
     """An input or output has a dynamic dim besides the batch (a text model's sequence length): a bucket
     has no one shape to preallocate."""
@@ -99,6 +192,7 @@ class _Bucket:
 
     def __init__(self, path, size, *, provider_options, cuda_graph, device_id, pin=True):
         self.size = size
+        self.device_id = device_id
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         options.log_severity_level = 3
@@ -134,15 +228,40 @@ class _Bucket:
         return self.run_parts([feed], rows)
 
     def run_parts(self, feeds, rows):
-        """Requests' inputs concatenated straight into the staging buffer (one host copy, not two)."""
+        """Requests' inputs concatenated straight into the staging buffer (one host copy, not two); inputs
+        already on the GPU are copied device to device into the bound input at their row offset."""
         for name, host in self.host.items():
+            parts = [f[name] for f in feeds]
+            if any(isinstance(p, DeviceInput) for p in parts):
+                self._gather_on_device(name, parts, host)
+                continue
             if len(feeds) == 1:
-                host[:rows] = feeds[0][name]
+                host[:rows] = parts[0]
             else:
-                np.concatenate([f[name] for f in feeds], out=host[:rows])
+                np.concatenate(parts, out=host[:rows])
             self.inputs[name].update_inplace(host)
         self.session.run_with_iobinding(self.binding)
         return [self.outputs[name].numpy()[:rows] for name in self.output_names]
+
+    def _gather_on_device(self, name, parts, host):
+        """Each request's rows into the bound device input in order: GPU parts by a device-to-device copy,
+        host parts through the staging buffer; one synchronization for them all."""
+        _cudart().cudaSetDevice(self.device_id)  # the stub's thread may be on another device
+        base, offset, row = self.inputs[name].data_ptr(), 0, 0
+        row_bytes = host[0].nbytes
+        for part in parts:
+            n = len(part)
+            if isinstance(part, DeviceInput):
+                if part.nbytes != n * row_bytes:
+                    raise ValueError(f"input {name}: a device tensor of shape {part.shape} does not fit rows of "
+                                     f"{host.shape[1:]} {host.dtype}")
+                _memcpy(base + offset, part.ptr, part.nbytes, sync=False)
+            else:
+                host[row : row + n] = part
+                _memcpy(base + offset, host[row : row + n].ctypes.data, n * row_bytes, sync=False)
+            offset += n * row_bytes
+            row += n
+        _synchronize()
 
 
 class CudaBucketRunner:
@@ -203,6 +322,7 @@ class CudaBucketRunner:
         rows = sum(len(f[self.input_names[0]]) for f in feeds)
         if rows <= self.sizes[-1]:
             return self.buckets[self.bucket_for(rows)].run_parts(feeds, rows)
+        feeds = [host_feed(f) for f in feeds]  # more rows than any bucket: run in chunks from the host
         return self.run({n: np.concatenate([f[n] for f in feeds]) for n in self.input_names})
 
     def describe(self):
@@ -258,6 +378,14 @@ def make_runner(path, params, max_batch):
         return CudaPlainRunner(path, provider_options=options, reason=str(exc))
 
 
+def _input(tensor):
+    """A request's input as numpy (host memory) or, where the backend hands it over on the GPU, as a
+    DeviceInput; only the bucket runner copies those on the device, the others take a host copy."""
+    if tensor.is_cpu():
+        return tensor.as_numpy()
+    return DeviceInput(tensor.to_dlpack(), tensor)
+
+
 class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
@@ -275,9 +403,8 @@ class TritonPythonModel:
         pb_utils.Logger.log_info(f"{args['model_name']}: {json.dumps(self.runner.describe())}")
 
     def execute(self, requests):
-        feeds = []
-        for request in requests:
-            feeds.append({n: pb_utils.get_input_tensor_by_name(request, n).as_numpy() for n in self.input_names})
+        feeds = [{n: _input(pb_utils.get_input_tensor_by_name(request, n)) for n in self.input_names}
+                 for request in requests]
         responses = [None] * len(requests)
         groups: dict[tuple, list[int]] = {}
         for index, feed in enumerate(feeds):
@@ -289,7 +416,7 @@ class TritonPythonModel:
                     produced = self.runner.run_many([feeds[i] for i in indices])
                 else:
                     produced = self.runner.run({n: v.reshape(()) if n in self.scalars else v
-                                                for n, v in feeds[indices[0]].items()})
+                                                for n, v in host_feed(feeds[indices[0]]).items()})
                 results = [produced[i] for i in self.order]
             except Exception as exc:  # noqa: BLE001 - report to each client instead of crashing the stub
                 for i in indices:

@@ -193,4 +193,8 @@ def cuda_backend_config(serving_backend: ServingBackend, o: CudaOptions) -> Back
                          instance_kind=InstanceKind.GPU,
                          parameters=(("provider", "cuda"), ("device_id", str(o.device_id)),
                                      ("cudnn_conv_algo_search", o.cudnn_conv_algo_search.value),
-                                     ("cuda_graphs", "1" if o.cuda_graphs else "0")))
+                                     ("cuda_graphs", "1" if o.cuda_graphs else "0"),
+                                     # Inputs a client sent through CUDA shared memory reach the runner
+                                     # as device tensors (copied on the GPU into its bound buffers)
+                                     # instead of being staged through host memory by the backend.
+                                     ("FORCE_CPU_ONLY_INPUT_TENSORS", "no")))

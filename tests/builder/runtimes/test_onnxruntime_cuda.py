@@ -91,6 +91,7 @@ def test_python_runner_config_runs_on_a_gpu_instance_with_the_cuda_provider() ->
     params = {k: v.string_value for k, v in config.parameters.items()}
     assert params["provider"] == "cuda" and params["cudnn_conv_algo_search"] == "HEURISTIC"
     assert params["cuda_graphs"] == "1" and params["onnx_file"] == "model.onnx"
+    assert params["FORCE_CPU_ONLY_INPUT_TENSORS"] == "no"  # CUDA shared-memory inputs stay on the device
     assert not config.optimization.execution_accelerators.gpu_execution_accelerator
 
 
@@ -188,3 +189,70 @@ def test_tensorrt_fp16_on_another_runtime_is_one_line_not_silently_dropped() -> 
     with pytest.raises(RuntimeUnavailableError, match=r"on onnxruntime\)"):
         select(RuntimeChoice.ONNXRUNTIME, cuda_options=CudaOptions(tensorrt_fp16=True))
     assert isinstance(select(RuntimeChoice.ONNXRUNTIME, cuda_options=CudaOptions()), OnnxRuntimeCPU)
+
+
+class _HostDeviceInput(python_model.DeviceInput):  # type: ignore[misc]
+    """DeviceInput's capsule parsing, checked on a host (DLPack CPU) capsule: the layout is the same."""
+
+    devices = (1,)
+
+
+def test_a_dlpack_capsule_gives_the_tensors_address_shape_and_dtype() -> None:
+    array = np.arange(2 * 3 * 4, dtype=np.float16).reshape(2, 3, 4)
+    view = _HostDeviceInput(array.__dlpack__())
+    assert view.ptr == array.ctypes.data and view.shape == (2, 3, 4) and view.dtype == np.float16
+    assert view.nbytes == array.nbytes and len(view) == 2
+    ints = np.zeros((5, 7), dtype=np.int64)[1:]  # an offset view: its own address, still contiguous
+    assert _HostDeviceInput(ints.__dlpack__()).ptr == ints.ctypes.data
+
+
+def test_a_host_or_strided_dlpack_tensor_is_refused_with_the_reason() -> None:
+    with pytest.raises(ValueError, match="DLPack device type 1 is not a CUDA device"):
+        RUNNER.DeviceInput(np.zeros((2, 3), dtype=np.float32).__dlpack__())
+    with pytest.raises(ValueError, match=r"non-contiguous device tensor \(shape \(3, 2\)\)"):
+        _HostDeviceInput(np.zeros((2, 3), dtype=np.float32).T.__dlpack__())
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_bucket_runner_gathers_device_and_host_inputs_on_the_gpu(tmp_path: Path) -> None:
+    """Requests whose inputs arrive on the GPU (CUDA shared memory) are copied device to device into the
+    bound input, mixed in one batch with host ones, and give what the CPU gives."""
+    from client.cuda_memory import DeviceBuffer, runtime
+
+    path = conv_onnx(tmp_path / "conv.onnx")
+    runner = RUNNER.CudaBucketRunner(str(path), max_batch=16, provider_options={}, sizes=[8, 16])
+    cpu = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(2)
+    parts = [rng.standard_normal((rows, 3, 32, 32), dtype=np.float32) for rows in (3, 1, 5, 2)]
+    buffers = []
+    feeds: list[dict[str, Any]] = []
+    for index, part in enumerate(parts):
+        if index % 2 == 1:
+            feeds.append({"x": part})
+            continue
+        buffer = DeviceBuffer(runtime("test"), part.nbytes, 0)
+        buffer.write(part.tobytes())
+        buffers.append(buffer)
+        device = object.__new__(RUNNER.DeviceInput)  # what DeviceInput reads from a backend's capsule
+        device.ptr, device.shape, device.dtype, device.nbytes = buffer.ptr, part.shape, part.dtype, part.nbytes
+        device.device_id = 0
+        feeds.append({"x": device})
+    try:
+        (y,) = runner.run_many(feeds)
+        want = cpu.run(["y"], {"x": np.concatenate(parts)})[0]
+        np.testing.assert_allclose(y, want, rtol=1e-3, atol=1e-4)
+        np.testing.assert_array_equal(feeds[0]["x"].numpy(), parts[0])  # the host copy of a device input
+        # A runner without buckets (varying sequence length) takes device inputs through a host copy.
+        plain = RUNNER.make_runner(str(sequence_onnx(tmp_path / "seq.onnx")), {"provider": "cuda"}, 8)
+        ids = np.random.default_rng(3).integers(0, 50, size=(2, 7), dtype=np.int64)
+        buffer = DeviceBuffer(runtime("test"), ids.nbytes, 0)
+        buffers.append(buffer)
+        buffer.write(ids.tobytes())
+        device = object.__new__(RUNNER.DeviceInput)
+        device.ptr, device.shape, device.dtype, device.nbytes = buffer.ptr, ids.shape, ids.dtype, ids.nbytes
+        device.device_id = 0
+        np.testing.assert_allclose(plain.run_many([{"ids": device}])[0], plain.run({"ids": ids})[0], rtol=1e-6)
+    finally:
+        for buffer in buffers:
+            buffer.free()
