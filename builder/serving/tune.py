@@ -28,7 +28,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -39,6 +39,7 @@ from google.protobuf import json_format
 from builder.errors import BuilderError, ServerError
 from builder.repository import triton_config
 from builder.repository.lock import repository_lock
+from builder.repository.model_folder import read_record
 from builder.serving.triton_server import ModelControl, Ports, TritonServer, free_ports
 from builder.spec import tuned as tuned_file
 from builder.spec.tuned import TunedServing
@@ -516,8 +517,11 @@ class Tuner:
     """Measures points on a target; a point that fails is recorded with its reason, not raised."""
 
     def __init__(self, target: Target, concurrencies: Sequence[int], *, measurement_ms: int = 3000,
-                 max_trials: int = 6, point_timeout_s: float | None = None) -> None:
+                 max_trials: int = 6, point_timeout_s: float | None = None,
+                 shapes: Mapping[str, Mapping[str, tuple[int, ...]]] | None = None) -> None:
         self.target = target
+        # By variant: the shapes its requests take where config.pbtxt leaves dims free (load_shapes).
+        self.shapes = dict(shapes or {})
         self.concurrencies = list(concurrencies)
         self.measurement = Measurement(measurement_ms=measurement_ms, max_trials=max_trials, warmup_requests=20)
         # Warm-up (at most a minute in perfclient), the windows, and slack, for each concurrency.
@@ -552,6 +556,7 @@ class Tuner:
             models=(point.variant,), url=endpoints.grpc,
             levels=tuple(LoadLevel(concurrency=c) for c in self.concurrencies), measurement=self.measurement,
             metrics_url=endpoints.metrics, power_source=self.power_source,
+            shapes=self.shapes.get(point.variant, {}),
         )
         try:
             # perfclient's windows show inside it, one bar per concurrency.
@@ -589,12 +594,24 @@ class Tuner:
         return results
 
 
+def load_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
+    """The shapes a variant's requests take where its config.pbtxt leaves dims free (-1): each such
+    input's opt shape from build.json, without the batch axis for a batching model and whole for one
+    built with max_batch_size 0. Empty for a record without shapes (an older build)."""
+    record = read_record(model_dir)
+    if record is None or record.shapes is None:
+        return {}
+    shapes = record.shapes
+    return {name: shapes.sample_range(name).opt for name in shapes.inputs if -1 in shapes.config_dims(name)}
+
+
 @contextlib.contextmanager
 def TuneServer(repository: Path, variants: Sequence[str], concurrencies: Sequence[int],
                measurement_ms: int = 3000, max_trials: int = 6) -> Iterator[Tuner]:
     """A private server over a copy of the variants and a tuner on it (bench scripts use this)."""
     with LocalTarget(repository, variants) as target:
-        yield Tuner(target, concurrencies, measurement_ms=measurement_ms, max_trials=max_trials)
+        yield Tuner(target, concurrencies, measurement_ms=measurement_ms, max_trials=max_trials,
+                    shapes={v: load_shapes(repository / v) for v in variants})
 
 
 @dataclass(frozen=True)
@@ -996,7 +1013,8 @@ def tune(repository: Path, space: Space, objective: Objective, *, search: Search
     changes: list[str] = []
     with target:
         tuner = Tuner(target, concurrencies, measurement_ms=measurement_ms, max_trials=max_trials,
-                      point_timeout_s=point_timeout_s)
+                      point_timeout_s=point_timeout_s,
+                      shapes={v: load_shapes(repository / v) for v in space.variants})
         measured = tuner.measured
         try:
             _search(search, space, default, tuner, objective, trials=trials, seed=seed)
