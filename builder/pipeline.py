@@ -201,7 +201,7 @@ def build_model(spec: ModelSpec, options: BuildOptions, staging: Staging) -> Mod
         work = Path(tmp)
         fp32_path = work / "reference.onnx"
         _source_onnx(spec, fp32_path)
-        sig = onnx_model.signature(onnx_model.infer_shapes(onnx_model.load(fp32_path), what), what)
+        sig = onnx_model.signature(onnx_model.inferred(fp32_path, what), what)
         onnx_model.check_manifest_inputs(sig, spec.inputs, what)
         shapes = for_model(spec, sig.inputs, what)
         if not shapes.batching:
@@ -210,7 +210,7 @@ def build_model(spec: ModelSpec, options: BuildOptions, staging: Staging) -> Mod
         evaluation, calibration = _load_samples(spec, sig, shapes)
         calibration_digest = samples.digest(calibration) if calibration is not None else None
         # Everything a variant depends on; its digest is the build key, and a changed field names the reason.
-        inputs_record = {"onnx": onnx_model.sha256_file(fp32_path), "evaluation": samples.digest(evaluation),
+        inputs_record = {"onnx": onnx_model.sha256_model(fp32_path), "evaluation": samples.digest(evaluation),
                          "calibration": calibration_digest, "spec": _digest(_spec_fingerprint(spec)),
                          "runtime": {"name": options.runtime.name, **options.runtime.identity()},
                          "recipe": precision.RECIPE_VERSION, "tools": tool_versions()}
@@ -230,7 +230,7 @@ def build_model(spec: ModelSpec, options: BuildOptions, staging: Staging) -> Mod
         slim_report = cleanup.slim(fp32_path, samples.take(evaluation, 0, 4), batch_size=eval_batch)
         onnx_model.check_runs_at_levels(fp32_path, sig.inputs, shapes, what)
         model = ModelContext(
-            spec=spec, fp32_path=fp32_path, fp32_sha=onnx_model.sha256_file(fp32_path),
+            spec=spec, fp32_path=fp32_path, fp32_sha=onnx_model.sha256_model(fp32_path),
             signature=onnx_model.signature(onnx_model.load(fp32_path), what),
             evaluation=evaluation, calibration=calibration, calibration_digest=calibration_digest,
             reference=onnx_model.run_fp32(fp32_path, evaluation, eval_batch, what), build_key=key,

@@ -3,7 +3,6 @@ TensorRT is absent (the variant ONNX itself is the artifact)."""
 
 from __future__ import annotations
 
-import shutil
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -87,7 +86,9 @@ class OnnxRuntimeCPU:
         """Nothing to carry: the artifact is rebuilt from the variant ONNX in a copy."""
 
     def compile(self, onnx_path: Path, out_path: Path, target: CompileTarget) -> None:
-        shutil.copyfile(onnx_path, out_path)
+        from builder.steps.onnx_model import copy_model
+
+        copy_model(onnx_path, out_path)  # with its data file, if it has one
 
     def run(self, artifact: Path, samples: Mapping[str, NDArray[Any]], batch_size: int | None) -> Outputs:
         return run_file(artifact, samples, batch_size)

@@ -54,13 +54,14 @@ def _slim(path: Path, probe: Mapping[str, NDArray[Any]], batch_size: int | None)
         log.warning("onnxslim failed (%s); keeping the exported graph", exc)
         return SlimReport(applied=False, reason=str(exc))
     candidate = path.with_suffix(".slim.onnx")
-    onnx.save(slimmed, str(candidate))
+    nodes_after = len(slimmed.graph.node)
+    onnx_model.save(slimmed, candidate)  # its weights beside it where they exceed one protobuf
     # batch_size None: a model that does not batch runs each probe sample whole.
     reference = run_file(path, probe, batch_size)
     try:
         result = run_file(candidate, probe, batch_size)
     except ORT_ERRORS as exc:  # onnxslim wrote a graph ONNX Runtime rejects: keep the exported one
-        candidate.unlink()
+        onnx_model.remove_model(candidate)
         log.warning("onnxslim's graph does not run under ONNX Runtime (%s); keeping the exported graph",
                     last_line(exc, 200))
         return SlimReport(applied=False, reason=f"slimmed graph does not run: {type(exc).__name__}",
@@ -68,12 +69,11 @@ def _slim(path: Path, probe: Mapping[str, NDArray[Any]], batch_size: int | None)
     worst = max(float(np.max(np.abs(reference[k] - result[k]))) for k in reference)
     same = all(np.allclose(reference[k], result[k], atol=_ATOL, rtol=_RTOL) for k in reference)
     if not same:
-        candidate.unlink()
+        onnx_model.remove_model(candidate)
         log.warning("onnxslim changed outputs (max abs diff %.3g); keeping the exported graph", worst)
         return SlimReport(applied=False, reason=f"outputs changed by {worst:.3g}", nodes_before=nodes_before,
                           max_abs_diff=worst)
-    candidate.replace(path)
+    onnx_model.move_model(candidate, path)
     onnx_model.load(path)
-    nodes_after = len(slimmed.graph.node)
     log.debug("onnxslim: %d -> %d nodes (max abs diff %.2g)", nodes_before, nodes_after, worst)
     return SlimReport(applied=True, nodes_before=nodes_before, nodes_after=nodes_after, max_abs_diff=worst)

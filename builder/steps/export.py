@@ -73,5 +73,5 @@ def export(spec: ModelSpec, out_path: Path) -> onnx.ModelProto:
             raise BuilderError(f"model {spec.name!r}: ONNX export failed: {exc}") from exc
     model = onnx_model.load(out_path)
     model = onnx_model.infer_shapes(model, f"model {spec.name!r}")
-    onnx.save(model, str(out_path))
+    onnx_model.save(model, out_path)
     return model

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import math
-import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ from builder.spec.enums import Precision
 from builder.spec.model import Tolerance
 from builder.steps import accuracy
 from builder.steps.accuracy import Metrics
+from builder.steps.onnx_model import copy_model, save
 from builder.steps.precision import Fp16Settings, to_fp16
 from client import progress
 
@@ -80,7 +80,7 @@ def named_copy(fp32_path: Path, out: Path) -> Path:
                 name += "_"
             node.name = name
             taken.add(name)
-    onnx.save(model, str(out))
+    save(model, out)
     return out
 
 
@@ -292,8 +292,8 @@ def guard_fp16(*, fp32_path: Path, feeds: Sequence[Mapping[str, NDArray[Any]]], 
         convert(Fp16Settings(), plain)
         report, guarded = guard(convert, evaluate, plain=plain, tolerance=tolerance, work=folder)
     if guarded is not None:
-        shutil.copyfile(guarded, variant_onnx)
+        copy_model(guarded, variant_onnx)
     else:
-        shutil.copyfile(fp32_path, variant_onnx)
+        copy_model(fp32_path, variant_onnx)
         log.warning("%s: no FP16 mix meets the tolerance; serving the FP32 model under the FP16 name", what)
     return report

@@ -15,7 +15,6 @@ Each quantization is cached like any other calibration, so a re-run costs little
 from __future__ import annotations
 
 import logging
-import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -28,7 +27,7 @@ from numpy.typing import NDArray
 from builder.runtimes.onnxruntime import ort_throughput, run_file
 from builder.spec.enums import Precision, Task
 from builder.spec.model import CalibrationSpec, Tolerance
-from builder.steps import accuracy, precision, samples
+from builder.steps import accuracy, onnx_model, precision, samples
 from builder.steps.accuracy import Metrics
 from client import progress
 
@@ -196,7 +195,7 @@ def guard_int8(*, fp32_path: Path, fp32_sha: str, calibration: Mapping[str, NDAr
                batch_size: int | None = 16) -> GuardReport:
     """Replace variant_onnx by the guarded INT8 mix, or by FP16 when none meets the tolerance."""
     plain = work / "int8_plain.onnx"
-    shutil.copyfile(variant_onnx, plain)
+    onnx_model.copy_model(variant_onnx, plain)
     search_dir = work / "guard"
     search_dir.mkdir(exist_ok=True)
     quantize = make_quantizer(fp32_path, fp32_sha, calibration, calibration_digest, cache_dir)
@@ -204,7 +203,7 @@ def guard_int8(*, fp32_path: Path, fp32_sha: str, calibration: Mapping[str, NDAr
                             task=task, tolerance=tolerance, work=search_dir, batch_size=batch_size)
     fallback = None
     if guarded is not None:
-        shutil.copyfile(guarded, variant_onnx)
+        onnx_model.copy_model(guarded, variant_onnx)
     else:
         precision.to_fp16(fp32_path, variant_onnx, feeds=fp16_feeds, what=what)
         fallback = Precision.FP16

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import hashlib
-import shutil
+import os
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,7 @@ from builder.errors import ManifestError, OnnxModelError
 from builder.spec.dtypes import from_onnx
 from builder.spec.model import TensorSpec
 from builder.spec.shapes import Level, ModelShapes, format_shape
+from client.files import copy_atomic
 
 if TYPE_CHECKING:
     from numpy.typing import NDArray
@@ -46,23 +48,31 @@ def sha256_file(path: Path) -> str:
 
 
 def load(path: Path) -> onnx.ModelProto:
-    """Read and check an ONNX file; a missing, foreign or truncated file gives one clear error."""
+    """Read and check an ONNX file, with its external data (if any); a missing, foreign or truncated file,
+    or external data missing beside it, gives one clear error."""
     if not path.exists():
         raise OnnxModelError(f"{path}: file not found")
     if not path.is_file():
         raise OnnxModelError(f"{path}: not a file")
     try:
+        external = _has_external_data(path)
         model = onnx.load(str(path), load_external_data=True)
-    except (DecodeError, ValueError, RuntimeError, OSError) as exc:
-        raise OnnxModelError(f"{path}: not a readable ONNX model ({type(exc).__name__}: {exc})") from exc
+    except (DecodeError, ValueError, RuntimeError, OSError, onnx.checker.ValidationError) as exc:
+        # onnx checks an external data file's path while loading it: a missing one is a ValidationError.
+        raise OnnxModelError(f"{path}: not a readable ONNX model ({type(exc).__name__}: {_first_line(exc)})") from exc
     if not model.graph.node or not model.opset_import:
         raise OnnxModelError(f"{path}: not an ONNX model (no graph nodes or opset; truncated or another format?)")
     try:
-        onnx.checker.check_model(model, full_check=False)
+        # By path where the weights live beside it: the checker takes no message over 2 GB.
+        onnx.checker.check_model(str(path) if external else model, full_check=False)
     except onnx.checker.ValidationError as exc:
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else "validation failed"
-        raise OnnxModelError(f"{path}: ONNX checker rejected the model: {first_line}") from exc
+        raise OnnxModelError(f"{path}: ONNX checker rejected the model: {_first_line(exc)}") from exc
     return model
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else "validation failed"
 
 
 def infer_shapes(model: onnx.ModelProto, what: str) -> onnx.ModelProto:
@@ -70,6 +80,22 @@ def infer_shapes(model: onnx.ModelProto, what: str) -> onnx.ModelProto:
         return onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True)
     except (onnx.shape_inference.InferenceError, RuntimeError) as exc:
         raise OnnxModelError(f"{what}: shape inference failed: {exc}") from exc
+
+
+def inferred(path: Path, what: str) -> onnx.ModelProto:
+    """The checked model at `path` with its shapes inferred. A model with external data is inferred from
+    its file (no message over 2 GB in memory) and comes back without its weights: for its signature."""
+    if not _has_external_data(path):
+        return infer_shapes(load(path), what)
+    load(path)  # the checks, and one line for missing data
+    out = path.with_name(f".{path.name}.{os.getpid()}.inferred")
+    try:
+        onnx.shape_inference.infer_shapes_path(str(path), str(out), check_type=True, strict_mode=True)
+        return onnx.load(str(out), load_external_data=False)
+    except (onnx.shape_inference.InferenceError, RuntimeError) as exc:
+        raise OnnxModelError(f"{what}: shape inference failed: {exc}") from exc
+    finally:
+        out.unlink(missing_ok=True)
 
 
 def signature(model: onnx.ModelProto, what: str) -> Signature:
@@ -150,27 +176,100 @@ def run_fp32(path: Path, samples: Mapping[str, NDArray[Any]], batch_size: int | 
                              f"{tool_cause(exc, limit=400)}") from exc
 
 
-# protobuf cannot serialize one message over 2 GB: larger models keep their weights in a data file.
-_PROTOBUF_LIMIT = 2**31 - 1
+# protobuf cannot serialize one message over 2 GB: larger models keep their weights in a data file
+# (a module attribute, so a test can lower it and take the data-file branch with a small model).
+PROTOBUF_LIMIT = 2**31 - 1
+
+
+def data_file(path: Path) -> Path:
+    """Where `save` puts the weights of a model too large for one protobuf: `NAME.onnx.data` beside it."""
+    return path.with_name(path.name + ".data")
+
+
+def save(model: onnx.ModelProto, path: Path) -> None:
+    """Write `model` to `path`: one file when it fits in a protobuf, else with its weights in
+    `data_file(path)` (the tensors then move out of `model`). The data is written first and the .onnx
+    last, by rename, so a reader finding the .onnx finds its data; a stale data file is removed."""
+    try:
+        external = model.ByteSize() >= PROTOBUF_LIMIT
+    except (ValueError, OverflowError):  # too large even to measure
+        external = True
+    data = data_file(path)
+    data.unlink(missing_ok=True)  # onnx appends to an existing data file
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        if external:
+            onnx.save(model, str(temporary), save_as_external_data=True, all_tensors_to_one_file=True,
+                      location=data.name)
+            # onnx creates the data file private (0600); it gets the model file's mode (the umask's), so
+            # a server running as another user (a container's) can read it.
+            os.chmod(data, stat.S_IMODE(temporary.stat().st_mode))
+        else:
+            onnx.save(model, str(temporary))
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
 
 
 def copy_model(source: Path, target: Path) -> None:
     """The model at `source` written to `target` with its external data (if any) loaded and written
-    again: inline when the whole fits in one protobuf, else into `target.name + '.data'` beside it."""
+    again (`save`: inline when the whole fits in one protobuf, else in `data_file(target)`). Atomic:
+    `target` appears whole, its data first."""
     if not _has_external_data(source):
-        shutil.copyfile(source, target)
+        data_file(target).unlink(missing_ok=True)
+        copy_atomic(source, target)
         return
-    model = load(source)
-    if model.ByteSize() < _PROTOBUF_LIMIT:
-        onnx.save(model, str(target))
+    save(load(source), target)
+
+
+def move_model(source: Path, target: Path) -> None:
+    """`copy_model`, then the source and its data files removed."""
+    if _has_external_data(source):
+        copy_model(source, target)
+        remove_model(source)
     else:
-        onnx.save(model, str(target), save_as_external_data=True, all_tensors_to_one_file=True,
-                  location=target.name + ".data")
+        data_file(target).unlink(missing_ok=True)
+        os.replace(source, target)
+
+
+def remove_model(path: Path) -> None:
+    """The model file and the data files it points to."""
+    if path.is_file():
+        for data in _external_files(path):
+            data.unlink(missing_ok=True)
+    path.unlink(missing_ok=True)
+
+
+def _external_files(path: Path) -> list[Path]:
+    """The data files the model's initializers point to (none for a self-contained model)."""
+    model = onnx.load(str(path), load_external_data=False)
+    found = {entry.value for t in model.graph.initializer if onnx.external_data_helper.uses_external_data(t)
+             for entry in t.external_data if entry.key == "location"}
+    return [path.parent / name for name in sorted(found)]
 
 
 def _has_external_data(path: Path) -> bool:
-    model = onnx.load(str(path), load_external_data=False)
-    return any(onnx.external_data_helper.uses_external_data(t) for t in model.graph.initializer)
+    return bool(_external_files(path))
+
+
+def model_size(path: Path) -> int:
+    """Bytes of an ONNX file and the data files it points to; of any other file (a plan), its own."""
+    size = path.stat().st_size
+    if path.suffix == ".onnx":
+        size += sum(data.stat().st_size for data in _external_files(path))
+    return size
+
+
+def sha256_model(path: Path) -> str:
+    """The model's digest: its file's, and where it keeps weights in data files, theirs too (new weights
+    in the same graph are a new model). A self-contained model's (or a plan's) is its file's sha256."""
+    files = _external_files(path) if path.suffix == ".onnx" else []
+    if not files:
+        return sha256_file(path)
+    digest = hashlib.sha256(sha256_file(path).encode())
+    for data in files:
+        digest.update(f"{data.name}:{sha256_file(data)}".encode())
+    return digest.hexdigest()
 
 
 def default_opset(path: Path) -> int | None:

@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -38,7 +37,6 @@ from builder.spec.settings import default_cache_dir
 from builder.steps import onnx_model
 from builder.steps import samples as sample_sets
 from client import progress
-from client.files import copy_atomic
 from client.logs import active_log_file
 
 log = logging.getLogger(__name__)
@@ -218,7 +216,7 @@ def to_fp16(fp32_path: Path, out_path: Path, *, feeds: Sequence[Mapping[str, NDA
             raise ToolError(f"{what}: FP16 conversion (ModelOpt autocast) failed: "
                             f"{tool_cause(exc, output, hide={fp32_path: 'the model', Path(tmp): 'its feeds'})} "
                             f"(full output: {record})") from exc
-    onnx.save(model, str(out_path))
+    onnx_model.save(model, out_path)
     onnx_model.load(out_path)
     return settings.record()
 
@@ -270,7 +268,7 @@ def to_int8(
     cached = cache_dir / "calibration" / f"{key}.onnx"
     if cached.is_file():
         log.debug("INT8: reusing calibration %s (inputs unchanged)", key[:12])
-        shutil.copyfile(cached, out_path)
+        onnx_model.copy_model(cached, out_path)
         return CalibrationResult(spec.recipe, spec.method, samples, key, True, _count_q(out_path), settings)
     log.debug("INT8: calibrating on %d samples (%s, %s recipe)", samples, spec.method, spec.recipe)
     with progress.task(f"INT8 calibration: {samples} samples, {spec.method}, {spec.recipe}"), \
@@ -298,8 +296,10 @@ def to_int8(
         if qdq == 0 and not spec.nodes_to_quantize:
             log.warning("INT8: %s quantized no node of %s (ModelOpt skips GEMV-shaped and small MatMuls); "
                         "the int8 variant computes in FP32", spec.recipe, fp32_path.name)
-        copy_atomic(tmp_out, cached)
-        shutil.copyfile(tmp_out, out_path)
+        # With the data file ModelOpt writes beside a model over 2 GB.
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        onnx_model.copy_model(tmp_out, cached)
+        onnx_model.copy_model(tmp_out, out_path)
     return CalibrationResult(spec.recipe, spec.method, samples, key, False, qdq, settings)
 
 

@@ -13,7 +13,7 @@ from builder.steps.accuracy import Metrics
 from builder.steps.context import VariantContext
 from builder.steps.fp16_guard import Fp16GuardReport
 from builder.steps.guard import GuardReport
-from builder.steps.onnx_model import sha256_file
+from builder.steps.onnx_model import model_size, sha256_model
 from builder.steps.precision import CalibrationResult
 
 
@@ -40,8 +40,8 @@ class VariantResult:
             precision=ctx.precision,
             runtime=ctx.runtime.name,
             artifact=str(Path(ctx.name) / "1" / ctx.runtime.artifact),
-            sha256=sha256_file(ctx.artifact),
-            size_bytes=ctx.artifact.stat().st_size,
+            sha256=sha256_model(ctx.artifact),  # with the data file beside an ONNX over 2 GB
+            size_bytes=model_size(ctx.artifact),
             accuracy=ctx.metrics,
             tolerance=ctx.model.spec.tolerance(ctx.precision),
             build_seconds=round(time.perf_counter() - ctx.started, 3),

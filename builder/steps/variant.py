@@ -10,7 +10,6 @@ in a test given a context that holds what it reads.
 from __future__ import annotations
 
 import logging
-import shutil
 from pathlib import Path
 from typing import Protocol
 
@@ -24,7 +23,7 @@ from builder.steps.accuracy import Metrics
 from builder.steps.context import ModelContext, VariantContext
 from builder.steps.fp16_guard import guard_fp16
 from builder.steps.guard import guard_int8
-from builder.steps.onnx_model import default_opset, sha256_file
+from builder.steps.onnx_model import copy_model, default_opset, sha256_model
 from builder.steps.results import VariantResult
 from client import progress
 
@@ -60,7 +59,7 @@ class MakePrecision:
     def run(self, ctx: VariantContext) -> None:
         model = ctx.model
         if ctx.precision is Precision.FP32:
-            shutil.copyfile(model.fp32_path, ctx.variant_onnx)
+            copy_model(model.fp32_path, ctx.variant_onnx)  # with its data file, if it has one
             ctx.settings = {}
         elif ctx.precision is Precision.FP16:
             ctx.settings = precision.to_fp16(model.fp32_path, ctx.variant_onnx, feeds=fp16_feeds(model),
@@ -81,7 +80,7 @@ class Compile:
     artifacts of an earlier build that are still valid)."""
 
     def run(self, ctx: VariantContext) -> None:
-        ctx.variant_sha = sha256_file(ctx.variant_onnx)
+        ctx.variant_sha = sha256_model(ctx.variant_onnx)
         source, written = default_opset(ctx.model.fp32_path), default_opset(ctx.variant_onnx)
         if source != written:  # ModelOpt upgrades old exports (autocast to 13, Q/DQ to 19): say so
             log.debug("%s: the variant ONNX is opset %s (the model's is %s)", ctx.name, written, source)
