@@ -1,6 +1,7 @@
 """ONNX models shaped like the ones users bring (issue 12), one per class: each builds FP32, FP16 and
 INT8 through `trtbuild build`, serves on the bundled Triton (one server for all) and passes
-`trtbuild verify`. Bad shape flags are one line naming the flag and the input."""
+`trtbuild verify`; the FP16-sensitive one through the FP16 guard. Bad shape flags are one line naming
+the flag and the input."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import onnx
 import pytest
 
 from builder.cli import main
@@ -77,6 +79,27 @@ def test_shapes_reach_config_and_the_record(foreign: tuple[Path, list[ForeignMod
     assert old["opset"]["model"] == 11 and old["opset"]["variant"] > 11  # the upgrade is recorded
     vad = (repository / "vad_int8" / "config.pbtxt").read_text()
     assert 'string_value: "sr"' in vad and "dims: 2\n  dims: 1\n  dims: 128" in vad
+
+
+def test_plain_fp16_misses_on_the_sensitive_model_and_the_guard_keeps_one_node_in_fp32(
+        foreign: tuple[Path, list[ForeignModel], dict[str, int]]) -> None:
+    repository, _, _ = foreign
+    record = json.loads((repository / "sensor_fp16" / "build.json").read_text())
+    guard = record["fp16_guard"]
+    assert guard["fallback"] is None and guard["kept_fp32_nodes"] == ["centre"]
+    assert guard["before"]["cosine_min"] < 0.999 <= guard["after"]["cosine_min"]  # the default limit
+    assert guard["fp16_nodes_plain"] == 5 and guard["fp16_nodes_guarded"] == 4
+    assert record["precision_settings"]["nodes_to_exclude"] == ["centre"]
+    assert record["accuracy"]["cosine_min"] == guard["after"]["cosine_min"]
+
+
+def test_an_opset_21_model_with_ai_onnx_ml_5_is_served_at_its_opsets(
+        foreign: tuple[Path, list[ForeignModel], dict[str, int]]) -> None:
+    repository, _, _ = foreign
+    for precision in PRECISIONS:
+        served = onnx.load(str(repository / f"opset21_{precision}" / "1" / "model.onnx"))
+        opsets = {o.domain or "ai.onnx": o.version for o in served.opset_import}
+        assert opsets["ai.onnx"] == 21 and opsets["ai.onnx.ml"] == 5, (precision, opsets)
 
 
 def test_every_class_serves_and_verify_passes(foreign: tuple[Path, list[ForeignModel], dict[str, int]],

@@ -56,7 +56,7 @@ def _save(graph: onnx.GraphProto, path: Path, opset: int = 17, *, external: bool
 
 
 def _npz(path: Path, arrays: dict[str, NDArray[np.generic]]) -> Path:
-    np.savez(path, **arrays)  # type: ignore[arg-type]
+    np.savez(path, **arrays)
     return path
 
 
@@ -65,7 +65,7 @@ def detector(folder: Path) -> ForeignModel:
     convs → upsample the deeper map → Concat with the shallower one → 1x1 conv → preds[b, 6, anchors].
     H and W must be multiples of 4, or the Concat's maps differ (the failure the issue saw in autocast)."""
     rng = np.random.default_rng(1)
-    dyn = ["p2o.DynamicDimension.0", 3, "p2o.DynamicDimension.1", "p2o.DynamicDimension.2"]
+    dyn: list[str | int] = ["p2o.DynamicDimension.0", 3, "p2o.DynamicDimension.1", "p2o.DynamicDimension.2"]
     nodes = [
         helper.make_node("Conv", ["images", "w1", "b1"], ["c1"], strides=[2, 2], pads=[1, 1, 1, 1], name="stem"),
         helper.make_node("Relu", ["c1"], ["f1"]),
@@ -213,6 +213,65 @@ def opset11(folder: Path) -> ForeignModel:
     return ForeignModel("opset11", "opset 11 export", path, data, (), "", True)
 
 
+def opset21(folder: Path) -> ForeignModel:
+    """An opset 21 export with the newest `ai.onnx.ml` (5): x[batch, 8, 32] → MatMul → Add → Relu →
+    MatMul → y[batch, 8, 16], and ReduceMean with `axes` as an input (its form from opset 18 on) → an
+    `ai.onnx.ml` Normalizer → energy[batch, 8]."""
+    rng = np.random.default_rng(7)
+    nodes = [
+        helper.make_node("MatMul", ["x", "w1"], ["h0"]),
+        helper.make_node("Add", ["h0", "b1"], ["h"]),
+        helper.make_node("Relu", ["h"], ["r"]),
+        helper.make_node("MatMul", ["r", "w2"], ["y"]),
+        helper.make_node("ReduceMean", ["r", "axes"], ["pooled"], keepdims=0),
+        helper.make_node("Normalizer", ["pooled"], ["energy"], domain="ai.onnx.ml", norm="L2", name="normalize"),
+    ]
+    graph = helper.make_graph(
+        nodes, "new",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8, 32])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 8, 16]),
+         helper.make_tensor_value_info("energy", TensorProto.FLOAT, ["batch", 8])],
+        initializer=[_init(rng, "w1", 32, 64), _init(rng, "b1", 64, scale=0.1), _init(rng, "w2", 64, 16),
+                     numpy_helper.from_array(np.array([2], np.int64), "axes")],
+    )
+    path = _save(graph, folder / "opset21.onnx", opset=21, domains=(("ai.onnx.ml", 5),))
+    data = _npz(folder / "opset21.npz", {"x": rng.standard_normal((SAMPLES, 8, 32)).astype(np.float32)})
+    return ForeignModel("opset21", "opset 21 export, `ai.onnx.ml` 5", path, data, (), "", True)
+
+
+FEATURES = 16
+
+
+def fp16_sensitive(folder: Path) -> ForeignModel:
+    """Plain FP16 provably misses its tolerance: x[batch, 16] − offset (300 + u, |u| ≤ 0.12) → ×10 → MatMul
+    → Relu → MatMul → logits[batch, 8], fed values around 300, as a normalization layer fed raw sensor
+    values. FP16's spacing at 300 is 0.25, so the subtraction (node `centre`) loses the offset's fraction;
+    kept in FP32, the rest computes in FP16 within the default cosine_min 0.999."""
+    rng = np.random.default_rng(0)
+    offset = (300.0 + rng.uniform(-0.12, 0.12, FEATURES)).astype(np.float32)
+    nodes = [
+        helper.make_node("Sub", ["x", "offset"], ["centred"], name="centre"),
+        helper.make_node("Mul", ["centred", "scale"], ["scaled"], name="scale"),
+        helper.make_node("MatMul", ["scaled", "w1"], ["h0"], name="fc1"),
+        helper.make_node("Relu", ["h0"], ["h"], name="relu"),
+        helper.make_node("MatMul", ["h", "w2"], ["logits"], name="fc2"),
+    ]
+    graph = helper.make_graph(
+        nodes, "offset",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", FEATURES])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 8])],
+        initializer=[numpy_helper.from_array(offset, "offset"),
+                     numpy_helper.from_array(np.full(FEATURES, 10.0, np.float32), "scale"),
+                     numpy_helper.from_array((rng.standard_normal((FEATURES, 32)) / 4).astype(np.float32), "w1"),
+                     numpy_helper.from_array((rng.standard_normal((32, 8)) / 6).astype(np.float32), "w2")],
+    )
+    path = _save(graph, folder / "sensor.onnx")
+    data = _npz(folder / "sensor.npz",
+                {"x": (300.0 + 0.1 * rng.standard_normal((SAMPLES, FEATURES))).astype(np.float32)})
+    return ForeignModel("sensor", "FP16-sensitive: an offset FP16 cannot hold (plain FP16 misses cosine_min 0.999)",
+                        path, data, ("--max-batch", "8"), "batch = [1, 4, 8]\n", True)
+
+
 def external_data(folder: Path) -> ForeignModel:
     """Weights in a separate file beside the .onnx (save_as_external_data): x[batch, 8, 64] → MatMul →
     Relu → MatMul → y[batch, 8, 32]."""
@@ -233,7 +292,7 @@ def external_data(folder: Path) -> ForeignModel:
 
 
 MAKERS: tuple[Callable[[Path], ForeignModel], ...] = (
-    detector, ocr_classifier, stateful, int32_classifier, opset11, external_data)
+    detector, ocr_classifier, stateful, int32_classifier, opset11, opset21, fp16_sensitive, external_data)
 
 
 def all_models(folder: Path) -> list[ForeignModel]:
