@@ -27,17 +27,19 @@ import time
 from collections.abc import Iterator
 from typing import Protocol, TextIO
 
-from rich.console import Console
+from rich.console import Console, ConsoleDimensions
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
     Progress,
+    ProgressColumn,
     SpinnerColumn,
     TaskID,
     TextColumn,
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
+from rich.table import Column
 
 from client.choices import Choice
 
@@ -200,24 +202,68 @@ class _Plain:
         self.reported.clear()
 
 
+_LIVE_MAX_WIDTH = 120  # a wider terminal gets a 120-column display, not bars spread over the whole width
+
+
+class _TerminalConsole(Console):
+    """A console as wide as the terminal it writes to. rich measures descriptors 0, 1 and 2, which during a
+    build are the log file (descriptor 2, see client.logs) and maybe a pipe or /dev/null: it then assumes
+    80 columns whatever the terminal's real width."""
+
+    @property
+    def size(self) -> ConsoleDimensions:
+        measured = super().size
+        width = measured.width
+        try:
+            if "COLUMNS" not in os.environ:  # rich's own rule: $COLUMNS wins
+                width = os.get_terminal_size(self.file.fileno()).columns or width
+        except (AttributeError, ValueError, OSError):  # not a terminal, or an in-memory stream
+            pass
+        return ConsoleDimensions(min(width, _LIVE_MAX_WIDTH), measured.height)
+
+    @size.setter
+    def size(self, new_size: tuple[int, int]) -> None:  # as rich's own setter: a fixed size
+        self._width, self._height = new_size
+
+
+def _columns() -> tuple[ProgressColumn, ...]:
+    """Counts, elapsed and remaining time keep their width; the description and the status give way (cut
+    with an ellipsis) on a narrow terminal. Without these limits rich cut the counts and times first: at
+    80 columns a guard's sensitivity pass read `0/… 0:… eta -:-…`."""
+    def fixed(width: int) -> Column:
+        return Column(no_wrap=True, min_width=width)
+
+    return (
+        SpinnerColumn(table_column=fixed(1)),
+        TextColumn("{task.description}", table_column=Column(ratio=2, no_wrap=True, overflow="ellipsis",
+                                                             min_width=12)),
+        BarColumn(bar_width=12, table_column=fixed(12)),
+        MofNCompleteColumn(table_column=fixed(3)),
+        TimeElapsedColumn(table_column=fixed(7)),
+        TextColumn("[dim]eta[/]", table_column=fixed(3)),
+        TimeRemainingColumn(table_column=fixed(7)),
+        TextColumn("{task.fields[status]}", style="dim",
+                   table_column=Column(ratio=1, no_wrap=True, overflow="ellipsis")),
+    )
+
+
 class _Live:
     """A rich progress display, started with the first open task and stopped with the last; finished
     tasks leave the screen (the CLI prints its own summary)."""
 
     def __init__(self, stream: TextIO | None) -> None:
         # Without a file, rich writes to whatever sys.stderr is at the time (see client.logs).
-        self.console = Console(file=stream, stderr=stream is None)
+        self.console = _TerminalConsole(file=stream, stderr=stream is None)
         self.progress: Progress | None = None
         self.open = 0
         self.lock = threading.RLock()
 
     def _display(self) -> Progress:
         if self.progress is None:
+            # expand: the columns share the width by their ratios, so the fixed ones are never cut.
             self.progress = Progress(
-                SpinnerColumn(), TextColumn("{task.description}"), BarColumn(bar_width=24),
-                MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("[dim]eta[/]"), TimeRemainingColumn(),
-                TextColumn("{task.fields[status]}", style="dim"),
-                console=self.console, transient=True, redirect_stdout=False, redirect_stderr=False,
+                *_columns(), console=self.console, transient=True, redirect_stdout=False, redirect_stderr=False,
+                expand=True,
             )
             self.progress.start()
         return self.progress

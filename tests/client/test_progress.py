@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import fcntl
 import io
 import logging
 import os
 import re
+import struct
 import subprocess
 import sys
-from collections.abc import Iterator
+import termios
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -176,3 +181,66 @@ def test_trtbuild_prints_plain_progress_when_piped_and_none_with_quiet(tmp_path:
     assert quiet.returncode == 0, quiet.stderr
     assert quiet.stderr == ""
     assert "build summary: 1 variant ready" in quiet.stdout  # the result still prints
+
+
+def _live_frames(columns: int, work: Callable[[], None]) -> list[str]:
+    """What a live display draws on a pseudo-terminal `columns` wide: its lines, escape codes removed."""
+    leader, follower = os.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+    chunks: list[bytes] = []
+
+    def read() -> None:
+        while True:
+            try:
+                data = os.read(leader, 1 << 16)
+            except OSError:
+                return
+            if not data:
+                return
+            chunks.append(data)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        with os.fdopen(follower, "w", closefd=False) as tty:
+            progress.configure(progress.Mode.LIVE, stream=tty)
+            work()
+            progress.configure(progress.Mode.OFF)
+            tty.flush()
+        time.sleep(0.2)
+    finally:
+        os.close(follower)
+        os.close(leader)
+        reader.join(timeout=5)
+    text = b"".join(chunks).decode("utf-8", "replace").replace("\r", "\n")
+    return [line for line in (re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", raw) for raw in text.split("\n")) if line.strip()]
+
+
+def _guard_pass() -> None:
+    with progress.task("efficientnet_lite0_int8: building"), \
+            progress.task("INT8 guard: sensitivity, one node quantized at a time", total=61) as bar:
+        for node in range(3):
+            time.sleep(0.15)
+            bar.advance(status=f"/blocks/blocks.{node}/conv/Conv")
+        time.sleep(0.3)  # rich redraws 10 times a second
+
+
+def test_live_display_keeps_counts_and_times_whole_on_an_80_column_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The description and status give way on a narrow terminal; the count, elapsed and remaining time do
+    not (rich cut those first: `0/… 0:… eta -:-…`)."""
+    monkeypatch.delenv("COLUMNS", raising=False)  # rich's override of the terminal's width
+    frames = [f for f in _live_frames(80, _guard_pass) if "INT8 guard" in f]
+    assert frames, frames
+    last = frames[-1]
+    assert re.search(r" 3/61 0:00:0\d eta (\d:\d\d:\d\d|-:--:--) ", last), last
+    assert len(last.rstrip()) <= 80, last
+
+
+def test_live_display_is_as_wide_as_its_terminal_not_as_descriptor_2(monkeypatch: pytest.MonkeyPatch) -> None:
+    """During a build descriptor 2 is the log file: the width comes from the terminal written to (rich's
+    own measure assumed 80 columns), up to 120."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    wide = [f for f in _live_frames(150, _guard_pass) if "INT8 guard" in f][-1]
+    assert "INT8 guard: sensitivity, one node quantized" in wide, wide
+    assert "/blocks/blocks.2/conv/Conv" in wide, wide
+    assert 80 < len(wide.rstrip()) <= 120, wide
