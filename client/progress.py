@@ -65,9 +65,10 @@ class _Renderer(Protocol):
 class Task:
     """One piece of work being tracked; `total` None means its length is unknown."""
 
-    def __init__(self, description: str, total: int | None, renderer: _Renderer) -> None:
+    def __init__(self, description: str, total: int | None, renderer: _Renderer, *, loop: bool = False) -> None:
         self.description = description
         self.total = total
+        self.loop = loop or total is not None  # its steps are counted: tasks inside it are its steps' parts
         self.completed = 0
         self.status = ""
         self.started = time.monotonic()
@@ -132,8 +133,8 @@ class _Plain:
     """Lines for logs: the start, the end, and in between a line when at least `interval` seconds passed
     and either a tenth of the total more is done or `quiet_limit` seconds passed (a 40-minute search
     then writes about 20 lines, not 240).
-    Tasks opened inside a counted task (a loop with a total) print nothing: the loop's own lines say
-    how far it is, and a line per iteration would flood the log."""
+    Tasks opened inside a counted task (a loop with a total, or one opened with `loop=True`) print
+    nothing: the loop's own lines say how far it is, and a line per iteration would flood the log."""
 
     def __init__(self, stream: TextIO | None, interval: float, quiet_limit: float = 120.0) -> None:
         self.stream = stream  # None: whatever sys.stderr is at the time of each line
@@ -149,7 +150,7 @@ class _Plain:
             print(text, file=self.stream or sys.stderr, flush=True)
 
     def start(self, task: Task) -> None:
-        inside_loop = any(t.total is not None for t in self.open)
+        inside_loop = any(t.loop for t in self.open)
         self.open.append(task)
         if inside_loop:
             self.hidden.add(id(task))
@@ -345,10 +346,12 @@ def echo(line: str) -> None:
 
 
 @contextlib.contextmanager
-def task(description: str, total: int | None = None) -> Iterator[Task]:
-    """Track one piece of work; the rendering configured now shows it until the block ends."""
+def task(description: str, total: int | None = None, *, loop: bool = False) -> Iterator[Task]:
+    """Track one piece of work; the rendering configured now shows it until the block ends. `loop`: a loop
+    of unknown length whose steps advance() counts (a search); like one with a total, the tasks opened
+    inside it are parts of its steps and print no plain lines of their own."""
     renderer = _renderer
-    current = Task(description, total, renderer)
+    current = Task(description, total, renderer, loop=loop)
     renderer.start(current)
     failed = True
     try:

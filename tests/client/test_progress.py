@@ -91,6 +91,22 @@ def test_tasks_inside_a_counted_loop_print_nothing_in_plain_mode() -> None:
     assert "[start] export" in text and "[done] export" in text
 
 
+def test_tasks_inside_a_loop_of_unknown_length_print_nothing_in_plain_mode() -> None:
+    stream = io.StringIO()
+    progress.configure(progress.Mode.PLAIN, stream=stream, interval=3600.0)
+    with progress.task("search", loop=True) as bar:
+        for _ in range(3):
+            with progress.task("calibration"):
+                pass
+            bar.advance()
+    with progress.task("spinner only"), progress.task("inside a task that is no loop"):
+        pass
+    lines = stream.getvalue().splitlines()
+    assert lines[0] == "[start] search" and re.fullmatch(r"\[done\] search \(\d+ s\)", lines[1]), lines
+    assert "calibration" not in stream.getvalue()
+    assert "[start] inside a task that is no loop" in lines
+
+
 def test_nothing_by_default_and_with_off(capsys: pytest.CaptureFixture[str]) -> None:
     progress.configure(progress.Mode.OFF)
     with progress.task("work", total=2) as bar:
