@@ -115,7 +115,7 @@ def guard(
     limit = max(1, int(len(order) * max_excluded_fraction))
     k, found = 1, None
     # The search's length depends on where the tolerance is met: a count of candidates, no total.
-    with progress.task("INT8 guard: searching the fewest nodes to keep unquantized") as search_bar:
+    with progress.task("INT8 guard: searching the fewest nodes to keep unquantized", loop=True) as search_bar:
         while k <= limit:
             if attempt(k)[0]:
                 found = k
