@@ -79,6 +79,8 @@ def _parser() -> argparse.ArgumentParser:
             "ONNX Runtime CUDA (with --runtime onnxruntime-cuda, or auto on a GPU without TensorRT)")
         cuda.add_argument("--cudnn-conv-algo-search", default="HEURISTIC", help="HEURISTIC | EXHAUSTIVE | DEFAULT")
         cuda.add_argument("--no-cuda-graphs", action="store_true", help="python runner: no CUDA graph per bucket")
+        cuda.add_argument("--cuda-layout", default="auto",
+                          help="auto | nhwc | nchw: convolution layout (auto: NHWC unless the graph has Q/DQ nodes)")
         cuda.add_argument("--ort-tensorrt-fp16", action="store_true",
                           help="native onnxruntime backend: gpu_execution_accelerator tensorrt, FP16")
 
@@ -276,7 +278,8 @@ def _build(args: argparse.Namespace, specs: list[ModelSpec]) -> int:
                            runtime=select(runtime_choice, serving_backend=serving_backend, trt_options=trt_options,
                                           cuda_options=CudaOptions(cudnn_conv_algo_search=args.cudnn_conv_algo_search,
                                                                    cuda_graphs=not args.no_cuda_graphs,
-                                                                   tensorrt_fp16=args.ort_tensorrt_fp16)))
+                                                                   tensorrt_fp16=args.ort_tensorrt_fp16,
+                                                                   layout=args.cuda_layout)))
     if args.command == "engines":  # `trtbuild tune`'s winners (tuned.toml beside the manifest) are kept
         from builder.spec.tuned import load_tuned, tuned_path
 

@@ -26,6 +26,7 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,7 @@ INPUT = TensorSpec("input", "float32", (-1, 3, 224, 224))
 OUTPUT = TensorSpec("logits", "float32", (-1, 1000))
 SEARCH = "HEURISTIC"  # --search; the committed H100 results ran EXHAUSTIVE (recorded in their JSON)
 RUNNER: Any = python_model  # untyped: it is copied into model folders, where Triton imports it
+PROVIDER_OPTIONS: dict[str, str] = {}  # --provider-option: extra CUDA provider options for every runner
 
 
 class Nvml:
@@ -121,7 +123,9 @@ def shape_change(models: Path) -> dict[str, Any]:
     return out
 
 
-def in_process(models: Path, nvml: Nvml, seconds: float) -> dict[str, Any]:
+def in_process(models: Path, nvml: Nvml, seconds: float, variants: list[dict[str, str]]) -> dict[str, Any]:
+    """Each precision's ceiling and runner path with the run's provider options, then the ceiling again
+    under each variant (extra CUDA provider options such as prefer_nhwc=1), side by side in one run."""
     rows: dict[str, Any] = {}
     x = np.random.default_rng(1).standard_normal((MAX_BATCH, 3, 224, 224), dtype=np.float32)
     for precision in PRECISIONS:
@@ -130,16 +134,28 @@ def in_process(models: Path, nvml: Nvml, seconds: float) -> dict[str, Any]:
         except Exception as exc:  # noqa: BLE001 - one precision's failure is a result; the others still run
             rows[precision] = {"error": str(exc).strip().splitlines()[-1][:300]}
         print(json.dumps({"in_process": precision} | rows[precision]), flush=True)
+        for extra in variants:
+            label = ",".join(f"{k}={v}" for k, v in extra.items())
+            try:
+                row = in_process_one(onnx_path(models, precision), nvml, seconds, x, extra=extra, copies=False)
+            except Exception as exc:  # noqa: BLE001 - an option ONNX Runtime refuses is a result
+                row = {"error": str(exc).strip().splitlines()[-1][:300]}
+            rows.setdefault("variants", {}).setdefault(label, {})[precision] = row
+            print(json.dumps({"in_process": precision, "variant": label} | row), flush=True)
     return rows
 
 
-def in_process_one(path: Path, nvml: Nvml, seconds: float, x: Any) -> dict[str, Any]:
-    runner = RUNNER.CudaBucketRunner(str(path), max_batch=MAX_BATCH,
-                                     provider_options={"cudnn_conv_algo_search": SEARCH})
+def in_process_one(path: Path, nvml: Nvml, seconds: float, x: Any, *, extra: dict[str, str] | None = None,
+                   copies: bool = True) -> dict[str, Any]:
+    runner = RUNNER.CudaBucketRunner(str(path), max_batch=MAX_BATCH, sizes=None if copies else [MAX_BATCH],
+                                     provider_options={"cudnn_conv_algo_search": SEARCH, **PROVIDER_OPTIONS,
+                                                       **(extra or {})})
     bucket = runner.buckets[MAX_BATCH]
     bucket.run({"input": x}, MAX_BATCH)
     ceiling = timed(lambda: bucket.session.run_with_iobinding(bucket.binding), seconds=seconds, nvml=nvml,
                     per_call=MAX_BATCH)
+    if not copies:
+        return {"ceiling_iobinding": ceiling, "runner": runner.describe()}
     with_copies = timed(lambda: runner.run({"input": x}), seconds=seconds, nvml=nvml, per_call=MAX_BATCH)
     return {"ceiling_iobinding": ceiling, "runner_with_copies": with_copies, "runner": runner.describe()}
 
@@ -189,6 +205,8 @@ def write_model(root: Path, name: str, onnx: Path, *, batching: bool, instances:
     # The config `trtbuild --runtime onnxruntime-cuda` writes (python runner, provider cuda, GPU inputs kept).
     options = CudaOptions(cudnn_conv_algo_search=CudnnSearch(SEARCH), cuda_graphs=graphs)
     backend = cuda_backend_config(ServingBackend.PYTHON, options)
+    if PROVIDER_OPTIONS:
+        backend = replace(backend, parameters=(*backend.parameters, *PROVIDER_OPTIONS.items()))
     config = build(ConfigInputs(name=name, inputs=(INPUT,), outputs=(OUTPUT,), batch=DimRange(1, 32, MAX_BATCH),
                                 serving=serving, backend=backend))
     version = root / name / "1"
@@ -230,13 +248,14 @@ def window_checks(level: LevelResult) -> list[dict[str, float | None]]:
 
 
 def served(models: Path, *, interval_ms: int, delay_us: int, tmp: Path, instances: int = 1,
-           shm: str = "cuda") -> list[dict[str, Any]]:
+           shm: str = "cuda", compare_shm: bool = True,
+           precisions: tuple[str, ...] = PRECISIONS) -> list[dict[str, Any]]:
     """Every model on one server, each load level measured in turn. `shm` is the shared memory of the
     main rows (cuda: inputs reach the runner as device tensors); FP16 is also measured with system
     shared memory and with none, to show what each host copy costs."""
     repository = tmp / "repository"
     plan: list[tuple[str, int, str]] = []  # (model, concurrency, shared memory)
-    for precision in PRECISIONS:
+    for precision in precisions:
         name = f"{precision}_batched"
         # INT8 Q/DQ: ONNX Runtime leaves some nodes on the CPU and refuses CUDA graphs (in-process step).
         write_model(repository, name, onnx_path(models, precision), batching=True, instances=instances,
@@ -245,7 +264,12 @@ def served(models: Path, *, interval_ms: int, delay_us: int, tmp: Path, instance
     write_model(repository, "fp16_unbatched", onnx_path(models, "fp16"), batching=False, instances=instances,
                 delay_us=0)
     plan += [("fp16_unbatched", 32, shm)]
-    plan += [("fp16_batched", c, kind) for kind in ("system", "none") if kind != shm for c in (32, 256)]
+    if delay_us:  # the batcher's wait at concurrency 32, where few requests queue
+        write_model(repository, "fp16_batched_nodelay", onnx_path(models, "fp16"), batching=True,
+                    instances=instances, delay_us=0)
+        plan.append(("fp16_batched_nodelay", 32, shm))
+    if compare_shm:
+        plan += [("fp16_batched", c, kind) for kind in ("system", "none") if kind != shm for c in (32, 256)]
     http, grpc, metrics = free_ports(3)
     server = TritonServer(repository, tmp / "state", Ports(http, grpc, metrics),
                           # Loading a CUDA runner (a session and a cuDNN search per bucket) outlasts the
@@ -308,16 +332,23 @@ def markdown(doc: dict[str, Any]) -> str:
              "| precision | ceiling img/s | avg W | J/inf | with host copies img/s | J/inf |",
              "|---|---|---|---|---|---|"]
     for p, r in doc["in_process"].items():
+        if p == "variants":
+            continue
         if "error" in r:
             lines.append(f"| {p} | error: {r['error']} | | | | |")
             continue
         c, w = r["ceiling_iobinding"], r["runner_with_copies"]
         lines.append(f"| {p} | {c['infer_per_s']:.0f} | {c['avg_w']:.0f} | {c['j_per_infer']:.4f} | "
                      f"{w['infer_per_s']:.0f} | {w['j_per_infer']:.4f} |")
+    for label, rows in doc["in_process"].get("variants", {}).items():
+        cells = [f"{p} {r['ceiling_iobinding']['infer_per_s']:.0f} img/s {r['ceiling_iobinding']['j_per_infer']:.4f} J"
+                 if "error" not in r else f"{p} error: {r['error']}" for p, r in rows.items()]
+        lines.append(f"\nCeiling with {label}: " + "; ".join(cells))
     lines += ["", "Served (bundled Triton 2.51, python-backend runner on CUDA, perfclient gRPC):", "",
               "| model | conc. | shm | infer/s | x ceiling | p50 ms | p99 ms | avg W | J/inf | avg batch "
               "| Triton/NVML J (worst window) | CPU cores client/server/stubs |", "|" + "---|" * 12]
-    ceilings = {p: r["ceiling_iobinding"]["infer_per_s"] for p, r in doc["in_process"].items() if "error" not in r}
+    ceilings = {p: r["ceiling_iobinding"]["infer_per_s"] for p, r in doc["in_process"].items()
+                if p != "variants" and "error" not in r}
     for r in doc["served"]:
         if "model" not in r:
             continue
@@ -347,9 +378,17 @@ def main() -> int:
     p.add_argument("--instances", type=int, default=1, help="model instances (python stubs) per served model")
     p.add_argument("--shared-memory", default="cuda", choices=("cuda", "system", "none"),
                    help="how perfclient sends the main rows' inputs (FP16 is also measured with the others)")
+    p.add_argument("--served-precisions", default=",".join(PRECISIONS), help="precisions served (fp16 always)")
+    p.add_argument("--no-compare-shm", action="store_true", help="skip FP16 with the other shared-memory kinds")
+    p.add_argument("--provider-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra CUDA provider option for every runner, in-process and served (repeatable)")
+    p.add_argument("--in-process-variant", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
+                   help="also measure the in-process ceiling with these extra provider options (repeatable)")
     p.add_argument("--skip", default="", help="comma-separated steps to skip: shape,ablation,inprocess,served")
     args = p.parse_args()
     SEARCH = args.search
+    PROVIDER_OPTIONS.update(dict(o.split("=", 1) for o in args.provider_option))
+    variants = [dict(kv.split("=", 1) for kv in v.split(",")) for v in args.in_process_variant]
     args.out.mkdir(parents=True, exist_ok=True)
     skip = set(filter(None, args.skip.split(",")))
     import onnxruntime as ort
@@ -363,11 +402,16 @@ def main() -> int:
         print(json.dumps({"shape_change": doc["shape_change"]}), flush=True)
     if "ablation" not in skip:
         doc["ablation"] = ablation(args.models, args.in_process_seconds)
-    doc["in_process"] = {} if "inprocess" in skip else in_process(args.models, nvml, args.in_process_seconds)
+    doc["provider_options"] = PROVIDER_OPTIONS
+    doc["in_process"] = {} if "inprocess" in skip else in_process(args.models, nvml, args.in_process_seconds,
+                                                                   variants)
     if "served" not in skip:
         with tempfile.TemporaryDirectory(prefix="ort-gpu-bench-") as tmp:
             doc["served"] = served(args.models, interval_ms=args.interval_ms, delay_us=args.delay_us, tmp=Path(tmp),
-                                   instances=args.instances, shm=args.shared_memory)
+                                   instances=args.instances, shm=args.shared_memory,
+                                   compare_shm=not args.no_compare_shm,
+                                   precisions=tuple(p for p in PRECISIONS
+                                                    if p in args.served_precisions.split(",") or p == "fp16"))
     doc["instances"] = args.instances
     (args.out / "ort_gpu_bench.json").write_text(json.dumps(doc, indent=2) + "\n")
     if doc["in_process"] and doc.get("served"):

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 from numpy.typing import NDArray
 
@@ -44,25 +45,57 @@ class CudnnSearch(Choice):
         return str(list(CudnnSearch).index(self))
 
 
+class CudaLayout(Choice):
+    """The CUDA provider's tensor layout for convolutions (its `prefer_nhwc` option). Measured on an H200,
+    EfficientNet-Lite0 at batch 64 with IO binding: NHWC ran FP32 1.25x and FP16 1.20x as fast as NCHW
+    at 15 % less energy per inference, and the INT8 Q/DQ graph 0.52x. `auto` takes NHWC for graphs
+    without QuantizeLinear/DequantizeLinear nodes and NCHW for those with them."""
+
+    AUTO = "auto"
+    NHWC = "nhwc"
+    NCHW = "nchw"
+
+
+QDQ_OPS = frozenset({"QuantizeLinear", "DequantizeLinear"})
+
+
+def has_qdq(path: Path) -> bool:
+    """Whether the graph holds Q/DQ nodes (its weights are not loaded)."""
+    model = onnx.load(str(path), load_external_data=False)
+    return any(node.op_type in QDQ_OPS for node in model.graph.node)
+
+
 @dataclass(frozen=True)
 class CudaOptions:
     device_id: int = 0
     cudnn_conv_algo_search: CudnnSearch = CudnnSearch.HEURISTIC
     cuda_graphs: bool = True  # python runner: one CUDA graph per bucket where every node is on the GPU
     tensorrt_fp16: bool = False  # native onnxruntime backend: gpu_execution_accelerator tensorrt, FP16
+    layout: CudaLayout = CudaLayout.AUTO
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cudnn_conv_algo_search", CudnnSearch.parse(
             self.cudnn_conv_algo_search, "--cudnn-conv-algo-search", error=RuntimeUnavailableError))
+        object.__setattr__(self, "layout", CudaLayout.parse(self.layout, "--cuda-layout",
+                                                            error=RuntimeUnavailableError))
         if self.device_id < 0:
             raise RuntimeUnavailableError(f"CUDA device id {self.device_id}: expected 0 or more")
 
-    def provider_options(self) -> dict[str, str]:
-        return {"device_id": str(self.device_id), "cudnn_conv_algo_search": self.cudnn_conv_algo_search.value}
+    def provider_options(self, artifact: Path | None = None) -> dict[str, str]:
+        """The CUDA provider's options; with `artifact`, the layout `auto` resolved for that graph."""
+        options = {"device_id": str(self.device_id), "cudnn_conv_algo_search": self.cudnn_conv_algo_search.value}
+        if self.layout is CudaLayout.NHWC or (self.layout is CudaLayout.AUTO and artifact is not None
+                                              and not has_qdq(artifact)):
+            options["prefer_nhwc"] = "1"
+        return options
+
+    def runner_layout(self) -> str:
+        """The python runner's `prefer_nhwc` parameter: 1, 0 or auto (resolved where the model loads)."""
+        return {CudaLayout.NHWC: "1", CudaLayout.NCHW: "0"}.get(self.layout, "auto")
 
     def record(self) -> dict[str, str]:
         """What build.json keeps: the provider and each option that changes how the artifact runs."""
-        return {"provider": CUDA_PROVIDER, **self.provider_options(),
+        return {"provider": CUDA_PROVIDER, **self.provider_options(), "layout": self.layout.value,
                 "cuda_graphs": str(self.cuda_graphs).lower(), "tensorrt_fp16": str(self.tensorrt_fp16).lower()}
 
 
@@ -104,7 +137,7 @@ def cuda_session(path: Path, options: CudaOptions) -> ort.InferenceSession:
     session_options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     session_options.log_severity_level = 3
     session = ort.InferenceSession(str(path), sess_options=session_options,
-                                   providers=[(CUDA_PROVIDER, options.provider_options()), "CPUExecutionProvider"])
+                                   providers=[(CUDA_PROVIDER, options.provider_options(path)), "CPUExecutionProvider"])
     if CUDA_PROVIDER not in session.get_providers():
         # ONNX Runtime writes why to file descriptor 2, which a build sends to its build log.
         where = f"see {active_log_file()}" if active_log_file() is not None else "see ONNX Runtime's lines above"
@@ -194,6 +227,7 @@ def cuda_backend_config(serving_backend: ServingBackend, o: CudaOptions) -> Back
                          parameters=(("provider", "cuda"), ("device_id", str(o.device_id)),
                                      ("cudnn_conv_algo_search", o.cudnn_conv_algo_search.value),
                                      ("cuda_graphs", "1" if o.cuda_graphs else "0"),
+                                     ("prefer_nhwc", o.runner_layout()),
                                      # Inputs a client sent through CUDA shared memory reach the runner
                                      # as device tensors (copied on the GPU into its bound buffers)
                                      # instead of being staged through host memory by the backend.
