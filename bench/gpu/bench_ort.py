@@ -147,9 +147,10 @@ def in_process(models: Path, nvml: Nvml, seconds: float, variants: list[dict[str
 
 def in_process_one(path: Path, nvml: Nvml, seconds: float, x: Any, *, extra: dict[str, str] | None = None,
                    copies: bool = True) -> dict[str, Any]:
+    # The options the product's runner takes for this graph (layout auto resolved), then the run's own.
+    product = CudaOptions(cudnn_conv_algo_search=CudnnSearch(SEARCH)).provider_options(path)
     runner = RUNNER.CudaBucketRunner(str(path), max_batch=MAX_BATCH, sizes=None if copies else [MAX_BATCH],
-                                     provider_options={"cudnn_conv_algo_search": SEARCH, **PROVIDER_OPTIONS,
-                                                       **(extra or {})})
+                                     provider_options={**product, **PROVIDER_OPTIONS, **(extra or {})})
     bucket = runner.buckets[MAX_BATCH]
     bucket.run({"input": x}, MAX_BATCH)
     ceiling = timed(lambda: bucket.session.run_with_iobinding(bucket.binding), seconds=seconds, nvml=nvml,
@@ -249,7 +250,7 @@ def window_checks(level: LevelResult) -> list[dict[str, float | None]]:
 
 def served(models: Path, *, interval_ms: int, delay_us: int, tmp: Path, instances: int = 1,
            shm: str = "cuda", compare_shm: bool = True,
-           precisions: tuple[str, ...] = PRECISIONS) -> list[dict[str, Any]]:
+           precisions: tuple[str, ...] = PRECISIONS, also_instances: tuple[int, ...] = ()) -> list[dict[str, Any]]:
     """Every model on one server, each load level measured in turn. `shm` is the shared memory of the
     main rows (cuda: inputs reach the runner as device tensors); FP16 is also measured with system
     shared memory and with none, to show what each host copy costs."""
@@ -268,6 +269,10 @@ def served(models: Path, *, interval_ms: int, delay_us: int, tmp: Path, instance
         write_model(repository, "fp16_batched_nodelay", onnx_path(models, "fp16"), batching=True,
                     instances=instances, delay_us=0)
         plan.append(("fp16_batched_nodelay", 32, shm))
+    for count in also_instances:  # does another instance count help? (each is its own python stub process)
+        write_model(repository, f"fp16_batched_x{count}", onnx_path(models, "fp16"), batching=True, instances=count,
+                    delay_us=delay_us)
+        plan += [(f"fp16_batched_x{count}", 32, shm), (f"fp16_batched_x{count}", 256, shm)]
     if compare_shm:
         plan += [("fp16_batched", c, kind) for kind in ("system", "none") if kind != shm for c in (32, 256)]
     http, grpc, metrics = free_ports(3)
@@ -379,6 +384,7 @@ def main() -> int:
     p.add_argument("--shared-memory", default="cuda", choices=("cuda", "system", "none"),
                    help="how perfclient sends the main rows' inputs (FP16 is also measured with the others)")
     p.add_argument("--served-precisions", default=",".join(PRECISIONS), help="precisions served (fp16 always)")
+    p.add_argument("--also-instances", default="", help="FP16 also served with these instance counts (e.g. 2,8)")
     p.add_argument("--no-compare-shm", action="store_true", help="skip FP16 with the other shared-memory kinds")
     p.add_argument("--provider-option", action="append", default=[], metavar="KEY=VALUE",
                    help="extra CUDA provider option for every runner, in-process and served (repeatable)")
@@ -410,6 +416,7 @@ def main() -> int:
             doc["served"] = served(args.models, interval_ms=args.interval_ms, delay_us=args.delay_us, tmp=Path(tmp),
                                    instances=args.instances, shm=args.shared_memory,
                                    compare_shm=not args.no_compare_shm,
+                                   also_instances=tuple(int(n) for n in args.also_instances.split(",") if n),
                                    precisions=tuple(p for p in PRECISIONS
                                                     if p in args.served_precisions.split(",") or p == "fp16"))
     doc["instances"] = args.instances
