@@ -207,7 +207,7 @@ def guard_int8(*, fp32_path: Path, fp32_sha: str, calibration: Mapping[str, NDAr
     else:
         precision.to_fp16(fp32_path, variant_onnx, feeds=fp16_feeds, what=what)
         fallback = Precision.FP16
-        log.warning("%s: no INT8 mix meets the tolerance; serving the FP16 model under the INT8 name", fp32_path.name)
+        log.warning("%s: no INT8 mix meets the tolerance; serving the FP16 model under the INT8 name", what)
     top = sorted(result.sensitivity.items(), key=lambda kv: kv[1], reverse=True)[:10]
     return GuardReport(
         excluded=result.excluded, fallback=fallback, before=result.before, after=result.after,
