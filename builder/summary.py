@@ -221,6 +221,7 @@ def table(summary: BuildSummary, *, color: bool) -> Table:
 
 
 _NARROW = 110  # terminal columns below which the table would lose columns
+_PLAIN_MAX_WIDTH = 10_000  # the plain table's widest line (a measure, not a limit any real row reaches)
 
 
 def render(summary: BuildSummary, stream: TextIO, *, color: bool | None = None) -> None:
@@ -229,16 +230,20 @@ def render(summary: BuildSummary, stream: TextIO, *, color: bool | None = None) 
     console = Console(file=stream, force_terminal=tty, no_color=not tty, highlight=False, soft_wrap=False)
     if not tty or console.width < _NARROW:
         # Off a terminal (a log file) or on a narrow one, where rich would drop columns to fit: long lines
-        # in plain characters, every column kept.
+        # in plain characters, every column kept and every cell whole (one line per variant, which grep
+        # finds with its whole failure reason): as wide as the table's widest row needs.
         tty = False
-        console = Console(file=stream, force_terminal=False, no_color=True, width=200, highlight=False)
+        needed = Console(width=_PLAIN_MAX_WIDTH).measure(table(summary, color=False)).maximum
+        console = Console(file=stream, force_terminal=False, no_color=True, width=max(needed, 80), highlight=False)
     built = sum(1 for r in summary.rows if not r.failed)
     failed = len(summary.failures)
     title = f"{built} variant{'s' if built != 1 else ''} ready" + (f", {failed} FAILED" if failed else "")
     runtimes = _runtimes(summary)
     if len(runtimes) == 1:
         title += f" (runtime: {runtimes.pop()})"
-    console.print(f"[bold]build summary[/]: {title}" if tty else f"build summary: {title}", markup=tty)
+    # Lines outside the table are never wrapped (a path breaks badly): soft_wrap.
+    console.print(f"[bold]build summary[/]: {title}" if tty else f"build summary: {title}", markup=tty,
+                  soft_wrap=True)
     console.print(table(summary, color=tty))
     lines = [f"repository: {summary.repository}"]
     if summary.report is not None:
@@ -248,7 +253,7 @@ def render(summary: BuildSummary, stream: TextIO, *, color: bool | None = None) 
     for i, command in enumerate(summary.next_commands):
         lines.append(f"{'next:' if i == 0 else '':<11} {command}")
     for line in lines:
-        console.print(line, markup=False)
+        console.print(line, markup=False, soft_wrap=True)
 
 
 def summarize(results: Sequence[ModelResult], specs: Sequence[ModelSpec], *, repository: Path,

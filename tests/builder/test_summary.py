@@ -109,3 +109,19 @@ def test_a_narrow_terminal_gets_every_column(monkeypatch: pytest.MonkeyPatch) ->
         assert "rebuilt, calibration cached" in text.replace("\n", " ") or wide  # whole cells when narrow
         assert "57.2 s" in text and "FAILED" in text and "unquantized" in text
         assert ("\x1b[" in text) is wide  # colour only where the table fits the terminal
+
+
+def test_the_plain_table_keeps_a_long_reason_on_its_row(tmp_path: Path) -> None:
+    """Off a terminal (a log, a pipe) each variant is one line, however long its failure reason: grep finds
+    the whole reason on the row that names the variant (the 200-column form wrapped it onto a second line)."""
+    reason = ("model 'det': the FP32 model does not run on the evaluation samples (images [4, 3, 102, 102]): "
+              "Concat node 'concat': Non concat axis dimensions must match: Axis 2 has mismatched dimensions "
+              "of 52 and 51 (full output: .logs/build-20261122T104331Z-1206.log)")
+    built = SummaryRow("tiny_fp32", "fp32", "onnxruntime", 13_700, "max_rel 0 ≤ 0.0001, top1 1.000", True,
+                       "all: FP16 served (no INT8 mix met the tolerance)", 0.1, "rebuilt, calibration cached")
+    summary = BuildSummary((built, failed_row(FailedVariant("det_fp32", "fp32", reason))), Path("repo"))
+    lines = _text(summary).splitlines()
+    (row,) = [ln for ln in lines if ln.startswith("det_fp32")]
+    assert reason in row and row.rstrip().endswith("FAILED"), lines
+    header = next(i for i, ln in enumerate(lines) if ln.startswith("variant"))
+    assert len(lines) == header + 5, lines  # header, rule, two rows, the repository line
