@@ -29,7 +29,7 @@ from builder.spec.enums import Precision
 from builder.spec.model import ModelSpec
 from builder.spec.names import variant_name
 from builder.spec.settings import default_cache_dir
-from builder.spec.shapes import ModelShapes, for_model
+from builder.spec.shapes import Level, ModelShapes, for_model
 from builder.spec.tuned import TunedServing, layer
 from builder.steps import cleanup, onnx_model, precision, samples
 from builder.steps.cleanup import SlimReport
@@ -136,6 +136,24 @@ def _load_samples(spec: ModelSpec, sig: onnx_model.Signature,
     return evaluation, calibration
 
 
+# Synthetic samples per extra shape level (min, max) the variants are measured on without the user's data.
+LEVEL_SAMPLES = 4
+
+
+def _other_levels(spec: ModelSpec, sig: onnx_model.Signature, shapes: ModelShapes, fp32_path: Path,
+                  batch: int | None, what: str) -> tuple[tuple[samples.Samples, Any], ...]:
+    """Without the user's data the evaluation samples are synthetic at the opt shape: add sets at the min
+    and max shapes (where they differ), each with its FP32 outputs, so the gate sees the whole range."""
+    if spec.evaluation is not None or spec.calibration is not None:
+        return ()
+    found = []
+    for index, level in enumerate(lv for lv in shapes.levels() if lv is not Level.OPT):
+        extra = samples.synthetic(sig.inputs, shapes, LEVEL_SAMPLES, seed=11 + index, level=level,
+                                  value_ranges=spec.input_ranges, what=what)
+        found.append((extra, onnx_model.run_fp32(fp32_path, extra, batch, what)))
+    return tuple(found)
+
+
 def _digest(payload: object) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -235,7 +253,7 @@ def build_model(spec: ModelSpec, options: BuildOptions, staging: Staging) -> Mod
             evaluation=evaluation, calibration=calibration, calibration_digest=calibration_digest,
             reference=onnx_model.run_fp32(fp32_path, evaluation, eval_batch, what), build_key=key,
             inputs_record=inputs_record, work=work, cache_dir=options.cache_dir, repository=options.repository,
-            shapes=shapes,
+            shapes=shapes, other_levels=_other_levels(spec, sig, shapes, fp32_path, eval_batch, what),
         )
         variants: list[VariantResult] = []
         failures: list[VariantFailure] = []

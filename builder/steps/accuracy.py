@@ -74,6 +74,24 @@ def compare(reference: Mapping[str, NDArray[Any]], candidate: Mapping[str, NDArr
     )
 
 
+def combine(parts: list[Metrics]) -> Metrics:
+    """One set of figures over several sample sets (e.g. the min, opt and max shapes, which cannot share
+    one array): the worst max_abs, max_rel and cosine_min, the sample-weighted means."""
+    if len(parts) == 1:
+        return parts[0]
+    total = sum(p.samples for p in parts)
+    top1 = [p for p in parts if p.top1_agreement is not None]
+    return Metrics(
+        max_abs=max(p.max_abs for p in parts),
+        max_rel=max(p.max_rel for p in parts),
+        cosine_min=min(p.cosine_min for p in parts),
+        cosine_mean=sum(p.cosine_mean * p.samples for p in parts) / total,
+        samples=total,
+        top1_agreement=(sum(p.top1_agreement * p.samples for p in top1 if p.top1_agreement is not None)
+                        / sum(p.samples for p in top1)) if len(top1) == len(parts) else None,
+    )
+
+
 @dataclass(frozen=True)
 class Violation:
     """A metric out of bounds: which one, its value, the tolerance key and its limit."""

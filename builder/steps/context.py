@@ -4,6 +4,7 @@ own progress. Steps read and fill these; nothing else passes between them."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ from builder.spec.enums import Precision
 from builder.spec.model import ModelSpec
 from builder.spec.names import variant_name
 from builder.spec.shapes import ModelShapes, for_model
+from builder.steps import accuracy
 from builder.steps.accuracy import Metrics
 from builder.steps.fp16_guard import Fp16GuardReport
 from builder.steps.guard import GuardReport
@@ -42,6 +44,9 @@ class ModelContext:
     cache_dir: Path
     repository: Path  # the live repository, where earlier builds may hold reusable artifacts
     shapes: ModelShapes | None = None  # resolved by the pipeline; None: from the spec and signature
+    # Without the user's data: synthetic samples at the min and max shapes too (the evaluation set is
+    # at the opt shape), each with its FP32 reference; every variant is measured on all of them.
+    other_levels: tuple[tuple[Samples, Outputs], ...] = ()
 
     @property
     def input_shapes(self) -> ModelShapes:
@@ -49,6 +54,13 @@ class ModelContext:
         if self.shapes is not None:
             return self.shapes
         return for_model(self.spec, self.signature.inputs, f"model {self.spec.name!r}")
+
+    def measure(self, run: Callable[[Samples], Outputs]) -> Metrics:
+        """A variant's figures against FP32: `run` gives its outputs on a sample set; over the evaluation
+        samples and, where they are synthetic, those at the min and max shapes too (the worst of them)."""
+        sets = ((self.evaluation, self.reference), *self.other_levels)
+        return accuracy.combine([accuracy.compare(reference, run(samples), self.spec.task)
+                                 for samples, reference in sets])
 
     @property
     def eval_batch(self) -> int | None:

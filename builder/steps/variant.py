@@ -92,11 +92,11 @@ class Compile:
 
 
 class Measure:
-    """The compiled artifact against the FP32 reference on the held-out samples."""
+    """The compiled artifact against the FP32 reference on the held-out samples (and, where those are
+    synthetic, on samples at the min and max shapes too)."""
 
     def run(self, ctx: VariantContext) -> None:
-        outputs = ctx.runtime.run(ctx.artifact, ctx.model.evaluation, ctx.model.eval_batch)
-        ctx.metrics = accuracy.compare(ctx.model.reference, outputs, ctx.model.spec.task)
+        ctx.metrics = ctx.model.measure(lambda samples: ctx.runtime.run(ctx.artifact, samples, ctx.model.eval_batch))
         log.debug("%s: %s", ctx.name, ctx.metrics.summary())
 
 
@@ -150,8 +150,7 @@ class Fp16Guard:
         model = ctx.model
 
         def evaluate(path: Path) -> Metrics:
-            return accuracy.compare(model.reference, run_file(path, model.evaluation, model.eval_batch),
-                                    model.spec.task)
+            return model.measure(lambda samples: run_file(path, samples, model.eval_batch))
 
         ctx.fp16_guard = guard_fp16(
             fp32_path=model.fp32_path, feeds=fp16_feeds(model), variant_onnx=ctx.variant_onnx, evaluate=evaluate,
