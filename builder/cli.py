@@ -257,6 +257,10 @@ def _build(args: argparse.Namespace, specs: list[ModelSpec]) -> int:
     limits: dict[Precision, dict[str, float]] = {}
     for value in args.tolerance:
         for prec, given in parse_tolerances(value, "--tolerance").items():
+            twice = sorted(set(given) & set(limits.get(prec, {})))
+            if twice:
+                raise ManifestError(f"--tolerance: {prec.value}:{twice[0]} is given twice (in two --tolerance "
+                                    "flags); expected it once")
             limits.setdefault(prec, {}).update(given)
     unused = [prec.value for prec in limits if not any(prec in spec.precisions for spec in specs)]
     if unused:

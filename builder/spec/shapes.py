@@ -116,6 +116,8 @@ def parse_shapes(value: str, flag: str) -> dict[str, Shape]:
     found: dict[str, Shape] = {}
     for item in value.split(","):
         item = item.strip()
+        if not item:
+            raise ManifestError(f"{flag} {value!r}: an empty item between commas; expected NAME:DxDxD[,NAME:DxDxD...]")
         name, sep, dims = item.rpartition(":")
         dims = dims.strip() or "[]"
         if not sep or not name or not _DIMS.match(dims):

@@ -22,6 +22,9 @@ def parse_tolerances(value: str, flag: str = "--tolerance") -> dict[Precision, d
     the flag and the bad part otherwise."""
     limits: dict[Precision, dict[str, float]] = {}
     for part in (p.strip() for p in value.split(",")):
+        if not part:
+            raise ManifestError(f"{flag} {value!r}: an empty item between commas; expected "
+                                "PRECISION:METRIC=VALUE[,PRECISION:METRIC=VALUE...]")
         prec_text, colon, assignment = part.partition(":")
         metric, equals, number = assignment.partition("=")
         if not (colon and equals and prec_text and metric):
@@ -39,6 +42,8 @@ def parse_tolerances(value: str, flag: str = "--tolerance") -> dict[Precision, d
             raise ManifestError(f"{flag} {part!r}: value {number.strip()!r}: expected a finite number >= 0")
         if metric.endswith("_min") and limit > 1:
             raise ManifestError(f"{flag} {part!r}: value {limit:g}: {metric} is a similarity; expected 0 to 1")
+        if metric in limits.get(prec, {}):
+            raise ManifestError(f"{flag} {value!r}: {prec.value}:{metric} is given twice; expected it once")
         limits.setdefault(prec, {})[metric] = limit
     return limits
 

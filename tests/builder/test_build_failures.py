@@ -112,6 +112,10 @@ def test_a_failing_variant_keeps_its_previous_copy_and_all_or_nothing_writes_not
     ("fp16:max_abs=-1", "--tolerance 'fp16:max_abs=-1': value '-1': expected a finite number >= 0"),
     ("cosine_min=0.9", "--tolerance 'cosine_min=0.9': expected PRECISION:METRIC=VALUE"),
     ("int8:cosine_min=0.9", "--tolerance int8: no model of this build makes an int8 variant (they make fp32, fp16)"),
+    ("fp16:cosine_min=0.9,fp16:cosine_min=0.8", "--tolerance 'fp16:cosine_min=0.9,fp16:cosine_min=0.8': "
+                                                "fp16:cosine_min is given twice; expected it once"),
+    ("fp16:cosine_min=0.9,", "--tolerance 'fp16:cosine_min=0.9,': an empty item between commas; expected "
+                             "PRECISION:METRIC=VALUE[,PRECISION:METRIC=VALUE...]"),
 ])
 def test_a_bad_tolerance_is_one_line_naming_the_flag_and_builds_nothing(
         workdir: Path, capfd: pytest.CaptureFixture[str], value: str, expected: str) -> None:
@@ -120,6 +124,16 @@ def test_a_bad_tolerance_is_one_line_naming_the_flag_and_builds_nothing(
                  "--tolerance", value])
     (line,) = capfd.readouterr().err.splitlines()
     assert code == 1 and line.startswith(f"trtbuild: error: {expected}")
+    assert not (workdir / "repo" / "gelu_fp32").exists()
+
+
+def test_a_limit_given_in_two_tolerance_flags_is_one_line(workdir: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    contrib_gelu_onnx(workdir / "gelu.onnx")
+    code = main(["build", "-q", "--onnx", "gelu.onnx", "--name", "gelu", "--repository", "repo", "--log", "b.log",
+                 "--tolerance", "fp16:cosine_min=0.99", "--tolerance", "fp16:max_abs=0.1,fp16:cosine_min=0.9"])
+    (line,) = capfd.readouterr().err.splitlines()
+    assert code == 1 and line == ("trtbuild: error: --tolerance: fp16:cosine_min is given twice (in two --tolerance "
+                                  "flags); expected it once")
     assert not (workdir / "repo" / "gelu_fp32").exists()
 
 

@@ -123,6 +123,8 @@ def _last_error(capsys: pytest.CaptureFixture[str]) -> str:
 
 
 @pytest.mark.parametrize(("make", "flags", "message"), [
+    (ocr_classifier, ["--shapes", "x:1x3x48x48,"],
+     "--shapes 'x:1x3x48x48,': an empty item between commas; expected NAME:DxDxD[,NAME:DxDxD...]"),
     (ocr_classifier, ["--shapes", "x=1x3x48x48"],
      "--shapes 'x=1x3x48x48': expected NAME:DxDxD (e.g. x:1x3x224x224), several separated by commas"),
     (ocr_classifier, ["--shapes", "images:1x3x48x48"], "--shapes images: the model has no input 'images'; "
