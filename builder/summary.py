@@ -164,14 +164,17 @@ def failed_row(failure: FailedVariant) -> SummaryRow:
                       reason=failure.reason)
 
 
-def next_commands(repository: Path, variants: Sequence[str], manifest: Path | None = None) -> tuple[str, ...]:
-    """Serve the repository, check its answers (models from a manifest only), load it."""
+def next_commands(repository: Path, variants: Sequence[str], manifest: Path | None = None,
+                  verify_models: Sequence[str] | None = None) -> tuple[str, ...]:
+    """Serve the repository, check its answers (models from a manifest only), load it. `verify_models`:
+    the models to verify (`--only`), every variant of each built; None: the whole manifest; empty: none."""
     if not variants:
         return ()
     models = " ".join(f"-m {v}" for v in variants[:3])
     commands = [f"trtbuild serve --repository {repository} --background"]
-    if manifest is not None:
-        commands.append(f"trtbuild verify --manifest {manifest} --repository {repository}")
+    if manifest is not None and (verify_models is None or verify_models):
+        only = "".join(f" --only {m}" for m in verify_models or ())
+        commands.append(f"trtbuild verify --manifest {manifest} --repository {repository}{only}")
     commands.append(f"perfclient {models} -u localhost:8001 --concurrency 8")
     return tuple(commands)
 
@@ -258,9 +261,10 @@ def render(summary: BuildSummary, stream: TextIO, *, color: bool | None = None) 
 
 def summarize(results: Sequence[ModelResult], specs: Sequence[ModelSpec], *, repository: Path,
               report: Path | None, log_file: Path | None, manifest: Path | None = None,
-              failures: Sequence[FailedVariant] = ()) -> BuildSummary:
+              failures: Sequence[FailedVariant] = (), whole_manifest: bool = True) -> BuildSummary:
     """The summary of one build: built variants from their results, unchanged ones from the build.json
-    in the repository, failed ones with their reason; in manifest order."""
+    in the repository, failed ones with their reason; in manifest order. `whole_manifest`: `specs` are
+    every model of `manifest` (not an `--only` subset), so a plain `trtbuild verify` checks just them."""
     from builder.pipeline import ModelStatus
     from builder.spec.names import variant_name
 
@@ -279,4 +283,7 @@ def summarize(results: Sequence[ModelResult], specs: Sequence[ModelSpec], *, rep
             elif result is not None and result.status is ModelStatus.UNCHANGED:
                 rows.extend(unchanged_rows(repository, [name]))
     ready = [r.variant for r in rows if not r.failed]
-    return BuildSummary(tuple(rows), repository, report, log_file, next_commands(repository, ready, manifest))
+    # `trtbuild verify` fails on a variant it does not find: it is proposed for the models built whole.
+    whole = [spec.name for spec in specs if all(variant_name(spec.name, p) in ready for p in spec.precisions)]
+    verify = None if whole_manifest and len(whole) == len(specs) else whole
+    return BuildSummary(tuple(rows), repository, report, log_file, next_commands(repository, ready, manifest, verify))

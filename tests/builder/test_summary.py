@@ -125,3 +125,44 @@ def test_the_plain_table_keeps_a_long_reason_on_its_row(tmp_path: Path) -> None:
     assert reason in row and row.rstrip().endswith("FAILED"), lines
     header = next(i for i, ln in enumerate(lines) if ln.startswith("variant"))
     assert len(lines) == header + 5, lines  # header, rule, two rows, the repository line
+
+
+def test_the_next_verify_command_names_only_models_built_whole(tmp_path: Path) -> None:
+    """`trtbuild verify` stops at a variant it does not find: after a build with a failure (or of an --only
+    subset) the proposed command names the models whose every variant is ready; a plain one otherwise."""
+    from builder.pipeline import ModelResult, ModelStatus
+
+    specs = [_spec(tmp_path / "a.onnx", "a"), _spec(tmp_path / "b.onnx", "b")]
+    unchanged = [ModelResult(name, ModelStatus.UNCHANGED, "", []) for name in ("a", "b")]
+    manifest = Path("models.toml")
+
+    def verify_lines(summary: BuildSummary) -> list[str]:
+        return [c for c in summary.next_commands if c.startswith("trtbuild verify")]
+
+    whole = summarize(unchanged, specs, repository=Path("repo"), report=None, log_file=None, manifest=manifest)
+    assert verify_lines(whole) == ["trtbuild verify --manifest models.toml --repository repo"]
+    failed = summarize(unchanged[1:], specs, repository=Path("repo"), report=None, log_file=None, manifest=manifest,
+                       failures=[FailedVariant("a_int8", "int8", "calibration failed")])
+    assert verify_lines(failed) == ["trtbuild verify --manifest models.toml --repository repo --only b"]
+    subset = summarize(unchanged[:1], specs[:1], repository=Path("repo"), report=None, log_file=None,
+                       manifest=manifest, whole_manifest=False)
+    assert verify_lines(subset) == ["trtbuild verify --manifest models.toml --repository repo --only a"]
+    none = summarize([], specs[:1], repository=Path("repo"), report=None, log_file=None, manifest=manifest,
+                     failures=[FailedVariant("a_fp32", "fp32", "export failed")])
+    assert verify_lines(none) == [] and none.next_commands == ()
+
+
+def test_verify_only_checks_the_models_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Nothing is built: the error names the one model asked for (before any request), and an unknown name
+    is one line naming --only and the manifest's models."""
+    mlp_onnx(tmp_path / "m.onnx")
+    (tmp_path / "models.toml").write_text("".join(
+        f'[[model]]\nname = "{name}"\nonnx = "m.onnx"\nprecisions = ["fp32"]\n\n' for name in ("a", "b")))
+    base = ["verify", "--manifest", str(tmp_path / "models.toml"), "--repository", str(tmp_path / "repo"),
+            "--http-url", "127.0.0.1:9", "--grpc-url", "127.0.0.1:9"]
+    assert main([*base, "--only", "b"]) == 1
+    err = capsys.readouterr().err
+    assert "model 'b'" in err and "model 'a'" not in err, err
+    assert main([*base, "--only", "c"]) == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("trtbuild: error: --only c: not in ") and line.endswith("(models: a, b)"), line
