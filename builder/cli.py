@@ -176,6 +176,7 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("--samples", type=int, default=16, help="held-out samples per variant")
     verify.add_argument("--save", type=Path, default=None, metavar="FILE.npz",
                         help="write the samples sent and the outputs expected, for perfclient --validate")
+    verify.add_argument("--only", action="append", default=[], metavar="NAME", help="verify only NAME (repeatable)")
 
     sub.add_parser("schema", parents=[verbosity],
                    help="print models.toml's JSON Schema (for editors: trtbuild schema > models.schema.json)")
@@ -303,7 +304,7 @@ def _build(args: argparse.Namespace, specs: list[ModelSpec]) -> int:
 
     failures = [f for result in results for f in result.failures]
     render(summarize(results, specs, repository=args.repository, report=report, log_file=active_log_file(),
-                     manifest=getattr(args, "manifest", None),
+                     manifest=getattr(args, "manifest", None), whole_manifest=not getattr(args, "only", None),
                      failures=[FailedVariant(f.variant, f.precision.value, f.reason) for f in failures]), sys.stdout)
     # One line per failure on stderr (a model that failed before its variants: one line for the model).
     lines = [result.error for result in results if result.status is ModelStatus.FAILED and result.error]
@@ -486,7 +487,12 @@ def _verify(args: argparse.Namespace) -> int:
 
     if args.save is not None and args.save.suffix != ".npz":
         raise ManifestError(f"--save {args.save}: expected a path ending in .npz")
-    checks = check_models(load_manifest(args.manifest), args.repository,
+    specs = load_manifest(args.manifest)
+    unknown = sorted(set(args.only) - {s.name for s in specs})
+    if unknown:
+        raise ManifestError(f"--only {', '.join(unknown)}: not in {args.manifest} "
+                            f"(models: {', '.join(s.name for s in specs)})")
+    checks = check_models([s for s in specs if not args.only or s.name in args.only], args.repository,
                           {Protocol.GRPC: args.grpc_url, Protocol.HTTP: args.http_url}, args.samples)
     results = [r for check in checks for r in check.results]
     for line in table_lines(checks):
