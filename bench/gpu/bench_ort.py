@@ -250,7 +250,8 @@ def window_checks(level: LevelResult) -> list[dict[str, float | None]]:
 
 def served(models: Path, *, interval_ms: int, delay_us: int, tmp: Path, instances: int = 1,
            shm: str = "cuda", compare_shm: bool = True,
-           precisions: tuple[str, ...] = PRECISIONS, also_instances: tuple[int, ...] = ()) -> list[dict[str, Any]]:
+           precisions: tuple[str, ...] = PRECISIONS, also_instances: tuple[int, ...] = (),
+           rounds: int = 1) -> list[dict[str, Any]]:
     """Every model on one server, each load level measured in turn. `shm` is the shared memory of the
     main rows (cuda: inputs reach the runner as device tensors); FP16 is also measured with system
     shared memory and with none, to show what each host copy costs."""
@@ -275,6 +276,9 @@ def served(models: Path, *, interval_ms: int, delay_us: int, tmp: Path, instance
         plan += [(f"fp16_batched_x{count}", 32, shm), (f"fp16_batched_x{count}", 256, shm)]
     if compare_shm:
         plan += [("fp16_batched", c, kind) for kind in ("system", "none") if kind != shm for c in (32, 256)]
+    # Each level again in later rounds, in the same order: run-to-run spread next to the figures.
+    plan = [(model, concurrency, kind, round_) for round_ in range(1, rounds + 1)
+            for model, concurrency, kind in plan]
     http, grpc, metrics = free_ports(3)
     server = TritonServer(repository, tmp / "state", Ports(http, grpc, metrics),
                           # Loading a CUDA runner (a session and a cuDNN search per bucket) outlasts the
@@ -298,7 +302,7 @@ def served(models: Path, *, interval_ms: int, delay_us: int, tmp: Path, instance
     try:
         assert server.process is not None
         stubs = stub_pids()
-        for model, concurrency, kind in plan:
+        for model, concurrency, kind, round_ in plan:
             config = SessionConfig(
                 models=(model,), url=f"127.0.0.1:{grpc}", levels=(LoadLevel(concurrency=concurrency),),
                 measurement=Measurement(measurement_ms=interval_ms, max_trials=5, warmup_requests=2 * concurrency),
@@ -310,13 +314,14 @@ def served(models: Path, *, interval_ms: int, delay_us: int, tmp: Path, instance
             (row,) = run(config)
             me, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter() - cpu0[3]
             result = result_dict(row.result)
-            result |= {"model": model, "shared_memory": kind, "window_checks": window_checks(row.result),
+            result |= {"model": model, "shared_memory": kind, "round": round_,
+                       "window_checks": window_checks(row.result),
                        "cpu_cores_busy": {
                            "client": round((me.ru_utime + me.ru_stime - cpu0[0].ru_utime - cpu0[0].ru_stime) / wall, 2),
                            "tritonserver": round((cpu_seconds(server.process.pid) - cpu0[1]) / wall, 2),
                            "python_stubs": round((sum(cpu_seconds(p) for p in stubs) - cpu0[2]) / wall, 2)}}
             rows.append(result)
-            brief = {k: result[k] for k in ("model", "concurrency", "shared_memory", "throughput", "stable",
+            brief = {k: result[k] for k in ("model", "round", "concurrency", "shared_memory", "throughput", "stable",
                                             "cpu_cores_busy", "power", "server")}
             latency = {"p50_ms": result["latency_us"]["p50"] / 1e3, "p99_ms": result["latency_us"]["p99"] / 1e3}
             print(json.dumps(brief | latency), flush=True)
@@ -350,8 +355,8 @@ def markdown(doc: dict[str, Any]) -> str:
                  if "error" not in r else f"{p} error: {r['error']}" for p, r in rows.items()]
         lines.append(f"\nCeiling with {label}: " + "; ".join(cells))
     lines += ["", "Served (bundled Triton 2.51, python-backend runner on CUDA, perfclient gRPC):", "",
-              "| model | conc. | shm | infer/s | x ceiling | p50 ms | p99 ms | avg W | J/inf | avg batch "
-              "| Triton/NVML J (worst window) | CPU cores client/server/stubs |", "|" + "---|" * 12]
+              "| model | round | conc. | shm | infer/s | x ceiling | p50 ms | p99 ms | avg W | J/inf | avg batch "
+              "| Triton/NVML J (worst window) | CPU cores client/server/stubs |", "|" + "---|" * 13]
     ceilings = {p: r["ceiling_iobinding"]["infer_per_s"] for p, r in doc["in_process"].items()
                 if p != "variants" and "error" not in r}
     for r in doc["served"]:
@@ -362,7 +367,7 @@ def markdown(doc: dict[str, Any]) -> str:
         worst = max(ratios, key=lambda x: abs(x - 1)) if ratios else None
         cpu = r["cpu_cores_busy"]
         lines.append(
-            f"| {r['model']} | {r['concurrency']} | {r['shared_memory']} | "
+            f"| {r['model']} | {r.get('round', 1)} | {r['concurrency']} | {r['shared_memory']} | "
             f"{r['throughput']:.0f} | {f(r['throughput'] / ceilings[p] if p in ceilings else None, '.2f')} | "
             f"{r['latency_us']['p50'] / 1e3:.1f} | "
             f"{r['latency_us']['p99'] / 1e3:.1f} | {f(r['power'].get('avg_w'), '.0f')} | "
@@ -384,6 +389,7 @@ def main() -> int:
     p.add_argument("--shared-memory", default="cuda", choices=("cuda", "system", "none"),
                    help="how perfclient sends the main rows' inputs (FP16 is also measured with the others)")
     p.add_argument("--served-precisions", default=",".join(PRECISIONS), help="precisions served (fp16 always)")
+    p.add_argument("--rounds", type=int, default=1, help="measure every served level this many times, in turn")
     p.add_argument("--also-instances", default="", help="FP16 also served with these instance counts (e.g. 2,8)")
     p.add_argument("--no-compare-shm", action="store_true", help="skip FP16 with the other shared-memory kinds")
     p.add_argument("--provider-option", action="append", default=[], metavar="KEY=VALUE",
@@ -417,6 +423,7 @@ def main() -> int:
                                    instances=args.instances, shm=args.shared_memory,
                                    compare_shm=not args.no_compare_shm,
                                    also_instances=tuple(int(n) for n in args.also_instances.split(",") if n),
+                                   rounds=args.rounds,
                                    precisions=tuple(p for p in PRECISIONS
                                                     if p in args.served_precisions.split(",") or p == "fp16"))
     doc["instances"] = args.instances
