@@ -277,8 +277,8 @@ def served(models: Path, *, interval_ms: int, delay_us: int, tmp: Path, instance
     if compare_shm:
         plan += [("fp16_batched", c, kind) for kind in ("system", "none") if kind != shm for c in (32, 256)]
     # Each level again in later rounds, in the same order: run-to-run spread next to the figures.
-    plan = [(model, concurrency, kind, round_) for round_ in range(1, rounds + 1)
-            for model, concurrency, kind in plan]
+    levels = [(model, concurrency, kind, round_) for round_ in range(1, rounds + 1)
+              for model, concurrency, kind in plan]
     http, grpc, metrics = free_ports(3)
     server = TritonServer(repository, tmp / "state", Ports(http, grpc, metrics),
                           # Loading a CUDA runner (a session and a cuDNN search per bucket) outlasts the
@@ -302,7 +302,7 @@ def served(models: Path, *, interval_ms: int, delay_us: int, tmp: Path, instance
     try:
         assert server.process is not None
         stubs = stub_pids()
-        for model, concurrency, kind, round_ in plan:
+        for model, concurrency, kind, round_ in levels:
             config = SessionConfig(
                 models=(model,), url=f"127.0.0.1:{grpc}", levels=(LoadLevel(concurrency=concurrency),),
                 measurement=Measurement(measurement_ms=interval_ms, max_trials=5, warmup_requests=2 * concurrency),
