@@ -158,7 +158,10 @@ def in_process_one(path: Path, nvml: Nvml, seconds: float, x: Any, *, extra: dic
     if not copies:
         return {"ceiling_iobinding": ceiling, "runner": runner.describe()}
     with_copies = timed(lambda: runner.run({"input": x}), seconds=seconds, nvml=nvml, per_call=MAX_BATCH)
-    return {"ceiling_iobinding": ceiling, "runner_with_copies": with_copies, "runner": runner.describe()}
+    one = runner.buckets[1]  # what a server without batching can reach at best: batch 1, no copies
+    batch1 = timed(lambda: one.session.run_with_iobinding(one.binding), seconds=seconds, nvml=nvml, per_call=1)
+    return {"ceiling_iobinding": ceiling, "runner_with_copies": with_copies, "ceiling_batch1": batch1,
+            "runner": runner.describe()}
 
 
 ABLATION: dict[str, dict[str, Any]] = {  # one change from the runner's defaults each
@@ -339,8 +342,8 @@ def f(x: Any, spec: str) -> str:
 def markdown(doc: dict[str, Any]) -> str:
     lines = [f"GPU: {doc['gpu']}, driver {doc['driver']}, onnxruntime-gpu {doc['onnxruntime']}", "",
              "In-process, batch 64 (ONNX Runtime CUDA, IO binding):", "",
-             "| precision | ceiling img/s | avg W | J/inf | with host copies img/s | J/inf |",
-             "|---|---|---|---|---|---|"]
+             "| precision | ceiling img/s | avg W | J/inf | with host copies img/s | J/inf | batch 1 img/s | J/inf |",
+             "|---|---|---|---|---|---|---|---|"]
     for p, r in doc["in_process"].items():
         if p == "variants":
             continue
@@ -348,8 +351,10 @@ def markdown(doc: dict[str, Any]) -> str:
             lines.append(f"| {p} | error: {r['error']} | | | | |")
             continue
         c, w = r["ceiling_iobinding"], r["runner_with_copies"]
+        one = r.get("ceiling_batch1", {})
         lines.append(f"| {p} | {c['infer_per_s']:.0f} | {c['avg_w']:.0f} | {c['j_per_infer']:.4f} | "
-                     f"{w['infer_per_s']:.0f} | {w['j_per_infer']:.4f} |")
+                     f"{w['infer_per_s']:.0f} | {w['j_per_infer']:.4f} | {f(one.get('infer_per_s'), '.0f')} | "
+                     f"{f(one.get('j_per_infer'), '.4f')} |")
     for label, rows in doc["in_process"].get("variants", {}).items():
         cells = [f"{p} {r['ceiling_iobinding']['infer_per_s']:.0f} img/s {r['ceiling_iobinding']['j_per_infer']:.4f} J"
                  if "error" not in r else f"{p} error: {r['error']}" for p, r in rows.items()]
