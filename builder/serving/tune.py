@@ -531,9 +531,12 @@ class Tuner:
         self.power_source = power_source(target.endpoints if isinstance(target, RemoteTarget) else None)
         self.failures: dict[Point, str] = {}
         self.measured: dict[Point, list[Result]] = {}  # what the search measured (a run cut short reports it)
+        self.search_bar: progress.Task | None = None  # the search's progress: a step per point
 
     def measure(self, point: Point) -> list[Result]:
         self.measured[point] = self.remeasure(point)
+        if self.search_bar is not None:
+            self.search_bar.advance(status=point.label())
         return self.measured[point]
 
     def _failed(self, point: Point, reason: str) -> list[Result]:
@@ -560,7 +563,7 @@ class Tuner:
         )
         try:
             # perfclient's windows show inside it, one bar per concurrency.
-            with progress.task(f"tune: point {self.count}: {point.label()}"):
+            with progress.task(f"measuring {point.label()}"):
                 rows = asyncio.run(asyncio.wait_for(session.measure(config), self.point_timeout_s))
         except asyncio.TimeoutError:
             return self._failed(point, f"timed out after {self.point_timeout_s:.0f} s")
@@ -1017,18 +1020,23 @@ def tune(repository: Path, space: Space, objective: Objective, *, search: Search
                       shapes={v: load_shapes(repository / v) for v in space.variants})
         measured = tuner.measured
         try:
-            _search(search, space, default, tuner, objective, trials=trials, seed=seed)
+            # Points (and their perfclient windows) show inside: plain lines only for the search as a whole.
+            total = {Search.EXHAUSTIVE: len(space.points()), Search.TPE: min(trials, len(space.points()))}.get(search)
+            with progress.task(f"tune: {search} search", total=total, loop=True) as tuner.search_bar:
+                _search(search, space, default, tuner, objective, trials=trials, seed=seed)
             winner = best(measured, objective)
             count = tuner.count  # the search's measurements (the side-by-side ones come after)
             if compare and winner is not None:
                 # Side by side in one run: winner, the builder's default, and no dynamic batching.
                 candidates = {Contender.TUNED: winner, Contender.DEFAULT: default,
                               Contender.NO_BATCHING: replace(default, queue_delay_us=None)}
-                for name, point in candidates.items():
-                    rs = tuner.remeasure(point)
-                    p99 = _p99(rs)
-                    comparison.append(Comparison(name, point.label(), _throughput(rs),
-                                                 p99 / 1e3 if math.isfinite(p99) else None, objective.feasible(rs)))
+                with progress.task("tune: side by side", total=len(candidates)) as bar:
+                    for name, point in candidates.items():
+                        rs = tuner.remeasure(point)
+                        bar.advance(status=str(name))
+                        p99 = _p99(rs)
+                        comparison.append(Comparison(name, point.label(), _throughput(rs),
+                                                     p99 / 1e3 if math.isfinite(p99) else None, objective.feasible(rs)))
             if winner is not None:
                 entry = tuned_entry(model, winner, measured[winner], objective, search) if model else None
                 toml = tuned_toml if model else None

@@ -1,0 +1,38 @@
+"""What `trtbuild tune` shows while it measures: the search as one counted task (points done of how many,
+elapsed, remaining), then the side-by-side re-measurement; in plain mode no line per point or window."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from builder.serving.tune import Goal, Objective, Search, Space, tune
+from client import progress
+
+
+@pytest.fixture
+def plain_lines() -> Iterator[io.StringIO]:
+    stream = io.StringIO()
+    progress.configure(progress.Mode.PLAIN, stream=stream, interval=0.0)
+    yield stream
+    progress.configure(progress.Mode.OFF)
+
+
+def test_tune_progress_counts_points_and_hides_each_point_s_lines(repo_copy: Path, tmp_path: Path,
+                                                                  plain_lines: io.StringIO) -> None:
+    space = Space(("mlp_fp32",), (1, 8), (None,), (1,))
+    report = tune(repo_copy, space, Objective(Goal.THROUGHPUT), search=Search.EXHAUSTIVE, concurrencies=[2],
+                  measurement_ms=300, default_variant="mlp_fp32", report_path=tmp_path / "t.json", plot_path=None,
+                  max_trials=2, write=False)
+    assert report.measurements == 2
+    lines = plain_lines.getvalue().splitlines()
+    assert lines[0] == "[start] tune: exhaustive search (2 steps)", lines
+    assert any(ln.startswith("[....] tune: exhaustive search, 1/2 (50 %), ") and "left" in ln for ln in lines), lines
+    assert any(ln.startswith("[done] tune: exhaustive search (2/2, ") for ln in lines), lines
+    assert "[start] tune: side by side (3 steps)" in lines
+    assert any(ln.startswith("[done] tune: side by side (3/3, ") for ln in lines), lines
+    # Each point's task and its perfclient windows are steps of those two: no lines of their own.
+    assert not [ln for ln in lines if "measuring" in ln or "windows" in ln], lines
