@@ -181,10 +181,11 @@ def rebuild_reasons(spec: ModelSpec, repository: Path, wanted: dict[str, Any]) -
     """Why a model's variants are rebuilt, from what their build records say they were built from.
     Empty when the records match `wanted` (a forced rebuild)."""
     reasons: list[str] = []
+    missing: list[str] = []
     for prec in spec.precisions:
         record = read_record(repository / variant_name(spec.name, prec))
         if record is None:
-            reasons.append(f"{variant_name(spec.name, prec)} not built yet")
+            missing.append(variant_name(spec.name, prec))
             continue
         present = record.inputs
         for key in sorted(set(present) | set(wanted), key=lambda k: (k not in _REASON_LABELS, k)):
@@ -197,7 +198,7 @@ def rebuild_reasons(spec: ModelSpec, repository: Path, wanted: dict[str, Any]) -
                 reasons.append(f"{label} changed ({', '.join(f'{k} {old.get(k)} -> {new.get(k)}' for k in changed)})")
             else:
                 reasons.append(f"{label} changed")
-    return sorted(set(reasons))
+    return ([f"{', '.join(missing)} not built yet"] if missing else []) + sorted(set(reasons))
 
 
 def _source_onnx(spec: ModelSpec, out: Path) -> None:
@@ -238,8 +239,7 @@ def build_model(spec: ModelSpec, options: BuildOptions, staging: Staging) -> Mod
             _layer_tuned(spec, options.repository, options.tuned)
             return ModelResult(spec.name, ModelStatus.UNCHANGED, key, [], seconds=time.perf_counter() - started)
         reasons = rebuild_reasons(spec, options.repository, inputs_record)
-        for reason in reasons or ["--force"]:
-            log.info("%s: rebuilding: %s", spec.name, reason)
+        log.info("%s: rebuilding: %s", spec.name, "; ".join(reasons or ["--force"]))  # one line per model
 
         eval_batch = EVAL_BATCH if shapes.batching else None
         # The user's data first, on the graph as given (a size inside the range the graph cannot take):
