@@ -193,8 +193,10 @@ def _runtimes(summary: BuildSummary) -> set[str]:
     return {r.runtime for r in summary.rows if r.runtime is not None}
 
 
-def table(summary: BuildSummary, *, color: bool) -> Table:
-    """The variants table; the runtime column only when variants differ in it (else the title names it)."""
+def table(summary: BuildSummary, *, color: bool, limits: bool | None = None) -> Table:
+    """The variants table; the runtime column only when variants differ in it (else the title names it).
+    `limits`: cap the guard and state columns' widths, for a terminal too narrow for whole cells (default:
+    with `color`)."""
     t = Table(box=box.SIMPLE_HEAD if color else box.ASCII2, show_edge=False, pad_edge=False, padding=(0, 1),
               header_style="bold" if color else "")
     with_runtime = len(_runtimes(summary)) > 1
@@ -210,7 +212,7 @@ def table(summary: BuildSummary, *, color: bool) -> Table:
     for name, justify, low, high in columns:
         # Width limits on a terminal only: the plain form (logs, narrow terminals) keeps every cell whole.
         t.add_column(name, justify=justify, no_wrap=low is None, min_width=low,  # type: ignore[arg-type]
-                     max_width=high if color else None)
+                     max_width=high if (color if limits is None else limits) else None)
     for row in summary.rows:
         runtime = [row.runtime or "-"] if with_runtime else []
         if row.failed:
@@ -247,7 +249,11 @@ def render(summary: BuildSummary, stream: TextIO, *, color: bool | None = None) 
     # Lines outside the table are never wrapped (a path breaks badly): soft_wrap.
     console.print(f"[bold]build summary[/]: {title}" if tty else f"build summary: {title}", markup=tty,
                   soft_wrap=True)
-    console.print(table(summary, color=tty))
+    variants = table(summary, color=tty, limits=False)
+    if tty and console.measure(variants).maximum > console.width:
+        # Too wide for whole cells: the guard and state columns wrap within limits, the accuracy gets the room.
+        variants = table(summary, color=True, limits=True)
+    console.print(variants)
     lines = [f"repository: {summary.repository}"]
     if summary.report is not None:
         lines.append(f"report:     {summary.report}")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 import json
+import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -166,3 +168,26 @@ def test_verify_only_checks_the_models_named(tmp_path: Path, capsys: pytest.Capt
     assert main([*base, "--only", "c"]) == 1
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("trtbuild: error: --only c: not in ") and line.endswith("(models: a, b)"), line
+
+
+def test_a_wide_terminal_keeps_every_cell_on_its_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the whole table fits, no cell wraps (the guard column wrapped '1 node unquantized' and its own
+    header at 140 columns); where it does not, the table still fits the terminal."""
+    rows = (SummaryRow("outlier_int8", "int8", "onnxruntime", 48_600, "cos_min 0.9989 ≥ 0.995", True,
+                       "1 node unquantized", 4.3, "rebuilt, calibration cached"),
+            SummaryRow("outlier_fp16", "fp16", "onnxruntime", 32_500, "cos_min 1 ≥ 0.999", True, "-", 6.6))
+    summary = BuildSummary(rows, Path("repo"))
+    monkeypatch.setenv("COLUMNS", "140")
+    stream = io.StringIO()
+    render(summary, stream, color=True)
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", stream.getvalue())
+    row = next(ln for ln in plain.splitlines() if ln.startswith("outlier_int8"))
+    assert "1 node unquantized" in row and "rebuilt, calibration cached" in row, plain
+    assert any("kept in higher precision" in ln for ln in plain.splitlines()), plain
+    long_accuracy = "cos_min 0.9989 ≥ 0.995, cos_mean 0.9991 ≥ 0.995, max_abs 0.0123 ≤ 0.05, top1 0.98 ≥ 0.97"
+    wide = BuildSummary((replace(rows[0], accuracy=long_accuracy, kept="all: FP16 served (no INT8 mix met "
+                                                                       "the tolerance)"),), Path("repo"))
+    monkeypatch.setenv("COLUMNS", "112")
+    stream = io.StringIO()
+    render(wide, stream, color=True)
+    assert max(len(ln) for ln in re.sub(r"\x1b\[[0-9;]*m", "", stream.getvalue()).splitlines()) <= 112
