@@ -361,6 +361,9 @@ def _writable(path: Path, flag: str) -> None:
         raise ManifestError(f"{flag} {path}: cannot write there")
 
 
+_TUNE_ROWS = 12  # points listed whole; a longer search lists the Pareto front, the winner and failures
+
+
 def _tune(args: argparse.Namespace) -> int:
     from builder.serving.tune import Endpoints, Goal, Objective, Search, Space, tune
     from builder.spec.tuned import load_tuned, tuned_path
@@ -419,14 +422,19 @@ def _tune(args: argparse.Namespace) -> int:
                       trials=args.trials, seed=args.seed, html_path=html_path)
     finally:
         signal.signal(signal.SIGTERM, previous)
+    # A long search lists the Pareto front, the winner and failed points; the report and page hold every point.
+    winner_label = report.winner.label() if report.winner else None
+    shown = [e for e in report.points if len(report.points) <= _TUNE_ROWS or e.label in report.pareto
+             or e.failure or e.label == winner_label]
     print(f"{'point':<58} {'infer/s':>8} {'p99 ms':>8} {'feasible':>8}")
-    for entry in report.points:
+    for entry in shown:
         p99 = "-" if entry.p99_ms is None else f"{entry.p99_ms:.1f}"
         failure = f"  failed: {entry.failure}" if entry.failure else ""
         print(f"{entry.label:<58} {entry.throughput:>8.1f} {p99:>8} {'yes' if entry.feasible else 'no':>8}{failure}")
     failed = f", {report.failed} failed" if report.failed else ""
+    hidden = f" ({len(report.points) - len(shown)} points off it not listed)" if len(shown) < len(report.points) else ""
     print(f"{report.search} search: {report.measurements} measurements{failed}; "
-          f"Pareto front: {len(report.pareto)} points")
+          f"Pareto front: {len(report.pareto)} points{hidden}")
     print(f"why: {report.why}")
     for row in report.comparison:
         p99 = "-" if row.p99_ms is None else f"{row.p99_ms:.1f}"
