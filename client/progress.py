@@ -132,7 +132,9 @@ def _duration(value: float) -> str:
 class _Plain:
     """Lines for logs: the start, the end, and in between a line when at least `interval` seconds passed
     and either a tenth of the total more is done or `quiet_limit` seconds passed (a 40-minute search
-    then writes about 20 lines, not 240).
+    then writes about 20 lines, not 240). A step that reports nothing while it runs (a calibration, a
+    TensorRT build) gets a line every `quiet_limit` seconds too, from a timer: a CI log shows it is still
+    going (and a CI that kills silent jobs does not kill it).
     Tasks opened inside a counted task (a loop with a total, or one opened with `loop=True`) print
     nothing: the loop's own lines say how far it is, and a line per iteration would flood the log."""
 
@@ -141,34 +143,50 @@ class _Plain:
         self.interval = interval
         self.quiet_limit = max(interval, quiet_limit)
         self.reported: dict[int, int] = {}  # task id -> steps done at its last line
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # around the stream and the lists below (the timer reads them)
         self.open: list[Task] = []
         self.hidden: set[int] = set()  # ids of tasks inside a counted task
+        self.stop = threading.Event()
+        self.timer: threading.Thread | None = None
 
     def _line(self, text: str) -> None:
         with self.lock:
             print(text, file=self.stream or sys.stderr, flush=True)
 
     def start(self, task: Task) -> None:
-        inside_loop = any(t.loop for t in self.open)
-        self.open.append(task)
-        if inside_loop:
-            self.hidden.add(id(task))
-            return
+        with self.lock:
+            inside_loop = any(t.loop for t in self.open)
+            self.open.append(task)
+            if inside_loop:
+                self.hidden.add(id(task))
+                return
+            task._last_line = time.monotonic()
+            if self.timer is None:
+                self.timer = threading.Thread(target=self._tick, name="progress-plain", daemon=True)
+                self.timer.start()
         total = f" ({task.total} steps)" if task.total is not None else ""
-        task._last_line = time.monotonic()
         self._line(f"[start] {task.description}{total}")
+
+    def _tick(self) -> None:
+        """Every so often: a line for the innermost shown task when it has been quiet for `quiet_limit`."""
+        while not self.stop.wait(min(1.0, self.quiet_limit / 4)):
+            with self.lock:
+                shown = [t for t in self.open if id(t) not in self.hidden]
+            if shown and time.monotonic() - shown[-1]._last_line >= self.quiet_limit:
+                self._report(shown[-1])
 
     def changed(self, task: Task) -> None:
         if id(task) in self.hidden:
             return
-        now = time.monotonic()
-        since = now - task._last_line
+        since = time.monotonic() - task._last_line
         done = task.completed - self.reported.get(id(task), 0)
         tenth = task.total is not None and task.total > 0 and done * 10 >= task.total
         if since < self.interval or not (tenth or since >= self.quiet_limit):
             return
-        task._last_line = now
+        self._report(task)
+
+    def _report(self, task: Task) -> None:
+        task._last_line = time.monotonic()
         self.reported[id(task)] = task.completed
         parts = [task.description]
         if task.total is not None:
@@ -185,12 +203,13 @@ class _Plain:
         self._line("[....] " + ", ".join(parts))
 
     def finish(self, task: Task, failed: bool) -> None:
-        if task in self.open:
-            self.open.remove(task)
-        self.reported.pop(id(task), None)
-        if id(task) in self.hidden:
-            self.hidden.discard(id(task))
-            return
+        with self.lock:
+            if task in self.open:
+                self.open.remove(task)
+            self.reported.pop(id(task), None)
+            if id(task) in self.hidden:
+                self.hidden.discard(id(task))
+                return
         count = f"{task.completed}/{task.total}, " if task.total is not None else ""
         self._line(f"[{'fail' if failed else 'done'}] {task.description} ({count}{_duration(task.elapsed)})")
 
@@ -198,9 +217,14 @@ class _Plain:
         self._line(line)
 
     def close(self) -> None:
-        self.open.clear()
-        self.hidden.clear()
-        self.reported.clear()
+        self.stop.set()
+        if self.timer is not None:
+            self.timer.join(timeout=5)
+            self.timer = None
+        with self.lock:
+            self.open.clear()
+            self.hidden.clear()
+            self.reported.clear()
 
 
 _LIVE_MAX_WIDTH = 120  # a wider terminal gets a 120-column display, not bars spread over the whole width
@@ -322,16 +346,18 @@ def pick_mode(stream: TextIO, *, quiet: bool = False, enabled: bool = True) -> M
     return Mode.LIVE if stream.isatty() else Mode.PLAIN
 
 
-def configure(mode: Mode, *, stream: TextIO | None = None, interval: float = 10.0) -> None:
+def configure(mode: Mode, *, stream: TextIO | None = None, interval: float = 10.0,
+              quiet_limit: float = 120.0) -> None:
     """Choose the rendering for every later task (CLIs only). `stream` None: sys.stderr as it is when
-    each line is written. `interval`: seconds between a plain task's progress lines."""
+    each line is written. `interval`: seconds at least between a plain task's progress lines;
+    `quiet_limit`: seconds at most without a line while a plain task runs."""
     global _renderer, _mode
     _renderer.close()  # a live display still up (a task left open by an error) is taken down
     _mode = mode
     if mode is Mode.LIVE:
         _renderer = _Live(stream)
     elif mode is Mode.PLAIN:
-        _renderer = _Plain(stream, interval)
+        _renderer = _Plain(stream, interval, quiet_limit)
     else:
         _renderer = _Silent()
 

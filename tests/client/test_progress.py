@@ -107,6 +107,26 @@ def test_tasks_inside_a_loop_of_unknown_length_print_nothing_in_plain_mode() -> 
     assert "[start] inside a task that is no loop" in lines
 
 
+def test_a_silent_step_gets_a_line_every_quiet_limit_in_plain_mode() -> None:
+    """A step that never advances (a calibration, a TensorRT build) still writes a line while it runs, for
+    the innermost shown task only; none for a task hidden inside a loop, none once it ended."""
+    stream = io.StringIO()
+    progress.configure(progress.Mode.PLAIN, stream=stream, interval=0.0, quiet_limit=0.3)
+    with progress.task("m_fp16: building"), progress.task("TensorRT build: m_fp16"):
+        time.sleep(1.0)
+    with progress.task("guard", total=1) as bar, progress.task("calibration"):
+        time.sleep(0.7)
+        bar.advance()
+    ended = len(stream.getvalue().splitlines())
+    time.sleep(0.5)
+    lines = stream.getvalue().splitlines()
+    progress.configure(progress.Mode.OFF)
+    beats = [ln for ln in lines if ln.startswith("[....] ")]
+    assert len([ln for ln in beats if re.fullmatch(r"\[....\] TensorRT build: m_fp16, \d+ s elapsed", ln)]) >= 2, lines
+    assert not [ln for ln in beats if "building" in ln or "calibration" in ln], lines
+    assert len(lines) == ended  # nothing after the last task ended
+
+
 def test_nothing_by_default_and_with_off(capsys: pytest.CaptureFixture[str]) -> None:
     progress.configure(progress.Mode.OFF)
     with progress.task("work", total=2) as bar:
