@@ -37,6 +37,7 @@ from pathlib import Path
 from builder.errors import BuilderError, ServerError
 from builder.repository.lock import LockBusy, exclusive, repository_lock
 from builder.repository.staging import clear_leftovers, leftovers
+from client import progress
 from client.choices import Choice
 from client.files import copy_atomic, write_json
 
@@ -511,18 +512,23 @@ class TritonServer:
             else:
                 write_json(self.state_dir / STATE_FILE, asdict(self.record))
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                self._forget()
-                raise ServerError(f"tritonserver exited with status {self.process.returncode} before it was ready; "
-                                  f"see {self.log_file}: {self.log_tail(1)}")
-            if ready(self.ports.http):
-                log.debug("tritonserver ready on http %d, grpc %d, metrics %d",
-                         self.ports.http, self.ports.grpc, self.ports.metrics)
-                return
-            time.sleep(0.25)
-        self.stop()
-        raise ServerError(f"tritonserver was not ready within {timeout:.0f} s; see {self.log_file}")
+        # Triton answers nothing until it has loaded every model (mode none): a status line meanwhile.
+        models = sum(1 for child in self.repository.iterdir() if (child / "config.pbtxt").is_file())
+        loading = (f"loading {models} model{'s' if models != 1 else ''}" if self.model_control is ModelControl.NONE
+                   else "model control explicit: no model loaded at start")
+        with progress.task(f"tritonserver: starting ({loading})"):
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    self._forget()
+                    raise ServerError(f"tritonserver exited with status {self.process.returncode} before it was "
+                                      f"ready; see {self.log_file}: {self.log_tail(1)}")
+                if ready(self.ports.http):
+                    log.debug("tritonserver ready on http %d, grpc %d, metrics %d",
+                              self.ports.http, self.ports.grpc, self.ports.metrics)
+                    return
+                time.sleep(0.25)
+            self.stop()
+            raise ServerError(f"tritonserver was not ready within {timeout:.0f} s; see {self.log_file}")
 
     def log_tail(self, lines: int = 20) -> str:
         text = ""
