@@ -170,13 +170,25 @@ def next_commands(repository: Path, variants: Sequence[str], manifest: Path | No
     the models to verify (`--only`), every variant of each built; None: the whole manifest; empty: none."""
     if not variants:
         return ()
-    models = " ".join(f"-m {v}" for v in variants[:3])
     commands = [f"trtbuild serve --repository {repository} --background"]
     if manifest is not None and (verify_models is None or verify_models):
         only = "".join(f" --only {m}" for m in verify_models or ())
         commands.append(f"trtbuild verify --manifest {manifest} --repository {repository}{only}")
-    commands.append(f"perfclient {models} -u localhost:8001 --concurrency 8")
+    commands.append(perf_command(repository, variants))
     return tuple(commands)
+
+
+def perf_command(repository: Path, variants: Sequence[str]) -> str:
+    """perfclient on up to three variants that take the same request shapes (the first one's), with a
+    `--shape` at the build's opt shape for each input whose dims the server leaves free: without it
+    perfclient refuses a model with dynamic dims (a sequence length, an image size)."""
+    from builder.serving.tune import load_shapes  # the shapes tune sends, from each variant's build.json
+
+    shapes = {v: load_shapes(repository / v) for v in variants}
+    first = shapes[variants[0]]
+    chosen = [v for v in variants if shapes[v] == first][:3]
+    flags = "".join(f" --shape {name}:{','.join(map(str, dims))}" for name, dims in first.items())
+    return f"perfclient {' '.join(f'-m {v}' for v in chosen)} -u localhost:8001 --concurrency 8{flags}"
 
 
 def _size(size: int | None) -> str:
