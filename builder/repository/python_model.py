@@ -132,12 +132,11 @@ class DeviceInput:
         self.dtype = np.dtype(_NUMPY_OF_DL[key])
         self.shape = tuple(int(view.shape[i]) for i in range(view.ndim))
         if view.strides:  # NULL strides mean row-major; anything else must be row-major too
-            expected, step = [], 1
-            for dim in reversed(self.shape):
-                expected.insert(0, step)
-                step *= max(dim, 1)
-            if [int(view.strides[i]) for i in range(view.ndim)] != expected:
-                raise ValueError(f"a non-contiguous device tensor (shape {self.shape}) is not supported")
+            step = 1  # in elements; a dim of size 1 may carry any stride (as the python backend's own check)
+            for i in reversed(range(view.ndim)):
+                if self.shape[i] != 1 and int(view.strides[i]) != step:
+                    raise ValueError(f"a non-contiguous device tensor (shape {self.shape}) is not supported")
+                step *= self.shape[i]
         self.ptr = int(view.data or 0) + int(view.byte_offset)
         self.device_id = int(view.device.device_id)
         self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
@@ -153,8 +152,16 @@ class DeviceInput:
 
 
 def _cudart():
-    from cuda.bindings import runtime as cudart
-
+    """cuda-python's runtime module; without it an input that arrived in GPU memory cannot be read: one line
+    saying so (the request gets it as its error) instead of a bare ImportError."""
+    try:
+        from cuda.bindings import runtime as cudart
+    except ImportError:
+        try:
+            from cuda import cudart  # cuda-python 12 before 12.6
+        except ImportError as exc:
+            raise RuntimeError("an input arrived in GPU memory (CUDA shared memory) and reading it needs cuda-python "
+                               f"in the server's Python (pip install cuda-python): {exc}") from None
     return cudart
 
 
@@ -246,12 +253,18 @@ class _Bucket:
     def _gather_on_device(self, name, parts, host):
         """Each request's rows into the bound device input in order: GPU parts by a device-to-device copy,
         host parts through the staging buffer; one synchronization for them all."""
-        _cudart().cudaSetDevice(self.device_id)  # the stub's thread may be on another device
+        rt = _cudart()
+        (err,) = rt.cudaSetDevice(self.device_id)  # the stub's thread may be on another device
+        if err != rt.cudaError_t.cudaSuccess:
+            raise RuntimeError(f"cudaSetDevice({self.device_id}): {err}")
         base, offset, row = self.inputs[name].data_ptr(), 0, 0
         row_bytes = host[0].nbytes
         for part in parts:
             n = len(part)
             if isinstance(part, DeviceInput):
+                if part.dtype != host.dtype:  # the bytes would be copied as they are, never converted
+                    raise ValueError(f"input {name}: a device tensor of {part.dtype} where the model takes "
+                                     f"{host.dtype}")
                 if part.nbytes != n * row_bytes:
                     raise ValueError(f"input {name}: a device tensor of shape {part.shape} does not fit rows of "
                                      f"{host.shape[1:]} {host.dtype}")
@@ -399,6 +412,7 @@ def _input(tensor):
     DeviceInput; only the bucket runner copies those on the device, the others take a host copy."""
     if tensor.is_cpu():
         return tensor.as_numpy()
+    _cudart()  # every runner reads device inputs through it: without it, this request alone is refused
     return DeviceInput(tensor.to_dlpack(), tensor)
 
 
@@ -417,13 +431,26 @@ class TritonPythonModel:
         self.output_names = [o["name"] for o in config["output"]]
         self.order = [self.runner.output_names.index(n) for n in self.output_names]
         pb_utils.Logger.log_info(f"{args['model_name']}: {json.dumps(self.runner.describe())}")
+        if params.get("FORCE_CPU_ONLY_INPUT_TENSORS", "yes").lower() in ("no", "false", "0"):
+            try:
+                _cudart()
+            except RuntimeError as exc:  # said once at load; each such request is answered with it too
+                pb_utils.Logger.log_warn(f"{args['model_name']}: {exc}")
 
     def execute(self, requests):
-        feeds = [{n: _input(pb_utils.get_input_tensor_by_name(request, n)) for n in self.input_names}
-                 for request in requests]
         responses = [None] * len(requests)
+        feeds = {}
+        for index, request in enumerate(requests):
+            feed, name = {}, None
+            try:  # an input the runner cannot take (a device tensor it cannot read) fails its own request only
+                for name in self.input_names:
+                    feed[name] = _input(pb_utils.get_input_tensor_by_name(request, name))
+            except Exception as exc:  # noqa: BLE001 - report to the client instead of failing the whole batch
+                responses[index] = pb_utils.InferenceResponse(error=pb_utils.TritonError(f"input {name}: {exc}"))
+                continue
+            feeds[index] = feed
         groups: dict[tuple, list[int]] = {}
-        for index, feed in enumerate(feeds):
+        for index, feed in feeds.items():
             key = tuple((n, feed[n].dtype.str, feed[n].shape[1:]) for n in self.input_names)
             groups.setdefault(key if self.batching else (index,), []).append(index)
         for indices in groups.values():
