@@ -86,7 +86,8 @@ class _Region:
     name: str  # registered under this name; the system segment's key is "/" + name
     byte_size: int
     release: Callable[[], None]  # unmap and unlink (system) or free (CUDA)
-    buffer: cuda_memory.DeviceBuffer | None = None  # CUDA: the device buffer, whose IPC handle registration sends
+    buffer: cuda_memory.DeviceBuffer | None = None  # CUDA: the device buffer
+    ipc_handle: bytes = b""  # CUDA: its IPC handle (base64), which registration sends
     segment: mpshm.SharedMemory | None = None  # system: the mapped segment
     registered: bool = False
 
@@ -180,10 +181,12 @@ class SharedMemoryPool:
         try:
             if data is not None:
                 buffer.write(np.ascontiguousarray(data).tobytes())
+            # Made here, not in _register: a CUDA call of ours that fails is not the server refusing.
+            handle = buffer.raw_handle_b64()
         except BaseException:
             buffer.free()
             raise
-        return _Region(name, size, buffer.free, buffer=buffer)
+        return _Region(name, size, buffer.free, buffer=buffer, ipc_handle=handle)
 
     def _register(self, region: _Region) -> None:
         try:
@@ -191,8 +194,7 @@ class SharedMemoryPool:
                 self._client.register_system_shared_memory(region.name, f"/{region.name}", region.byte_size,
                                                            **self._timeout())
             else:
-                raw = region.buffer.raw_handle_b64()
-                self._client.register_cuda_shared_memory(region.name, raw, self.config.device_id,
+                self._client.register_cuda_shared_memory(region.name, region.ipc_handle, self.config.device_id,
                                                          region.byte_size, **self._timeout())
         except Exception as exc:
             raise PerfClientError(f"{FLAG} {self.config.kind}: the server at {self.url} refused to register "
