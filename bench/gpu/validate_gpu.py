@@ -151,7 +151,10 @@ def _compare(pair: Any, protocol: str, config: Any, feeds: dict[str, NDArray[Any
         row |= {"ok": False, "error": repr(exc)[:600]}
     finally:
         if buffers:
-            client.unregister_cuda_shared_memory()
+            try:  # a server that died mid-check cannot answer; the buffers are freed all the same
+                client.unregister_cuda_shared_memory()
+            except Exception as exc:  # noqa: BLE001 -- recorded with the row
+                row |= {"ok": False, "cleanup_error": repr(exc)[:300]}
             for buffer in buffers:
                 buffer.free()
     print(json.dumps(row), flush=True)
@@ -216,7 +219,24 @@ def check(repository: Path, out: Path, loads: list[tuple[str, str]]) -> int:
         doc["server_log_tail"] = server.log_tail(30)
         server.stop()
         (out / "validate.json").write_text(json.dumps(doc, indent=2))
-    return 0 if all(r.get("ok") for r in doc["answers"]) else 2
+    return exit_status(doc)
+
+
+def exit_status(doc: dict[str, Any]) -> int:
+    """0 only when every answer matched, the in-process runner ran and every perfclient load exited 0."""
+    answers = doc.get("answers") or []
+    ok = (bool(answers) and all(r.get("ok") for r in answers)
+          and all("error" not in r for r in doc.get("in_process_runner", []))
+          and all(r.get("rc") == 0 for r in doc.get("perfclient", [])))
+    return 0 if ok else 2
+
+
+def load_arg(value: str) -> tuple[str, str]:
+    """--load MODEL:SHM."""
+    model, _, shm = value.rpartition(":")
+    if not model or shm not in ("none", "system", "cuda"):
+        raise argparse.ArgumentTypeError(f"{value!r}: expected MODEL:SHM with SHM none, system or cuda")
+    return model, shm
 
 
 def perfclient(model: str, shm: str, *, repository: Path, grpc: int, metrics: int, out: Path) -> dict[str, Any]:
@@ -253,12 +273,13 @@ def main() -> int:
     b = sub.add_parser("check")
     b.add_argument("--repository", type=Path, required=True)
     b.add_argument("--out", type=Path, required=True)
-    b.add_argument("--load", action="append", default=[], help="MODEL:SHM (none|system|cuda), repeatable")
+    b.add_argument("--load", action="append", default=[], type=load_arg,
+                   help="MODEL:SHM (none|system|cuda), repeatable")
     args = p.parse_args()
     if args.step == "prepare":
         prepare(args.source, args.models.split(","), args.out, kind_cpu_twin=args.kind_cpu_twin)
         return 0
-    return check(args.repository, args.out, [tuple(x.split(":")) for x in args.load])
+    return check(args.repository, args.out, args.load)
 
 
 if __name__ == "__main__":
