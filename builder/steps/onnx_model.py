@@ -55,7 +55,7 @@ def load(path: Path) -> onnx.ModelProto:
     if not path.is_file():
         raise OnnxModelError(f"{path}: not a file")
     try:
-        external = _has_external_data(path)
+        external = has_external_data(path)
         model = onnx.load(str(path), load_external_data=True)
     except (DecodeError, ValueError, RuntimeError, OSError, onnx.checker.ValidationError) as exc:
         # onnx checks an external data file's path while loading it: a missing one is a ValidationError.
@@ -85,7 +85,7 @@ def infer_shapes(model: onnx.ModelProto, what: str) -> onnx.ModelProto:
 def inferred(path: Path, what: str) -> onnx.ModelProto:
     """The checked model at `path` with its shapes inferred. A model with external data is inferred from
     its file (no message over 2 GB in memory) and comes back without its weights: for its signature."""
-    if not _has_external_data(path):
+    if not has_external_data(path):
         return infer_shapes(load(path), what)
     load(path)  # the checks, and one line for missing data
     out = path.with_name(f".{path.name}.{os.getpid()}.inferred")
@@ -215,7 +215,7 @@ def copy_model(source: Path, target: Path) -> None:
     """The model at `source` written to `target` with its external data (if any) loaded and written
     again (`save`: inline when the whole fits in one protobuf, else in `data_file(target)`). Atomic:
     `target` appears whole, its data first."""
-    if not _has_external_data(source):
+    if not has_external_data(source):
         data_file(target).unlink(missing_ok=True)
         copy_atomic(source, target)
         return
@@ -224,7 +224,7 @@ def copy_model(source: Path, target: Path) -> None:
 
 def move_model(source: Path, target: Path) -> None:
     """`copy_model`, then the source and its data files removed."""
-    if _has_external_data(source):
+    if has_external_data(source):
         copy_model(source, target)
         remove_model(source)
     else:
@@ -248,7 +248,8 @@ def _external_files(path: Path) -> list[Path]:
     return [path.parent / name for name in sorted(found)]
 
 
-def _has_external_data(path: Path) -> bool:
+def has_external_data(path: Path) -> bool:
+    """Whether the model keeps weights in data files beside it."""
     return bool(_external_files(path))
 
 

@@ -327,6 +327,9 @@ def _quantize_modelopt(fp32_path: Path, calibration: Mapping[str, NDArray[Any]],
         nodes_to_exclude=list(spec.nodes_to_exclude) or None,
         nodes_to_quantize=list(spec.nodes_to_quantize) or None,
         output_path=str(out),
+        # Weights kept beside the model (over 2 GB): ModelOpt writes its result the same way (it decides
+        # by itself only from the size of what it loaded).
+        use_external_data_format=onnx_model.has_external_data(fp32_path),
         log_level="WARNING",
     )
 
@@ -375,7 +378,8 @@ def _quantize_ort(fp32_path: Path, calibration: Mapping[str, NDArray[Any]], spec
     job.write_text(json.dumps({"fp32": str(fp32_path), "samples": str(samples), "tmp": str(tmp), "out": str(out),
                                "method": spec.method.value, "op_types_to_quantize": list(spec.op_types_to_quantize),
                                "nodes_to_exclude": list(spec.nodes_to_exclude),
-                               "nodes_to_quantize": list(spec.nodes_to_quantize)}))
+                               "nodes_to_quantize": list(spec.nodes_to_quantize),
+                               "external": onnx_model.has_external_data(fp32_path)}))
     try:
         proc = subprocess.run([sys.executable, "-m", "builder.steps.precision", str(job)], capture_output=True,
                               text=True, timeout=QUANTIZER_TIMEOUT_S)
@@ -428,7 +432,11 @@ def _ort_quantize_worker(job_path: str) -> None:
     with np.load(job["samples"]) as archive:
         calibration = {k: archive[k] for k in archive.files}
     prepared = str(Path(job["tmp"]) / "prepared.onnx")
-    quant_pre_process(job["fp32"], prepared, skip_symbolic_shape=True)
+    # A model with its weights beside it (over 2 GB) stays so: ORT's pre-processing otherwise reads the
+    # data file from its own temporary folder, where it is not, and writes a message protobuf cannot hold.
+    external = bool(job.get("external"))
+    quant_pre_process(job["fp32"], prepared, skip_symbolic_shape=True, save_as_external_data=external,
+                      all_tensors_to_one_file=True, external_data_location="prepared.onnx.data" if external else None)
     count = len(next(iter(calibration.values())))
 
     class Reader(CalibrationDataReader):  # type: ignore[misc]
@@ -457,6 +465,7 @@ def _ort_quantize_worker(job_path: str) -> None:
             op_types_to_quantize=job["op_types_to_quantize"] or None,
             nodes_to_exclude=job["nodes_to_exclude"] or None,
             nodes_to_quantize=job["nodes_to_quantize"] or None,
+            use_external_data_format=external,
         )
 
 

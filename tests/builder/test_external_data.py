@@ -14,7 +14,9 @@ import onnx
 import pytest
 
 from builder.cli import main
-from builder.runtimes.onnxruntime import run_file
+from builder.pipeline import BuildOptions, ModelStatus, build_all
+from builder.runtimes.onnxruntime import OnnxRuntimeCPU, run_file
+from builder.spec import CalibrationSpec, DataSpec, DimRange, Int8Recipe, ModelSpec, Precision
 from builder.steps import onnx_model
 from tests.helpers.foreign_models import ForeignModel, external_data
 
@@ -75,3 +77,23 @@ def test_a_data_file_missing_beside_the_model_is_one_line(model: ForeignModel,
     assert line.startswith(f"trtbuild: error: {model.onnx}: not a readable ONNX model (ValidationError: ")
     assert "model.weights" in line
     assert not Path("repo").exists() or not [p for p in Path("repo").iterdir() if not p.name.startswith(".")]
+
+
+@pytest.mark.parametrize("recipe", [Int8Recipe.MODELOPT, Int8Recipe.ONNXRUNTIME])
+def test_the_int8_quantizers_keep_the_weights_of_a_model_over_the_limit_in_a_data_file(
+        model: ForeignModel, recipe: Int8Recipe, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # Over 2 GB a quantizer that writes its result inline fails (ONNX Runtime's writes inline unless told);
+    # told, both write a data file beside their output, which the build keeps beside the served model.
+    monkeypatch.setattr(onnx_model, "PROTOBUF_LIMIT", 1000)
+    spec = ModelSpec(name="external", onnx=model.onnx, batch=DimRange(1, 8, 16), precisions=(Precision.INT8,),
+                     calibration=CalibrationSpec(DataSpec(str(model.calibration), 16), recipe=recipe))
+    options = BuildOptions(repository=tmp_path / "repo", runtime=OnnxRuntimeCPU(), cache_dir=tmp_path / "cache")
+    (result,) = build_all([spec], options, None, ["pytest"])
+    assert not result.failures and result.status is ModelStatus.BUILT
+    folder = tmp_path / "repo" / "external_int8" / "1"
+    # The quantized weights (12 kB of int8) in the data file; scales and small tensors stay inline.
+    assert (folder / "model.onnx").stat().st_size < 8000 < (folder / "model.onnx.data").stat().st_size
+    held_out = {k: v[-4:] for k, v in np.load(model.calibration).items()}
+    quantized = run_file(folder / "model.onnx", held_out, 4)["y"].ravel()
+    reference = run_file(model.onnx, held_out, 4)["y"].ravel()
+    assert float(quantized @ reference / np.linalg.norm(quantized) / np.linalg.norm(reference)) > 0.97
