@@ -77,12 +77,17 @@ class CpuRunner:
         return {"provider": "cpu"}
 
 
-def _pin(array):
+def _pin(array, device_id=0):
     """Page-lock a numpy buffer so host-to-device copies from it are DMA at full speed; False where
     cuda-python is missing or the call fails (the copy then goes through a pageable bounce)."""
     try:
         from cuda.bindings import runtime as cudart
     except ImportError:
+        return False
+    # The instance's own GPU first: a stub's first runtime call otherwise opens a context on GPU 0, which
+    # on a host of several GPUs costs every stub of another GPU that context's memory on GPU 0.
+    (err,) = cudart.cudaSetDevice(device_id)
+    if err != cudart.cudaError_t.cudaSuccess:
         return False
     (err,) = cudart.cudaHostRegister(array.ctypes.data, array.nbytes, cudart.cudaHostRegisterDefault)
     if err != cudart.cudaError_t.cudaSuccess:
@@ -147,6 +152,7 @@ class DeviceInput:
     def numpy(self):
         """A host copy, for runners that take numpy arrays (CPU, one plain CUDA session)."""
         out = np.empty(self.shape, dtype=self.dtype)
+        _set_device(_cudart(), self.device_id)  # the tensor's GPU, not a context opened on GPU 0
         _memcpy(out.ctypes.data, self.ptr, self.nbytes)
         return out
 
@@ -163,6 +169,12 @@ def _cudart():
             raise RuntimeError("an input arrived in GPU memory (CUDA shared memory) and reading it needs cuda-python "
                                f"in the server's Python (pip install cuda-python): {exc}") from None
     return cudart
+
+
+def _set_device(rt, device_id):
+    (err,) = rt.cudaSetDevice(device_id)
+    if err != rt.cudaError_t.cudaSuccess:
+        raise RuntimeError(f"cudaSetDevice({device_id}): {err}")
 
 
 def _memcpy(dst, src, nbytes, *, stream=0, sync=True):
@@ -218,7 +230,7 @@ class _Bucket:
                 raise DynamicDims(f"input {node.name} has dynamic non-batch dims {node.shape}")
             dtype = _NUMPY_OF_ORT[node.type]
             self.host[node.name] = np.zeros(shape, dtype=dtype)
-            self.pinned = pin and _pin(self.host[node.name]) and self.pinned
+            self.pinned = pin and _pin(self.host[node.name], device_id) and self.pinned
             self.inputs[node.name] = ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, "cuda", device_id)
             self.inputs[node.name].update_inplace(self.host[node.name])
             self.binding.bind_ortvalue_input(node.name, self.inputs[node.name])
@@ -253,10 +265,7 @@ class _Bucket:
     def _gather_on_device(self, name, parts, host):
         """Each request's rows into the bound device input in order: GPU parts by a device-to-device copy,
         host parts through the staging buffer; one synchronization for them all."""
-        rt = _cudart()
-        (err,) = rt.cudaSetDevice(self.device_id)  # the stub's thread may be on another device
-        if err != rt.cudaError_t.cudaSuccess:
-            raise RuntimeError(f"cudaSetDevice({self.device_id}): {err}")
+        _set_device(_cudart(), self.device_id)  # the stub's thread may be on another device
         base, offset, row = self.inputs[name].data_ptr(), 0, 0
         row_bytes = host[0].nbytes
         for part in parts:

@@ -83,21 +83,39 @@ def _no_cuda_python(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setitem(sys.modules, name, None)  # None in sys.modules: the import raises ImportError
 
 
-def _memmove_cuda(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, int]]:
-    """cuda-python's runtime as far as the runner uses it; every copy is a memmove, recorded."""
+def _memmove_cuda(monkeypatch: pytest.MonkeyPatch, calls: list[tuple[Any, ...]] | None = None,
+                  ) -> list[tuple[int, int, int]]:
+    """cuda-python's runtime as far as the runner uses it; every copy is a memmove, recorded (and with
+    `calls`, every call in order)."""
     copies: list[tuple[int, int, int]] = []
+    log = calls if calls is not None else []
 
     def memcpy_async(dst: int, src: int, nbytes: int, kind: int, stream: int) -> tuple[int]:
         copies.append((dst, src, nbytes))
+        log.append(("cudaMemcpyAsync", nbytes))
         ctypes.memmove(dst, src, nbytes)
+        return (0,)
+
+    def recorded(name: str) -> Any:
+        def call(*args: Any) -> tuple[int]:
+            log.append((name, *args))
+            return (0,)
+
+        return call
+
+    def host_register(ptr: int, size: int, flags: int) -> tuple[int]:
+        log.append(("cudaHostRegister", size))
         return (0,)
 
     runtime = types.ModuleType("cuda.bindings.runtime")
     runtime.cudaError_t = types.SimpleNamespace(cudaSuccess=0)  # type: ignore[attr-defined]
     runtime.cudaMemcpyKind = types.SimpleNamespace(cudaMemcpyDefault=4)  # type: ignore[attr-defined]
     runtime.cudaMemcpyAsync = memcpy_async  # type: ignore[attr-defined]
-    runtime.cudaStreamSynchronize = lambda stream: (0,)  # type: ignore[attr-defined]
-    runtime.cudaSetDevice = lambda device: (0,)  # type: ignore[attr-defined]
+    runtime.cudaStreamSynchronize = recorded("cudaStreamSynchronize")  # type: ignore[attr-defined]
+    runtime.cudaSetDevice = recorded("cudaSetDevice")  # type: ignore[attr-defined]
+    runtime.cudaHostRegisterDefault = 0  # type: ignore[attr-defined]
+    runtime.cudaHostRegister = host_register  # type: ignore[attr-defined]
+    runtime.cudaHostUnregister = recorded("cudaHostUnregister")  # type: ignore[attr-defined]
     bindings = types.ModuleType("cuda.bindings")
     bindings.runtime = runtime  # type: ignore[attr-defined]
     cuda = types.ModuleType("cuda")
@@ -231,3 +249,34 @@ def test_a_contiguous_tensor_with_a_size_one_dim_is_taken(monkeypatch: pytest.Mo
     assert view.dtype == np.float32 and len(view) == 1
     with pytest.raises(ValueError, match="non-contiguous"):
         RUNNER.DeviceInput(np.zeros((3, 4), dtype=np.float32)[:, ::2].__dlpack__())
+
+
+def _capsule(data: NDArray[Any], shape: tuple[int, ...], *, device_id: int = 0) -> Any:
+    """A DLPack capsule of `data` (row-major, NULL strides) that says it lives on device `device_id`."""
+    dims = (ctypes.c_int64 * len(shape))(*shape)
+    tensor = RUNNER._DLTensor(data=data.ctypes.data, ndim=len(shape), shape=dims)
+    tensor.device.device_type, tensor.device.device_id = DL_CPU, device_id
+    tensor.dtype.code, tensor.dtype.bits, tensor.dtype.lanes = 2, 32, 1
+    new_capsule = ctypes.pythonapi.PyCapsule_New
+    new_capsule.restype, new_capsule.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    capsule = new_capsule(ctypes.addressof(tensor), b"dltensor", None)
+    return capsule, (tensor, dims)  # the struct and its shape must outlive the capsule's readers
+
+
+def test_runtime_calls_run_on_the_tensors_own_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a host of several GPUs a stub serving GPU 3 must not open a context on GPU 0: the host copy of
+    a device input selects the tensor's device, and page-locking selects the instance's, before any other
+    runtime call."""
+    monkeypatch.setattr(RUNNER.DeviceInput, "devices", (DL_CPU,))
+    calls: list[tuple[Any, ...]] = []
+    _memmove_cuda(monkeypatch, calls)
+    data = np.arange(6, dtype=np.float32)
+    capsule, _keep = _capsule(data, (2, 3), device_id=3)
+    view = RUNNER.DeviceInput(capsule)
+    assert view.device_id == 3
+    np.testing.assert_array_equal(view.numpy(), data.reshape(2, 3))
+    assert calls[0] == ("cudaSetDevice", 3) and ("cudaMemcpyAsync", 24) in calls
+    calls.clear()
+    staging = np.zeros((4, 8), dtype=np.float32)
+    assert RUNNER._pin(staging, 2) is True
+    assert calls == [("cudaSetDevice", 2), ("cudaHostRegister", staging.nbytes)]
