@@ -241,9 +241,11 @@ def remove_model(path: Path) -> None:
 
 
 def _external_files(path: Path) -> list[Path]:
-    """The data files the model's initializers point to (none for a self-contained model)."""
+    """The data files the model's tensors point to (none for a self-contained model): initializers, those
+    of subgraphs (If, Loop) and Constant nodes' values, as onnx's own loader walks them."""
     model = onnx.load(str(path), load_external_data=False)
-    found = {entry.value for t in model.graph.initializer if onnx.external_data_helper.uses_external_data(t)
+    tensors = onnx.external_data_helper._get_all_tensors(model)  # the walk onnx.load uses (private)
+    found = {entry.value for t in tensors if onnx.external_data_helper.uses_external_data(t)
              for entry in t.external_data if entry.key == "location"}
     return [path.parent / name for name in sorted(found)]
 

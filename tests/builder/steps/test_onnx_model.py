@@ -65,3 +65,24 @@ def test_the_fp32_graph_is_run_at_min_opt_and_max_shapes(tmp_path: Path) -> None
     with pytest.raises(OnnxModelError, match=r"model 'det': the FP32 model does not run at the max shapes "
                                              r"\(images:1x3x102x102\): .*concat"):
         onnx_model.check_runs_at_levels(model.onnx, sig.inputs, bad, "model 'det'")
+
+
+def test_a_constant_node_s_external_value_is_copied_with_the_model(tmp_path: Path) -> None:
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    value = numpy_helper.from_array(np.arange(4096, dtype=np.float32).reshape(1, 4096), "c")
+    graph = helper.make_graph(
+        [helper.make_node("Constant", [], ["c"], value=value), helper.make_node("Add", ["x", "c"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4096])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4096])])
+    source = tmp_path / "src" / "const.onnx"
+    source.parent.mkdir()
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(source),
+              save_as_external_data=True, location="const.bin", convert_attribute=True)
+    assert onnx_model.has_external_data(source)
+    target = tmp_path / "copy.onnx"
+    onnx_model.copy_model(source, target)
+    copied = onnx_model.load(target)
+    assert numpy_helper.to_array(copied.graph.node[0].attribute[0].t)[0, -1] == 4095.0
