@@ -250,13 +250,25 @@ async def _measure_together(conn: Connection, plans: list[tuple[str, list[Prepar
     once when the last model's last window has closed (the load of each stays on until then), and the
     whole run's inferences are counted over exactly that interval.
     """
+    labels = sorted({config.levels_of(model)[step].label for model, _ in plans})
+    # One progress task for the models together (the display shows one task at a time): every model's
+    # windows count towards it.
+    with progress_display.task(f"{len(plans)} models {', '.join(labels)}: windows",
+                               total=config.measurement.max_trials * len(plans)) as bar:
+        return await _measure_together_shown(conn, plans, step, config, meter=meter, abort=abort, progress=progress,
+                                             done=done, bar=bar)
+
+
+async def _measure_together_shown(conn: Connection, plans: list[tuple[str, list[Prepared]]], step: int,
+                                  config: SessionConfig, *, meter: Meter, abort: Abort, progress: ProgressFn | None,
+                                  done: list[ModelResult], bar: progress_display.Task) -> list[ModelResult]:
     together = Together()
     shared = NoMeter("energy is measured for the whole run with --simultaneous")
     runs, tasks = [], []
     for model, payloads in plans:
         level = config.levels_of(model)[step]
         run_level = LoadRun(conn, model=model, payloads=payloads, batch=config.batch, meter=shared,
-                            measurement=config.measurement, on_window=_bind(progress, model, level, None),
+                            measurement=config.measurement, on_window=_bind(progress, model, level, bar),
                             abort=abort, together=together)
         runs.append(run_level)
         tasks.append(asyncio.create_task(run_level.run(level)))

@@ -280,3 +280,13 @@ def test_live_display_is_as_wide_as_its_terminal_not_as_descriptor_2(monkeypatch
     assert "INT8 guard: sensitivity, one node quantized" in wide, wide
     assert "/blocks/blocks.2/conv/Conv" in wide, wide
     assert 80 < len(wide.rstrip()) <= 120, wide
+
+
+def test_perfclient_simultaneous_prints_each_models_window_progress(endpoints: Endpoints,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """Models loaded at once get one progress task counting all their windows (it printed none)."""
+    assert perfclient(["-m", "mlp_fp32", "-m", "mlp_int8", "--simultaneous", "-u", endpoints.grpc,
+                       "--power-source", "none", *QUICK]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert "[start] 2 models concurrency 1: windows (6 steps)" in err, err
+    assert any(line.startswith("[done] 2 models concurrency 1: windows (") for line in err), err
