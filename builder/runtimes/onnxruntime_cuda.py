@@ -6,9 +6,8 @@ image's native onnxruntime backend (CUDA provider, optionally handing subgraphs 
 from __future__ import annotations
 
 import logging
-import shutil
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -178,6 +177,14 @@ class OnnxRuntimeCUDA:
             raise RuntimeUnavailableError(f"--runtime {self.name}: {reason}")
         self.serving_backend = serving_backend
         self.options = options or CudaOptions()
+        if serving_backend is ServingBackend.ONNXRUNTIME:
+            # The native backend's config has no layout parameter here: the accuracy run must use the layout
+            # it will serve with, NCHW.
+            if self.options.layout is CudaLayout.NHWC:
+                raise RuntimeUnavailableError("--cuda-layout nhwc: the native onnxruntime backend "
+                                              "(--serving-backend onnxruntime) is configured without it; "
+                                              "use auto or nchw, or the python runner")
+            self.options = replace(self.options, layout=CudaLayout.NCHW)
         if self.options.tensorrt_fp16 and serving_backend is not ServingBackend.ONNXRUNTIME:
             raise RuntimeUnavailableError("--ort-tensorrt-fp16: needs --serving-backend onnxruntime (the NGC "
                                           "image's native backend); the bundled server has no TensorRT")
@@ -198,7 +205,9 @@ class OnnxRuntimeCUDA:
         """Nothing to carry: the artifact is the variant ONNX itself."""
 
     def compile(self, onnx_path: Path, out_path: Path, target: CompileTarget) -> None:
-        shutil.copyfile(onnx_path, out_path)
+        from builder.steps.onnx_model import copy_model
+
+        copy_model(onnx_path, out_path)  # with its data file, if it has one (a model over 2 GB)
 
     def run(self, artifact: Path, samples: Mapping[str, NDArray[Any]], batch_size: int | None) -> Outputs:
         session = cuda_session(artifact, self.options)

@@ -284,3 +284,31 @@ def test_layout_auto_takes_nhwc_except_for_qdq_graphs(tmp_path: Path) -> None:
     assert CudaOptions(layout="nchw").provider_options(plain).get("prefer_nhwc") is None  # type: ignore[arg-type]
     assert CudaOptions(layout="nhwc").provider_options(qdq)["prefer_nhwc"] == "1"  # type: ignore[arg-type]
     assert (RUNNER._has_qdq(str(plain)), RUNNER._has_qdq(str(qdq))) == (False, True)
+
+
+def test_the_cuda_artifact_keeps_its_external_data(tmp_path: Path) -> None:
+    """A model whose weights live beside it (over 2 GB in real life) is served with its data file: the copy
+    kept only the .onnx before."""
+    (tmp_path / "src").mkdir()
+    source = conv_onnx(tmp_path / "src" / "conv.onnx")
+    model = onnx.load(str(source))
+    onnx.save(model, str(source), save_as_external_data=True, all_tensors_to_one_file=True, location="conv.onnx.data",
+              size_threshold=0)
+    runtime = object.__new__(OnnxRuntimeCUDA)  # compile needs no GPU; the constructor checks for one
+    out = tmp_path / "served" / "model.onnx"
+    out.parent.mkdir()
+    runtime.compile(source, out, None)  # type: ignore[arg-type]
+    x = np.random.default_rng(4).standard_normal((2, 3, 32, 32), dtype=np.float32)
+    want = ort.InferenceSession(str(source), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    got = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_array_equal(got, want)
+
+
+def test_the_native_backend_checks_accuracy_in_the_layout_it_serves() -> None:
+    """Triton's onnxruntime backend gets no layout parameter from us: NCHW there, so the accuracy run too."""
+    if not cuda_available():
+        pytest.skip(f"ONNX Runtime CUDA unusable: {cuda_unavailable_reason()}")
+    runtime = OnnxRuntimeCUDA(ServingBackend.ONNXRUNTIME, CudaOptions())
+    assert runtime.options.layout.value == "nchw"
+    with pytest.raises(RuntimeUnavailableError, match="--cuda-layout nhwc: the native onnxruntime backend"):
+        OnnxRuntimeCUDA(ServingBackend.ONNXRUNTIME, CudaOptions(layout="nhwc"))  # type: ignore[arg-type]
