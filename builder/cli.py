@@ -81,6 +81,8 @@ def _parser() -> argparse.ArgumentParser:
         cuda.add_argument("--no-cuda-graphs", action="store_true", help="python runner: no CUDA graph per bucket")
         cuda.add_argument("--cuda-layout", default="auto",
                           help="auto | nhwc | nchw: convolution layout (auto: NHWC unless the graph has Q/DQ nodes)")
+        cuda.add_argument("--cuda-tf32", default="auto",
+                          help="auto | on | off: TF32 math in FP32 convolutions, matmuls (auto: off for FP32 graphs)")
         cuda.add_argument("--ort-tensorrt-fp16", action="store_true",
                           help="native onnxruntime backend: gpu_execution_accelerator tensorrt, FP16")
 
@@ -284,7 +286,7 @@ def _build(args: argparse.Namespace, specs: list[ModelSpec]) -> int:
                                           cuda_options=CudaOptions(cudnn_conv_algo_search=args.cudnn_conv_algo_search,
                                                                    cuda_graphs=not args.no_cuda_graphs,
                                                                    tensorrt_fp16=args.ort_tensorrt_fp16,
-                                                                   layout=args.cuda_layout)))
+                                                                   layout=args.cuda_layout, tf32=args.cuda_tf32)))
     if args.command == "engines":  # `trtbuild tune`'s winners (tuned.toml beside the manifest) are kept
         from builder.spec.tuned import load_tuned, tuned_path
 

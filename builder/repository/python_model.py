@@ -376,13 +376,24 @@ class CudaPlainRunner(CpuRunner):
                 "buckets_off_reason": self.reason}
 
 
-def _has_qdq(path):
-    """Q/DQ graphs (INT8) run 0.52x as fast with NHWC convolutions, the others 1.2-1.25x (H200, measured):
-    `prefer_nhwc: auto` takes NHWC only for graphs without them."""
+def _graph_kind(path):
+    """'qdq' (INT8), 'fp16' or 'fp32', as builder.runtimes.onnxruntime_cuda.graph_kind decides it for the
+    build's accuracy run (this file imports nothing of ours)."""
     import onnx
 
     graph = onnx.load(path, load_external_data=False).graph
-    return any(node.op_type in ("QuantizeLinear", "DequantizeLinear") for node in graph.node)
+    if any(node.op_type in ("QuantizeLinear", "DequantizeLinear") for node in graph.node):
+        return "qdq"
+    fp16 = onnx.TensorProto.FLOAT16
+    if any(t.data_type == fp16 for t in graph.initializer) or any(
+            node.op_type == "Cast" and any(a.name == "to" and a.i == fp16 for a in node.attribute)
+            for node in graph.node):
+        return "fp16"
+    return "fp32"
+
+
+def _has_qdq(path):
+    return _graph_kind(path) == "qdq"
 
 
 # CUDA provider options a model config may set as parameters of the same name (measured choices).
@@ -401,8 +412,15 @@ def make_runner(path, params, max_batch):
                "cudnn_conv_algo_search": params.get("cudnn_conv_algo_search", "HEURISTIC"),
                "arena_extend_strategy": "kSameAsRequested"}
     options |= {k: params[k] for k in PROVIDER_PASSTHROUGH if params.get(k)}
+    # auto: NHWC except for Q/DQ graphs (INT8 ran 0.52x with it, FP32/FP16 1.2x faster, H200); no TF32 for
+    # FP32 graphs (TF32 put the FP32 variant outside its accuracy gate). The build's accuracy run decides alike.
+    kind = None
     if options.get("prefer_nhwc", "auto") == "auto":
-        options["prefer_nhwc"] = "0" if _has_qdq(path) else "1"
+        kind = _graph_kind(path)
+        options["prefer_nhwc"] = "0" if kind == "qdq" else "1"
+    if options.get("use_tf32", "auto") == "auto":
+        kind = kind or _graph_kind(path)
+        options["use_tf32"] = "0" if kind == "fp32" else "1"
     if max_batch <= 0:  # no batch axis: one session, the shapes the clients send
         return CudaPlainRunner(path, provider_options=options)
     try:

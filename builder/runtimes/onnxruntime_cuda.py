@@ -55,13 +55,36 @@ class CudaLayout(Choice):
     NCHW = "nchw"
 
 
+class CudaTF32(Choice):
+    """TF32 tensor-core math for FP32 convolutions and matmuls (the provider's `use_tf32`, on by default in
+    ONNX Runtime). TF32 keeps 10 mantissa bits: the FP32 EfficientNet-Lite0 on an H200 differed from the
+    CPU's FP32 by up to 0.0093 in its logits, past the FP32 gate (max_rel 1e-4). `auto` turns it off for
+    FP32 graphs (no FP16 tensors, no Q/DQ: their users asked for FP32 math) and leaves it on for the rest."""
+
+    AUTO = "auto"
+    ON = "on"
+    OFF = "off"
+
+
 QDQ_OPS = frozenset({"QuantizeLinear", "DequantizeLinear"})
 
 
+def graph_kind(path: Path) -> str:
+    """'qdq' (INT8), 'fp16' (any FP16 weight or cast to FP16) or 'fp32'; the weights are not loaded."""
+    graph = onnx.load(str(path), load_external_data=False).graph
+    if any(node.op_type in QDQ_OPS for node in graph.node):
+        return "qdq"
+    fp16 = onnx.TensorProto.FLOAT16
+    if any(t.data_type == fp16 for t in graph.initializer) or any(
+            node.op_type == "Cast" and any(a.name == "to" and a.i == fp16 for a in node.attribute)
+            for node in graph.node):
+        return "fp16"
+    return "fp32"
+
+
 def has_qdq(path: Path) -> bool:
-    """Whether the graph holds Q/DQ nodes (its weights are not loaded)."""
-    model = onnx.load(str(path), load_external_data=False)
-    return any(node.op_type in QDQ_OPS for node in model.graph.node)
+    """Whether the graph holds Q/DQ nodes."""
+    return graph_kind(path) == "qdq"
 
 
 @dataclass(frozen=True)
@@ -71,30 +94,39 @@ class CudaOptions:
     cuda_graphs: bool = True  # python runner: one CUDA graph per bucket where every node is on the GPU
     tensorrt_fp16: bool = False  # native onnxruntime backend: gpu_execution_accelerator tensorrt, FP16
     layout: CudaLayout = CudaLayout.AUTO
+    tf32: CudaTF32 = CudaTF32.AUTO
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cudnn_conv_algo_search", CudnnSearch.parse(
             self.cudnn_conv_algo_search, "--cudnn-conv-algo-search", error=RuntimeUnavailableError))
         object.__setattr__(self, "layout", CudaLayout.parse(self.layout, "--cuda-layout",
                                                             error=RuntimeUnavailableError))
+        object.__setattr__(self, "tf32", CudaTF32.parse(self.tf32, "--cuda-tf32", error=RuntimeUnavailableError))
         if self.device_id < 0:
             raise RuntimeUnavailableError(f"CUDA device id {self.device_id}: expected 0 or more")
 
     def provider_options(self, artifact: Path | None = None) -> dict[str, str]:
         """The CUDA provider's options; with `artifact`, the layout `auto` resolved for that graph."""
         options = {"device_id": str(self.device_id), "cudnn_conv_algo_search": self.cudnn_conv_algo_search.value}
-        if self.layout is CudaLayout.NHWC or (self.layout is CudaLayout.AUTO and artifact is not None
-                                              and not has_qdq(artifact)):
+        kind = graph_kind(artifact) if artifact is not None else None
+        if self.layout is CudaLayout.NHWC or (self.layout is CudaLayout.AUTO and kind not in (None, "qdq")):
             options["prefer_nhwc"] = "1"
+        if self.tf32 is CudaTF32.OFF or (self.tf32 is CudaTF32.AUTO and kind == "fp32"):
+            options["use_tf32"] = "0"
         return options
 
     def runner_layout(self) -> str:
         """The python runner's `prefer_nhwc` parameter: 1, 0 or auto (resolved where the model loads)."""
         return {CudaLayout.NHWC: "1", CudaLayout.NCHW: "0"}.get(self.layout, "auto")
 
+    def runner_tf32(self) -> str:
+        """The python runner's `use_tf32` parameter: 1, 0 or auto (resolved where the model loads)."""
+        return {CudaTF32.ON: "1", CudaTF32.OFF: "0"}.get(self.tf32, "auto")
+
     def record(self) -> dict[str, str]:
         """What build.json keeps: the provider and each option that changes how the artifact runs."""
         return {"provider": CUDA_PROVIDER, **self.provider_options(), "layout": self.layout.value,
+                "tf32": self.tf32.value,
                 "cuda_graphs": str(self.cuda_graphs).lower(), "tensorrt_fp16": str(self.tensorrt_fp16).lower()}
 
 
@@ -237,6 +269,7 @@ def cuda_backend_config(serving_backend: ServingBackend, o: CudaOptions) -> Back
                                      ("cudnn_conv_algo_search", o.cudnn_conv_algo_search.value),
                                      ("cuda_graphs", "1" if o.cuda_graphs else "0"),
                                      ("prefer_nhwc", o.runner_layout()),
+                                     ("use_tf32", o.runner_tf32()),
                                      # Inputs a client sent through CUDA shared memory reach the runner
                                      # as device tensors (copied on the GPU into its bound buffers)
                                      # instead of being staged through host memory by the backend.

@@ -48,6 +48,29 @@ LEGACY_PID_FILE = "tritonserver.pid"  # what the previous version wrote: a bare 
 LOCK_FILE = "tritonserver.lock"
 STUB_NAME = "triton_python_backend_stub"
 STUB_TIMEOUT_S = 300  # seconds the python backend waits on a stub (its default, 30, is too short on a GPU)
+# Triton's CUDA memory pool per GPU (its default: 64 MB). GPU inputs (CUDA shared memory) reach python-backend
+# stubs through it; 4 instances with batches of 64 images (602 KB each) need 154 MB at once. Measured on an
+# H200, FP16 EfficientNet-Lite0, 4 instances, concurrency 256: 6785 infer/s with the default, 10028-10542
+# with 1 GiB.
+CUDA_POOL_BYTES = 1 << 30
+
+
+def gpu_ids() -> list[int]:
+    """The NVIDIA GPUs NVML lists (none where NVML or nvidia-ml-py is missing)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return list(range(int(pynvml.nvmlDeviceGetCount())))
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - no driver, no library: no GPU to give a pool
+        return []
+
+
+def cuda_pool_args(gpus: list[int]) -> list[str]:
+    return [f"--cuda-memory-pool-byte-size={gpu}:{CUDA_POOL_BYTES}" for gpu in gpus]
 SHM_REGION = re.compile(r"triton_python_backend_shm_region_[A-Za-z0-9_.-]+")
 SHM_DIR = Path("/dev/shm")
 
@@ -160,6 +183,7 @@ def command(repository: Path, ports: Ports, backend_dir: Path, log_file: Path,
         # A GPU runner loads a session (and CUDA graph) per batch bucket: up to ~36 s measured on an H100,
         # over the python backend's default 30 s wait for a stub. A later one in `extra` wins (checked).
         f"--backend-config=python,stub-timeout-seconds={STUB_TIMEOUT_S}",
+        *cuda_pool_args(gpu_ids()),
         *(extra or []),
     ]
 

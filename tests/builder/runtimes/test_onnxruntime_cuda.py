@@ -71,7 +71,7 @@ def test_options_name_the_flag_and_record_the_provider() -> None:
         CudaOptions(cudnn_conv_algo_search="FAST")  # type: ignore[arg-type]
     options = CudaOptions(cudnn_conv_algo_search="HEURISTIC", cuda_graphs=False)  # type: ignore[arg-type]
     assert options.cudnn_conv_algo_search is CudnnSearch.HEURISTIC
-    assert options.record() == {"provider": "CUDAExecutionProvider", "device_id": "0", "layout": "auto",
+    assert options.record() == {"provider": "CUDAExecutionProvider", "device_id": "0", "layout": "auto", "tf32": "auto",
                                 "cudnn_conv_algo_search": "HEURISTIC", "cuda_graphs": "false", "tensorrt_fp16": "false"}
     with pytest.raises(RuntimeUnavailableError, match="--cuda-layout 'nhcw': expected one of auto, nhwc, nchw"):
         CudaOptions(layout="nhcw")  # type: ignore[arg-type]
@@ -94,7 +94,7 @@ def test_python_runner_config_runs_on_a_gpu_instance_with_the_cuda_provider() ->
     assert params["provider"] == "cuda" and params["cudnn_conv_algo_search"] == "HEURISTIC"
     assert params["cuda_graphs"] == "1" and params["onnx_file"] == "model.onnx"
     assert params["FORCE_CPU_ONLY_INPUT_TENSORS"] == "no"  # CUDA shared-memory inputs stay on the device
-    assert params["prefer_nhwc"] == "auto"  # resolved per graph where the model loads
+    assert params["prefer_nhwc"] == "auto" and params["use_tf32"] == "auto"  # resolved per graph at load
     assert not config.optimization.execution_accelerators.gpu_execution_accelerator
 
 
@@ -312,3 +312,22 @@ def test_the_native_backend_checks_accuracy_in_the_layout_it_serves() -> None:
     assert runtime.options.layout.value == "nchw"
     with pytest.raises(RuntimeUnavailableError, match="--cuda-layout nhwc: the native onnxruntime backend"):
         OnnxRuntimeCUDA(ServingBackend.ONNXRUNTIME, CudaOptions(layout="nhwc"))  # type: ignore[arg-type]
+
+
+def test_tf32_auto_keeps_fp32_graphs_in_fp32_math(tmp_path: Path) -> None:
+    """TF32 put the FP32 EfficientNet outside its FP32 gate on an H200 (logits off by 0.0093): auto turns it
+    off for FP32 graphs only; FP16 and Q/DQ graphs keep ONNX Runtime's default."""
+    fp32 = conv_onnx(tmp_path / "fp32.onnx")
+    model = onnx.load(str(fp32))
+    model.graph.node.insert(0, helper.make_node("Cast", ["x"], ["xh"], to=TensorProto.FLOAT16))
+    model.graph.node.insert(1, helper.make_node("Cast", ["xh"], ["xf"], to=TensorProto.FLOAT))
+    model.graph.node[2].input[0] = "xf"
+    fp16 = tmp_path / "fp16.onnx"
+    onnx.save(model, str(fp16))
+    with pytest.raises(RuntimeUnavailableError, match="--cuda-tf32 'yes': expected one of auto, on, off"):
+        CudaOptions(tf32="yes")  # type: ignore[arg-type]
+    auto = CudaOptions()
+    assert auto.provider_options(fp32)["use_tf32"] == "0" and "use_tf32" not in auto.provider_options(fp16)
+    assert "use_tf32" not in CudaOptions(tf32="on").provider_options(fp32)  # type: ignore[arg-type]
+    assert CudaOptions(tf32="off").provider_options(fp16)["use_tf32"] == "0"  # type: ignore[arg-type]
+    assert (RUNNER._graph_kind(str(fp32)), RUNNER._graph_kind(str(fp16))) == ("fp32", "fp16")
