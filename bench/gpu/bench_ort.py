@@ -348,7 +348,7 @@ def markdown(doc: dict[str, Any]) -> str:
         if p == "variants":
             continue
         if "error" in r:
-            lines.append(f"| {p} | error: {r['error']} | | | | |")
+            lines.append(f"| {p} | error: {r['error']} |" + " |" * 6)
             continue
         c, w = r["ceiling_iobinding"], r["runner_with_copies"]
         one = r.get("ceiling_batch1", {})
@@ -381,6 +381,14 @@ def markdown(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def key_value(value: str) -> tuple[str, str]:
+    """KEY=VALUE of a provider option; anything else is argparse's one line."""
+    key, sep, val = value.partition("=")
+    if not key or not sep:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected KEY=VALUE")
+    return key, val
+
+
 def main() -> int:
     global SEARCH
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -397,15 +405,15 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=1, help="measure every served level this many times, in turn")
     p.add_argument("--also-instances", default="", help="FP16 also served with these instance counts (e.g. 2,8)")
     p.add_argument("--no-compare-shm", action="store_true", help="skip FP16 with the other shared-memory kinds")
-    p.add_argument("--provider-option", action="append", default=[], metavar="KEY=VALUE",
+    p.add_argument("--provider-option", action="append", default=[], metavar="KEY=VALUE", type=key_value,
                    help="extra CUDA provider option for every runner, in-process and served (repeatable)")
     p.add_argument("--in-process-variant", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
                    help="also measure the in-process ceiling with these extra provider options (repeatable)")
     p.add_argument("--skip", default="", help="comma-separated steps to skip: shape,ablation,inprocess,served")
     args = p.parse_args()
     SEARCH = args.search
-    PROVIDER_OPTIONS.update(dict(o.split("=", 1) for o in args.provider_option))
-    variants = [dict(kv.split("=", 1) for kv in v.split(",")) for v in args.in_process_variant]
+    PROVIDER_OPTIONS.update(dict(args.provider_option))
+    variants = [dict(key_value(kv) for kv in v.split(",")) for v in args.in_process_variant]
     args.out.mkdir(parents=True, exist_ok=True)
     skip = set(filter(None, args.skip.split(",")))
     import onnxruntime as ort
