@@ -191,7 +191,7 @@ def in_process_runner(repository: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def check(repository: Path, out: Path, loads: list[tuple[str, str]]) -> int:
+def check(repository: Path, out: Path, loads: list[tuple[str, str]], concurrencies: tuple[int, ...] = (32,)) -> int:
     from builder.serving.triton_server import Ports, TritonServer, free_ports
 
     out.mkdir(parents=True, exist_ok=True)
@@ -214,7 +214,9 @@ def check(repository: Path, out: Path, loads: list[tuple[str, str]]) -> int:
     doc["perfclient"] = []
     try:
         for model, shm in loads:
-            doc["perfclient"].append(perfclient(model, shm, repository=repository, grpc=grpc, metrics=metrics, out=out))
+            for concurrency in concurrencies:
+                doc["perfclient"].append(perfclient(model, shm, repository=repository, grpc=grpc, metrics=metrics,
+                                                    out=out, concurrency=concurrency))
     finally:
         doc["server_log_tail"] = server.log_tail(30)
         server.stop()
@@ -239,20 +241,23 @@ def load_arg(value: str) -> tuple[str, str]:
     return model, shm
 
 
-def perfclient(model: str, shm: str, *, repository: Path, grpc: int, metrics: int, out: Path) -> dict[str, Any]:
-    """The perfclient CLI at concurrency 32 with NVML power; its JSON report and its printed table.
+def perfclient(model: str, shm: str, *, repository: Path, grpc: int, metrics: int, out: Path,
+               concurrency: int = 32) -> dict[str, Any]:
+    """The perfclient CLI at `concurrency` with NVML power; its JSON report and its printed table.
     A variable dim (MiniLM's sequence) is sent at 128."""
     config = triton_config.parse((repository / model / "config.pbtxt").read_text(encoding="utf-8"))
     shapes = [a for t in config.input if -1 in t.dims
               for a in ("--shape", f"{t.name}:" + ",".join("128" if d < 0 else str(d) for d in t.dims))]
-    report = out / f"perf_{model}_{shm}.json"
-    cmd = [sys.executable, "-m", "client.cli", "-m", model, "-u", f"127.0.0.1:{grpc}", "--concurrency", "32",
-           "--shared-memory", shm, "--measurement-interval", "3000", "--max-trials", "5",
+    report = out / f"perf_{model}_{shm}_c{concurrency}.json"
+    cmd = [sys.executable, "-m", "client.cli", "-m", model, "-u", f"127.0.0.1:{grpc}",
+           "--concurrency", str(concurrency), "--shared-memory", shm,
+           "--measurement-interval", "3000", "--max-trials", "5",
            "--power-source", "nvml", "--metrics-url", f"http://127.0.0.1:{metrics}/metrics",
            "--json", str(report), "--no-progress", *shapes]
     t0 = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=150, check=False)
-    row: dict[str, Any] = {"model": model, "shared_memory": shm, "command": " ".join(cmd[1:]), "rc": done.returncode,
+    row: dict[str, Any] = {"model": model, "shared_memory": shm, "concurrency": concurrency,
+                           "command": " ".join(cmd[1:]), "rc": done.returncode,
                            "wall_s": round(time.perf_counter() - t0, 1), "stdout": done.stdout[-3000:],
                            "stderr": done.stderr[-2000:]}
     if report.is_file():
@@ -275,11 +280,12 @@ def main() -> int:
     b.add_argument("--out", type=Path, required=True)
     b.add_argument("--load", action="append", default=[], type=load_arg,
                    help="MODEL:SHM (none|system|cuda), repeatable")
+    b.add_argument("--concurrency", default="32", help="comma-separated concurrencies of each --load")
     args = p.parse_args()
     if args.step == "prepare":
         prepare(args.source, args.models.split(","), args.out, kind_cpu_twin=args.kind_cpu_twin)
         return 0
-    return check(args.repository, args.out, args.load)
+    return check(args.repository, args.out, args.load, tuple(int(c) for c in args.concurrency.split(",")))
 
 
 if __name__ == "__main__":
