@@ -376,18 +376,53 @@ class CudaPlainRunner(CpuRunner):
                 "buckets_off_reason": self.reason}
 
 
-def _graph_kind(path):
-    """'qdq' (INT8), 'fp16' or 'fp32', as builder.runtimes.onnxruntime_cuda.graph_kind decides it for the
-    build's accuracy run (this file imports nothing of ours)."""
+def _subgraphs(nodes):
+    """Every graph these nodes hold in their attributes (If branches, Loop and Scan bodies), at any depth."""
     import onnx
 
-    graph = onnx.load(path, load_external_data=False).graph
-    if any(node.op_type in ("QuantizeLinear", "DequantizeLinear") for node in graph.node):
+    for node in nodes:
+        for a in node.attribute:
+            for sub in [a.g] if a.type == onnx.AttributeProto.GRAPH else a.graphs:
+                yield sub
+                yield from _subgraphs(sub.node)
+
+
+def _elem_types(t):
+    """The element types a value's type names (tensors, and those inside sequences, optionals and maps)."""
+    kind = t.WhichOneof("value")
+    if kind in ("tensor_type", "sparse_tensor_type"):
+        yield getattr(t, kind).elem_type
+    elif kind in ("sequence_type", "optional_type"):
+        yield from _elem_types(getattr(t, kind).elem_type)
+    elif kind == "map_type":
+        yield from _elem_types(t.map_type.value_type)
+
+
+def _graph_kind(path):
+    """'qdq' (INT8), 'fp16' or 'fp32', as builder.runtimes.onnxruntime_cuda.graph_kind decides it for the
+    build's accuracy run (this file imports nothing of ours; tests/builder/runtimes/test_graph_kind.py runs
+    both on the same graphs). Subgraphs and local functions count; the weights are not loaded."""
+    import onnx
+
+    model = onnx.load(path, load_external_data=False)
+    function_nodes = [n for f in model.functions for n in f.node]
+    graphs = [model.graph, *_subgraphs(model.graph.node), *_subgraphs(function_nodes)]
+    nodes = [n for g in graphs for n in g.node] + function_nodes
+    if any(node.op_type in ("QuantizeLinear", "DequantizeLinear") for node in nodes):
         return "qdq"
     fp16 = onnx.TensorProto.FLOAT16
-    if any(t.data_type == fp16 for t in graph.initializer) or any(
-            node.op_type == "Cast" and any(a.name == "to" and a.i == fp16 for a in node.attribute)
-            for node in graph.node):
+    tensors = [t for g in graphs for t in g.initializer] + [t.values for g in graphs for t in g.sparse_initializer]
+    for node in nodes:
+        for a in node.attribute:
+            tensors += [a.t] if a.type == onnx.AttributeProto.TENSOR else list(a.tensors)
+            tensors += [a.sparse_tensor.values] if a.type == onnx.AttributeProto.SPARSE_TENSOR else []
+            if a.type == onnx.AttributeProto.INT and a.i == fp16 and (
+                    a.name == "dtype" or (node.op_type == "Cast" and a.name == "to")):
+                return "fp16"
+    if any(t.data_type == fp16 for t in tensors):
+        return "fp16"
+    values = [v for g in graphs for v in (*g.input, *g.output, *g.value_info)]
+    if any(e == fp16 for v in values for e in _elem_types(v.type)):
         return "fp16"
     return "fp32"
 

@@ -1,0 +1,133 @@
+"""graph_kind decides TF32 and the NHWC layout per graph twice: in the build's accuracy run
+(builder.runtimes.onnxruntime_cuda.graph_kind) and where Triton loads the model (the python runner's own
+copy, _graph_kind, since that file imports nothing of ours). Both must give the same answer on every
+graph, including FP16 that lives only in Constant nodes, graph inputs or value_info, Q/DQ or FP16 inside
+If/Loop bodies or local functions, and weights in an external data file that is never read."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from builder.repository import python_model
+from builder.runtimes.onnxruntime_cuda import graph_kind
+
+RUNNER: Any = python_model  # untyped: copied into model folders, where Triton imports it
+F32, F16 = TensorProto.FLOAT, TensorProto.FLOAT16
+
+
+def _model(nodes: list[onnx.NodeProto], *, x_type: int = F32, y_type: int = F32,
+           initializer: list[onnx.TensorProto] | None = None, value_info: list[onnx.ValueInfoProto] | None = None,
+           functions: list[onnx.FunctionProto] | None = None) -> onnx.ModelProto:
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", x_type, ["batch", 4])],
+                              [helper.make_tensor_value_info("y", y_type, ["batch", 4])],
+                              initializer=initializer or [], value_info=value_info or [])
+    opsets = [helper.make_opsetid("", 17)] + ([helper.make_opsetid("local", 1)] if functions else [])
+    return helper.make_model(graph, opset_imports=opsets, ir_version=8, functions=functions or [])
+
+
+def _w(dtype: Any, name: str = "w") -> onnx.TensorProto:
+    return numpy_helper.from_array(np.arange(16, dtype=dtype).reshape(4, 4) / 16, name)
+
+
+def _branch(nodes: list[onnx.NodeProto], out: str, dtype: int = F32) -> onnx.GraphProto:
+    return helper.make_graph(nodes, "branch", [], [helper.make_tensor_value_info(out, dtype, ["batch", 4])])
+
+
+def _cases() -> dict[str, tuple[onnx.ModelProto, str]]:
+    """name → (model, the kind it must get)."""
+    matmul = helper.make_node("MatMul", ["x", "w"], ["y"])
+    f16_const = helper.make_node("Constant", [], ["wh"], value=numpy_helper.from_array(
+        np.ones((4, 4), np.float16), "wh"))
+    cases: dict[str, tuple[onnx.ModelProto, str]] = {
+        "fp32": (_model([matmul], initializer=[_w(np.float32)]), "fp32"),
+        "fp32 with a Constant": (_model([helper.make_node("Constant", [], ["w"], value=_w(np.float32)), matmul]),
+                                 "fp32"),
+        "fp16 initializer": (_model([helper.make_node("Cast", ["x"], ["xh"], to=F16),
+                                     helper.make_node("MatMul", ["xh", "w"], ["yh"]),
+                                     helper.make_node("Cast", ["yh"], ["y"], to=F32)],
+                                    initializer=[_w(np.float16)]), "fp16"),
+        "fp16 io, weights in a Constant": (_model([f16_const, helper.make_node("MatMul", ["x", "wh"], ["y"])],
+                                                  x_type=F16, y_type=F16), "fp16"),
+        "fp16 only in a Constant": (_model([f16_const, helper.make_node("Cast", ["wh"], ["w"], to=F32), matmul]),
+                                    "fp16"),
+        "fp16 only in value_info": (_model([helper.make_node("Identity", ["x"], ["t"]),
+                                            helper.make_node("Identity", ["t"], ["y"])],
+                                           value_info=[helper.make_tensor_value_info("t", F16, ["batch", 4])]),
+                                    "fp16"),
+        "fp16 ConstantOfShape": (_model([helper.make_node("Shape", ["x"], ["s"]),
+                                         helper.make_node("ConstantOfShape", ["s"], ["h"], value=helper.make_tensor(
+                                             "v", F16, [1], [1.0])),
+                                         helper.make_node("CastLike", ["h", "x"], ["y"])]), "fp16"),
+        "qdq": (_model([helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"]),
+                        helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"])],
+                       initializer=[numpy_helper.from_array(np.array(0.1, np.float32), "s"),
+                                    numpy_helper.from_array(np.array(0, np.int8), "z")]), "qdq"),
+        "qdq with fp16 too": (_model([helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"]),
+                                      helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"])],
+                                     x_type=F16, y_type=F16,
+                                     initializer=[numpy_helper.from_array(np.array(0.1, np.float16), "s"),
+                                                  numpy_helper.from_array(np.array(0, np.int8), "z")]), "qdq"),
+    }
+    cond = helper.make_node("Constant", [], ["c"], value=numpy_helper.from_array(np.array(True), "c"))
+    qdq_then = _branch([helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"]),
+                        helper.make_node("DequantizeLinear", ["q", "s", "z"], ["t"])], "t")
+    plain_else = _branch([helper.make_node("Identity", ["x"], ["e"])], "e")
+    scales = [numpy_helper.from_array(np.array(0.1, np.float32), "s"),
+              numpy_helper.from_array(np.array(0, np.int8), "z")]
+    cases["qdq inside If"] = (_model([cond, helper.make_node("If", ["c"], ["y"], then_branch=qdq_then,
+                                                             else_branch=plain_else)], initializer=scales), "qdq")
+    f16_then = _branch([f16_const, helper.make_node("Cast", ["wh"], ["w2"], to=F32),
+                        helper.make_node("MatMul", ["x", "w2"], ["t"])], "t")
+    cases["fp16 Constant inside If"] = (_model([cond, helper.make_node("If", ["c"], ["y"], then_branch=f16_then,
+                                                                       else_branch=plain_else)]), "fp16")
+    body = helper.make_graph([helper.make_node("Identity", ["cond_in"], ["cond_out"]),
+                              helper.make_node("QuantizeLinear", ["acc", "s", "z"], ["q"]),
+                              helper.make_node("DequantizeLinear", ["q", "s", "z"], ["acc_out"])], "body",
+                             [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+                              helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+                              helper.make_tensor_value_info("acc", F32, ["batch", 4])],
+                             [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+                              helper.make_tensor_value_info("acc_out", F32, ["batch", 4])])
+    trip = numpy_helper.from_array(np.array(2, np.int64), "n")
+    cases["qdq inside Loop"] = (_model([helper.make_node("Loop", ["n", "", "x"], ["y"], body=body)],
+                                       initializer=[trip, *scales]), "qdq")
+    fn = helper.make_function("local", "Half", ["a"], ["b"],
+                              [helper.make_node("Cast", ["a"], ["ah"], to=F16),
+                               helper.make_node("Cast", ["ah"], ["b"], to=F32)],
+                              [helper.make_opsetid("", 17)])
+    cases["fp16 in a local function"] = (_model([helper.make_node("Half", ["x"], ["y"], domain="local")],
+                                                functions=[fn]), "fp16")
+    return cases
+
+
+CASES = _cases()
+DECIDERS: dict[str, Callable[[Path], str]] = {"builder": graph_kind,
+                                              "runner": lambda p: str(RUNNER._graph_kind(str(p)))}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_both_copies_give_each_graph_its_kind(tmp_path: Path, name: str) -> None:
+    model, want = CASES[name]
+    path = tmp_path / "model.onnx"
+    onnx.save(model, str(path))
+    got = {who: decide(path) for who, decide in DECIDERS.items()}
+    assert got == {"builder": want, "runner": want}, name
+
+
+@pytest.mark.parametrize("name", ["fp32", "fp16 initializer", "qdq", "fp16 io, weights in a Constant"])
+def test_external_data_is_never_read(tmp_path: Path, name: str) -> None:
+    """A model over 2 GB keeps its weights beside it: the kind comes from the graph alone (the data file is
+    deleted before asking, so reading it would fail)."""
+    model, want = CASES[name]
+    path = tmp_path / "model.onnx"
+    onnx.save(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+              location="model.onnx.data", size_threshold=0, convert_attribute=True)
+    (tmp_path / "model.onnx.data").unlink()
+    assert {who: decide(path) for who, decide in DECIDERS.items()} == {"builder": want, "runner": want}
