@@ -250,7 +250,13 @@ class OnnxRuntimeCUDA:
                 raise RuntimeUnavailableError("--cuda-layout nhwc: the native onnxruntime backend "
                                               "(--serving-backend onnxruntime) is configured without it; "
                                               "use auto or nchw, or the python runner")
-            self.options = replace(self.options, layout=CudaLayout.NCHW)
+            # Nor a use_tf32 parameter: it serves with ONNX Runtime's default, TF32 on, for FP32 graphs too, so
+            # the accuracy run does the same (with auto it turned TF32 off and gated math the server never ran).
+            if self.options.tf32 is CudaTF32.OFF:
+                raise RuntimeUnavailableError("--cuda-tf32 off: the native onnxruntime backend "
+                                              "(--serving-backend onnxruntime) is configured without it and "
+                                              "serves with TF32 on; use auto or on, or the python runner")
+            self.options = replace(self.options, layout=CudaLayout.NCHW, tf32=CudaTF32.ON)
         if self.options.tensorrt_fp16 and serving_backend is not ServingBackend.ONNXRUNTIME:
             raise RuntimeUnavailableError("--ort-tensorrt-fp16: needs --serving-backend onnxruntime (the NGC "
                                           "image's native backend); the bundled server has no TensorRT")

@@ -331,3 +331,25 @@ def test_tf32_auto_keeps_fp32_graphs_in_fp32_math(tmp_path: Path) -> None:
     assert "use_tf32" not in CudaOptions(tf32="on").provider_options(fp32)  # type: ignore[arg-type]
     assert CudaOptions(tf32="off").provider_options(fp16)["use_tf32"] == "0"  # type: ignore[arg-type]
     assert (RUNNER._graph_kind(str(fp32)), RUNNER._graph_kind(str(fp16))) == ("fp32", "fp16")
+
+
+def test_the_native_backend_checks_accuracy_in_the_tf32_mode_it_serves(monkeypatch: pytest.MonkeyPatch,
+                                                                        tmp_path: Path) -> None:
+    """Triton's onnxruntime backend gets no use_tf32 parameter from us, so it serves FP32 graphs with ONNX
+    Runtime's default, TF32 on; the accuracy run turned TF32 off for them under auto, gating math the server
+    never runs. The GPU check is our own function, stood in so the choice is tested on any host."""
+    from builder.runtimes import onnxruntime_cuda
+
+    monkeypatch.setattr(onnxruntime_cuda, "cuda_unavailable_reason", lambda: None)
+    fp32 = conv_onnx(tmp_path / "fp32.onnx")
+    native = OnnxRuntimeCUDA(ServingBackend.ONNXRUNTIME, CudaOptions())
+    assert "use_tf32" not in native.options.provider_options(fp32)  # ONNX Runtime's default: on
+    assert native.options.record()["tf32"] == "on" and native.options.record()["layout"] == "nchw"
+    config = cuda_backend_config(ServingBackend.ONNXRUNTIME, native.options)
+    assert not any(k == "use_tf32" for k, _ in config.parameters)  # what makes the server run TF32
+    with pytest.raises(RuntimeUnavailableError, match=r"^--cuda-tf32 off: the native onnxruntime backend") as info:
+        OnnxRuntimeCUDA(ServingBackend.ONNXRUNTIME, CudaOptions(tf32="off"))  # type: ignore[arg-type]
+    assert "\n" not in str(info.value)
+    python = OnnxRuntimeCUDA(ServingBackend.PYTHON, CudaOptions())  # the runner resolves auto as the build does
+    assert python.options.provider_options(fp32)["use_tf32"] == "0"
+    assert dict(cuda_backend_config(ServingBackend.PYTHON, python.options).parameters)["use_tf32"] == "auto"
