@@ -431,6 +431,24 @@ def _has_qdq(path):
     return _graph_kind(path) == "qdq"
 
 
+def _resolve_auto(path, options):
+    """`use_tf32` and `prefer_nhwc` left at auto, resolved for this graph as builder.runtimes.onnxruntime_cuda's
+    CudaOptions.provider_options resolves them for the build's accuracy run (tests/builder/runtimes/
+    test_graph_kind.py compares both). No TF32 for FP32 graphs (TF32 put the FP32 variant outside its accuracy
+    gate); NHWC only where the convolutions run on tensor cores, FP16 or FP32 with TF32 (H200, batch 64: 1.2x
+    and 1.26x; FP32 without TF32 0.95x at 9 % more J; the INT8 Q/DQ graph 0.52x)."""
+    options = dict(options)
+    kind = None
+    if options.get("use_tf32", "auto") == "auto":
+        kind = _graph_kind(path)
+        options["use_tf32"] = "0" if kind == "fp32" else "1"
+    if options.get("prefer_nhwc", "auto") == "auto":
+        kind = kind or _graph_kind(path)
+        tensor_cores = kind == "fp16" or (kind == "fp32" and options["use_tf32"] != "0")
+        options["prefer_nhwc"] = "1" if tensor_cores else "0"
+    return options
+
+
 # CUDA provider options a model config may set as parameters of the same name (measured choices).
 PROVIDER_PASSTHROUGH = ("prefer_nhwc", "use_tf32", "cudnn_conv_use_max_workspace")
 
@@ -447,15 +465,7 @@ def make_runner(path, params, max_batch):
                "cudnn_conv_algo_search": params.get("cudnn_conv_algo_search", "HEURISTIC"),
                "arena_extend_strategy": "kSameAsRequested"}
     options |= {k: params[k] for k in PROVIDER_PASSTHROUGH if params.get(k)}
-    # auto: NHWC except for Q/DQ graphs (INT8 ran 0.52x with it, FP32/FP16 1.2x faster, H200); no TF32 for
-    # FP32 graphs (TF32 put the FP32 variant outside its accuracy gate). The build's accuracy run decides alike.
-    kind = None
-    if options.get("prefer_nhwc", "auto") == "auto":
-        kind = _graph_kind(path)
-        options["prefer_nhwc"] = "0" if kind == "qdq" else "1"
-    if options.get("use_tf32", "auto") == "auto":
-        kind = kind or _graph_kind(path)
-        options["use_tf32"] = "0" if kind == "fp32" else "1"
+    options = _resolve_auto(path, options)
     if max_batch <= 0:  # no batch axis: one session, the shapes the clients send
         return CudaPlainRunner(path, provider_options=options)
     try:

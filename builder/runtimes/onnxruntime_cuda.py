@@ -46,9 +46,11 @@ class CudnnSearch(Choice):
 
 class CudaLayout(Choice):
     """The CUDA provider's tensor layout for convolutions (its `prefer_nhwc` option). Measured on an H200,
-    EfficientNet-Lite0 at batch 64 with IO binding: NHWC ran FP32 1.25x and FP16 1.20x as fast as NCHW
-    at 15 % less energy per inference, and the INT8 Q/DQ graph 0.52x. `auto` takes NHWC for graphs
-    without QuantizeLinear/DequantizeLinear nodes and NCHW for those with them."""
+    EfficientNet-Lite0 at batch 64 with IO binding: NHWC ran FP16 1.20x and FP32 with TF32 1.26x as fast as
+    NCHW at 15 % less energy per inference; FP32 without TF32 (FP32 math, `--cuda-tf32 auto`'s choice for
+    FP32 graphs) 0.95x at 9 % more energy (8539 vs 8950 img/s, bench/gpu/results/2026-11-22-h200-inprocess-
+    tf32.json), the INT8 Q/DQ graph 0.52x. `auto` takes NHWC where the convolutions run on tensor cores (FP16
+    graphs, FP32 graphs with TF32 on) and NCHW for the rest."""
 
     AUTO = "auto"
     NHWC = "nhwc"
@@ -143,9 +145,12 @@ class CudaOptions:
         """The CUDA provider's options; with `artifact`, the layout `auto` resolved for that graph."""
         options = {"device_id": str(self.device_id), "cudnn_conv_algo_search": self.cudnn_conv_algo_search.value}
         kind = graph_kind(artifact) if artifact is not None else None
-        if self.layout is CudaLayout.NHWC or (self.layout is CudaLayout.AUTO and kind not in (None, "qdq")):
+        tf32_off = self.tf32 is CudaTF32.OFF or (self.tf32 is CudaTF32.AUTO and kind == "fp32")
+        # NHWC pays where the convolutions run on tensor cores: FP16, or FP32 with TF32 (see CudaLayout).
+        tensor_cores = kind == "fp16" or (kind == "fp32" and not tf32_off)
+        if self.layout is CudaLayout.NHWC or (self.layout is CudaLayout.AUTO and tensor_cores):
             options["prefer_nhwc"] = "1"
-        if self.tf32 is CudaTF32.OFF or (self.tf32 is CudaTF32.AUTO and kind == "fp32"):
+        if tf32_off:
             options["use_tf32"] = "0"
         return options
 

@@ -6,6 +6,7 @@ If/Loop bodies or local functions, and weights in an external data file that is 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from builder.repository import python_model
-from builder.runtimes.onnxruntime_cuda import graph_kind
+from builder.runtimes.onnxruntime_cuda import CudaLayout, CudaOptions, CudaTF32, cuda_backend_config, graph_kind
+from builder.spec import ServingBackend
 
 RUNNER: Any = python_model  # untyped: copied into model folders, where Triton imports it
 F32, F16 = TensorProto.FLOAT, TensorProto.FLOAT16
@@ -131,3 +133,35 @@ def test_external_data_is_never_read(tmp_path: Path, name: str) -> None:
               location="model.onnx.data", size_threshold=0, convert_attribute=True)
     (tmp_path / "model.onnx.data").unlink()
     assert {who: decide(path) for who, decide in DECIDERS.items()} == {"builder": want, "runner": want}
+
+
+def _effective(options: dict[str, str]) -> tuple[bool, bool]:
+    """(NHWC, TF32) as ONNX Runtime runs these provider options (its defaults: NCHW, TF32 on)."""
+    return options.get("prefer_nhwc", "0") == "1", options.get("use_tf32", "1") != "0"
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_accuracy_run_and_the_runner_resolve_auto_alike(tmp_path: Path, name: str) -> None:
+    """Every --cuda-layout x --cuda-tf32 setting: the provider options of the build's accuracy run and those the
+    runner derives from the config's parameters (as make_runner does) run the same math and layout."""
+    path = tmp_path / "model.onnx"
+    onnx.save(CASES[name][0], str(path))
+    for layout, tf32 in itertools.product(CudaLayout, CudaTF32):
+        options = CudaOptions(layout=layout, tf32=tf32)
+        params = dict(cuda_backend_config(ServingBackend.PYTHON, options).parameters)
+        served = RUNNER._resolve_auto(str(path), {k: params[k] for k in RUNNER.PROVIDER_PASSTHROUGH if params.get(k)})
+        assert _effective(served) == _effective(options.provider_options(path)), (name, layout, tf32)
+
+
+def test_auto_takes_nhwc_only_where_convolutions_run_on_tensor_cores(tmp_path: Path) -> None:
+    """H200, batch 64: NHWC ran FP16 1.20x and FP32 with TF32 1.26x, but FP32 without TF32 (auto's FP32 math)
+    0.95x at 9 % more J and the Q/DQ graph 0.52x: auto's (NHWC, TF32) per kind, and with TF32 asked for."""
+    got: dict[str, tuple[bool, bool]] = {}
+    for name in ("fp32", "fp16 initializer", "qdq"):
+        path = tmp_path / f"{len(got)}.onnx"
+        onnx.save(CASES[name][0], str(path))
+        got[name] = _effective(CudaOptions().provider_options(path))
+        got[name + ", tf32 on"] = _effective(CudaOptions(tf32=CudaTF32.ON).provider_options(path))
+    assert got == {"fp32": (False, False), "fp32, tf32 on": (True, True),
+                   "fp16 initializer": (True, True), "fp16 initializer, tf32 on": (True, True),
+                   "qdq": (False, True), "qdq, tf32 on": (False, True)}
