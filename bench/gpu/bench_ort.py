@@ -408,12 +408,13 @@ def main() -> int:
     p.add_argument("--provider-option", action="append", default=[], metavar="KEY=VALUE", type=key_value,
                    help="extra CUDA provider option for every runner, in-process and served (repeatable)")
     p.add_argument("--in-process-variant", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
+                   type=lambda v: dict(key_value(kv) for kv in v.split(",")),
                    help="also measure the in-process ceiling with these extra provider options (repeatable)")
     p.add_argument("--skip", default="", help="comma-separated steps to skip: shape,ablation,inprocess,served")
     args = p.parse_args()
     SEARCH = args.search
     PROVIDER_OPTIONS.update(dict(args.provider_option))
-    variants = [dict(key_value(kv) for kv in v.split(",")) for v in args.in_process_variant]
+    variants: list[dict[str, str]] = args.in_process_variant
     args.out.mkdir(parents=True, exist_ok=True)
     skip = set(filter(None, args.skip.split(",")))
     import onnxruntime as ort

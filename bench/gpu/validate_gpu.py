@@ -233,6 +233,17 @@ def exit_status(doc: dict[str, Any]) -> int:
     return 0 if ok else 2
 
 
+def concurrencies(value: str) -> tuple[int, ...]:
+    """--concurrency C[,C...], each a whole number >= 1."""
+    try:
+        levels = tuple(int(c) for c in value.split(","))
+    except ValueError:
+        levels = ()
+    if not levels or min(levels) < 1:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected whole numbers >= 1, comma-separated")
+    return levels
+
+
 def load_arg(value: str) -> tuple[str, str]:
     """--load MODEL:SHM."""
     model, _, shm = value.rpartition(":")
@@ -280,12 +291,13 @@ def main() -> int:
     b.add_argument("--out", type=Path, required=True)
     b.add_argument("--load", action="append", default=[], type=load_arg,
                    help="MODEL:SHM (none|system|cuda), repeatable")
-    b.add_argument("--concurrency", default="32", help="comma-separated concurrencies of each --load")
+    b.add_argument("--concurrency", default=(32,), type=concurrencies,
+                   help="comma-separated concurrencies of each --load")
     args = p.parse_args()
     if args.step == "prepare":
         prepare(args.source, args.models.split(","), args.out, kind_cpu_twin=args.kind_cpu_twin)
         return 0
-    return check(args.repository, args.out, args.load, tuple(int(c) for c in args.concurrency.split(",")))
+    return check(args.repository, args.out, args.load, args.concurrency)
 
 
 if __name__ == "__main__":

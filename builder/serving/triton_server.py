@@ -50,8 +50,8 @@ STUB_NAME = "triton_python_backend_stub"
 STUB_TIMEOUT_S = 300  # seconds the python backend waits on a stub (its default, 30, is too short on a GPU)
 # Triton's CUDA memory pool per GPU (its default: 64 MB). GPU inputs (CUDA shared memory) reach python-backend
 # stubs through it; 4 instances with batches of 64 images (602 KB each) need 154 MB at once. Measured on an
-# H200, FP16 EfficientNet-Lite0, 4 instances, concurrency 256: 6785 infer/s with the default, 10028-10542
-# with 1 GiB.
+# H200, FP16 EfficientNet-Lite0, 4 instances, concurrency 256: 6785 infer/s with the default, 9421 with
+# 1 GiB (bench/gpu/results/2026-11-22-h200-validate-{pool64,nhwc}.json).
 CUDA_POOL_BYTES = 1 << 30
 
 
