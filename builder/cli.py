@@ -80,7 +80,7 @@ def _parser() -> argparse.ArgumentParser:
         cuda.add_argument("--cudnn-conv-algo-search", default="HEURISTIC", help="HEURISTIC | EXHAUSTIVE | DEFAULT")
         cuda.add_argument("--no-cuda-graphs", action="store_true", help="python runner: no CUDA graph per bucket")
         cuda.add_argument("--cuda-layout", default="auto",
-                          help="auto | nhwc | nchw: convolution layout (auto: NHWC unless the graph has Q/DQ nodes)")
+                          help="auto | nhwc | nchw: convolution layout (auto: NHWC for FP16, and FP32 with TF32)")
         cuda.add_argument("--cuda-tf32", default="auto",
                           help="auto | on | off: TF32 math in FP32 convolutions, matmuls (auto: off for FP32 graphs)")
         cuda.add_argument("--ort-tensorrt-fp16", action="store_true",
