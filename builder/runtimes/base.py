@@ -58,3 +58,8 @@ class Runtime(Protocol):
     def backend_config(self, target: CompileTarget, version_dir: Path) -> BackendConfig:
         """How Triton serves the artifact compiled into version_dir."""
         ...
+
+    def served_options(self, artifact: Path) -> dict[str, str]:
+        """The options this artifact runs with where they depend on the artifact itself (build.json keeps
+        them beside `identity()`); empty where nothing does."""
+        ...

@@ -82,6 +82,9 @@ class OnnxRuntimeCPU:
     def identity(self) -> dict[str, str]:
         return {"onnxruntime": ort.__version__, "serving_backend": self.serving_backend.value}
 
+    def served_options(self, artifact: Path) -> dict[str, str]:
+        return {}
+
     def carry_over(self, previous: Path, version_dir: Path, target: CompileTarget) -> None:
         """Nothing to carry: the artifact is rebuilt from the variant ONNX in a copy."""
 

@@ -278,6 +278,11 @@ class OnnxRuntimeCUDA:
         return {"onnxruntime": ort.__version__, "serving_backend": self.serving_backend.value, "gpu": gpu,
                 "driver": driver, **self.options.record()}
 
+    def served_options(self, artifact: Path) -> dict[str, str]:
+        """The CUDA provider's options with `auto` resolved for this graph (layout, TF32), as the accuracy run
+        used them and as the python runner resolves them when the model loads."""
+        return self.options.provider_options(artifact)
+
     def carry_over(self, previous: Path, version_dir: Path, target: CompileTarget) -> None:
         """Nothing to carry: the artifact is the variant ONNX itself."""
 

@@ -76,6 +76,9 @@ class TensorRTRuntime:
         return {"tensorrt": self.trt_version, "gpu": self.gpu.name,
                 "compute_capability": self.gpu.compute_capability, "driver": self.gpu.driver}
 
+    def served_options(self, artifact: Path) -> dict[str, str]:
+        return {}
+
     def metadata(self, target: CompileTarget) -> PlanMetadata:
         profile = profile_shapes(target.model_shapes())
         return PlanMetadata(

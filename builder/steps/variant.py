@@ -178,6 +178,7 @@ class WriteModelFolder:
             "source": spec.source or str(spec.onnx),
             "fp32_onnx_sha256": model.fp32_sha,
             "precision_settings": ctx.settings,
+            "served_options": ctx.runtime.served_options(ctx.version_dir / ctx.runtime.artifact),
             "variant_onnx_sha256": ctx.variant_sha,
             "inputs": model.inputs_record,
             "shapes": model.input_shapes.to_json(),

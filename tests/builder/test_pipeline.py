@@ -41,6 +41,7 @@ def test_every_precision_is_built_checked_and_recorded(tiny_repository: tuple[Pa
         record = json.loads((repository / name / "build.json").read_text())
         assert record["name"] == name and len(record["sha256"]) == 64
         assert record["tools"]["onnxruntime"] and record["tools"]["nvidia-modelopt"]
+        assert record["served_options"] == {}  # the CPU runtime has no option that depends on the graph
         config = parse((repository / name / "config.pbtxt").read_text())
         assert config.name == name and config.backend == "python"
         assert (repository / name / "1" / "model.onnx").is_file()

@@ -355,3 +355,12 @@ def test_the_native_backend_checks_accuracy_in_the_tf32_mode_it_serves(monkeypat
     python = OnnxRuntimeCUDA(ServingBackend.PYTHON, CudaOptions())  # the runner resolves auto as the build does
     assert python.options.provider_options(fp32)["use_tf32"] == "0"
     assert dict(cuda_backend_config(ServingBackend.PYTHON, python.options).parameters)["use_tf32"] == "auto"
+
+
+def test_build_json_gets_each_graphs_resolved_cuda_options(tmp_path: Path) -> None:
+    """build.json kept layout and TF32 as 'auto'; the options each artifact runs with are recorded too."""
+    runtime = object.__new__(OnnxRuntimeCUDA)  # the constructor wants a GPU; served_options reads the graph
+    runtime.options = CudaOptions()
+    served = runtime.served_options(conv_onnx(tmp_path / "fp32.onnx"))
+    assert served == {"device_id": "0", "cudnn_conv_algo_search": "HEURISTIC", "use_tf32": "0"}
+    assert OnnxRuntimeCPU().served_options(tmp_path / "fp32.onnx") == {}
