@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from builder.serving.triton_server import TritonServer
 from client.protocol import Protocol
 
 
@@ -29,3 +30,18 @@ class PrivateServer:
 
     endpoints: Endpoints
     stop: Callable[[], None]
+
+
+class SharedServerRestarted(RuntimeWarning):
+    """The session's shared Triton had died between tests and was started again (see tests/conftest.py)."""
+
+
+def revive(server: TritonServer) -> str | None:
+    """Start `server` again on the same ports if its process has exited; what it last wrote, or None when
+    it was still running."""
+    if server.process is None or server.process.poll() is None:
+        return None
+    tail = f"status {server.process.returncode}: {server.log_tail(8)}"
+    server.stop()  # forgets its record and stops the stubs it left
+    server.start(timeout=120)
+    return tail
