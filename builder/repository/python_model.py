@@ -399,9 +399,8 @@ def _elem_types(t):
 
 
 def _graph_kind(path):
-    """'qdq' (INT8), 'fp16' or 'fp32', as builder.runtimes.onnxruntime_cuda.graph_kind decides it for the
-    build's accuracy run (this file imports nothing of ours; tests/builder/runtimes/test_graph_kind.py runs
-    both on the same graphs). Subgraphs and local functions count; the weights are not loaded."""
+    """'qdq' (INT8), 'fp16' or 'fp32'. Subgraphs and local functions count; the weights are not loaded.
+    builder.runtimes.onnxruntime_cuda.graph_kind calls this one for the build's accuracy run."""
     import onnx
 
     model = onnx.load(path, load_external_data=False)

@@ -6,23 +6,25 @@ image's native onnxruntime backend (CUDA provider, optionally handing subgraphs 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 from numpy.typing import NDArray
 
 from builder.errors import RuntimeUnavailableError
+from builder.repository import python_model
 from builder.repository.triton_config import BackendConfig, InstanceKind, TritonBackend
 from builder.runtimes.base import CompileTarget, Outputs
 from builder.runtimes.onnxruntime import run_session
 from builder.spec.enums import ServingBackend
 from client.choices import Choice
 from client.logs import active_log_file
+
+_RUNNER: Any = python_model  # untyped: the file Triton's python backend imports, which imports nothing of ours
 
 log = logging.getLogger(__name__)
 
@@ -68,59 +70,12 @@ class CudaTF32(Choice):
     OFF = "off"
 
 
-QDQ_OPS = frozenset({"QuantizeLinear", "DequantizeLinear"})
-
-
-def _subgraphs(nodes: Iterable[onnx.NodeProto]) -> Iterator[onnx.GraphProto]:
-    """Every graph these nodes hold in their attributes (If branches, Loop and Scan bodies), at any depth."""
-    for node in nodes:
-        for a in node.attribute:
-            for sub in [a.g] if a.type == onnx.AttributeProto.GRAPH else a.graphs:
-                yield sub
-                yield from _subgraphs(sub.node)
-
-
-def _elem_types(t: onnx.TypeProto) -> Iterator[int]:
-    """The element types a value's type names (tensors, and those inside sequences, optionals and maps)."""
-    kind = t.WhichOneof("value")
-    if kind in ("tensor_type", "sparse_tensor_type"):
-        yield getattr(t, kind).elem_type
-    elif kind in ("sequence_type", "optional_type"):
-        yield from _elem_types(getattr(t, kind).elem_type)
-    elif kind == "map_type":
-        yield from _elem_types(t.map_type.value_type)
-
-
 def graph_kind(path: Path) -> str:
     """'qdq' (INT8: any Q/DQ node), 'fp16' (any FP16 tensor: weight, Constant, input, output, value_info, or a
     Cast or dtype to FP16) or 'fp32', looking into subgraphs and local functions; the weights are not loaded.
-    The python runner's _graph_kind is a copy that must decide alike (tests/builder/runtimes/test_graph_kind.py)."""
-    model = onnx.load(str(path), load_external_data=False)
-    function_nodes = [n for f in model.functions for n in f.node]
-    graphs = [model.graph, *_subgraphs(model.graph.node), *_subgraphs(function_nodes)]
-    nodes = [n for g in graphs for n in g.node] + function_nodes
-    if any(node.op_type in QDQ_OPS for node in nodes):
-        return "qdq"
-    fp16 = onnx.TensorProto.FLOAT16
-    tensors = [t for g in graphs for t in g.initializer] + [t.values for g in graphs for t in g.sparse_initializer]
-    for node in nodes:
-        for a in node.attribute:
-            tensors += [a.t] if a.type == onnx.AttributeProto.TENSOR else list(a.tensors)
-            tensors += [a.sparse_tensor.values] if a.type == onnx.AttributeProto.SPARSE_TENSOR else []
-            if a.type == onnx.AttributeProto.INT and a.i == fp16 and (
-                    a.name == "dtype" or (node.op_type == "Cast" and a.name == "to")):
-                return "fp16"
-    if any(t.data_type == fp16 for t in tensors):
-        return "fp16"
-    values = [v for g in graphs for v in (*g.input, *g.output, *g.value_info)]
-    if any(e == fp16 for v in values for e in _elem_types(v.type)):
-        return "fp16"
-    return "fp32"
-
-
-def has_qdq(path: Path) -> bool:
-    """Whether the graph holds Q/DQ nodes."""
-    return graph_kind(path) == "qdq"
+    The python runner decides it where Triton loads the model; the accuracy run asks the same code, so the
+    two cannot disagree."""
+    return str(_RUNNER._graph_kind(str(path)))
 
 
 @dataclass(frozen=True)

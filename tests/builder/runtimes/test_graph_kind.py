@@ -1,8 +1,8 @@
-"""graph_kind decides TF32 and the NHWC layout per graph twice: in the build's accuracy run
-(builder.runtimes.onnxruntime_cuda.graph_kind) and where Triton loads the model (the python runner's own
-copy, _graph_kind, since that file imports nothing of ours). Both must give the same answer on every
-graph, including FP16 that lives only in Constant nodes, graph inputs or value_info, Q/DQ or FP16 inside
-If/Loop bodies or local functions, and weights in an external data file that is never read."""
+"""graph_kind decides TF32 and the NHWC layout per graph in the build's accuracy run
+(builder.runtimes.onnxruntime_cuda.graph_kind) and where Triton loads the model (the python runner's
+_graph_kind, which the former calls). Both must give the same answer on every graph, including FP16 that
+lives only in Constant nodes, graph inputs or value_info, Q/DQ or FP16 inside If/Loop bodies or local
+functions, and weights in an external data file that is never read."""
 
 from __future__ import annotations
 
