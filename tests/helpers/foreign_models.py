@@ -12,6 +12,8 @@ import onnx
 from numpy.typing import NDArray
 from onnx import TensorProto, helper, numpy_helper
 
+from tests.helpers.tiny_models import OFFSET, OFFSET_FEATURES, offset_graph
+
 SAMPLES = 16  # calibration samples per model: 12 calibrate, the last 4 are held out
 
 
@@ -239,8 +241,6 @@ def opset21(folder: Path) -> ForeignModel:
     return ForeignModel("opset21", "opset 21 export, `ai.onnx.ml` 5", path, data, (), "", True)
 
 
-FEATURES = 16
-
 
 def fp16_sensitive(folder: Path) -> ForeignModel:
     """Plain FP16 provably misses its tolerance: x[batch, 16] − offset (300 + u, |u| ≤ 0.12) → ×10 → MatMul
@@ -248,26 +248,10 @@ def fp16_sensitive(folder: Path) -> ForeignModel:
     values. FP16's spacing at 300 is 0.25, so the subtraction (node `centre`) loses the offset's fraction;
     kept in FP32, the rest computes in FP16 within the default cosine_min 0.999."""
     rng = np.random.default_rng(0)
-    offset = (300.0 + rng.uniform(-0.12, 0.12, FEATURES)).astype(np.float32)
-    nodes = [
-        helper.make_node("Sub", ["x", "offset"], ["centred"], name="centre"),
-        helper.make_node("Mul", ["centred", "scale"], ["scaled"], name="scale"),
-        helper.make_node("MatMul", ["scaled", "w1"], ["h0"], name="fc1"),
-        helper.make_node("Relu", ["h0"], ["h"], name="relu"),
-        helper.make_node("MatMul", ["h", "w2"], ["logits"], name="fc2"),
-    ]
-    graph = helper.make_graph(
-        nodes, "offset",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", FEATURES])],
-        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 8])],
-        initializer=[numpy_helper.from_array(offset, "offset"),
-                     numpy_helper.from_array(np.full(FEATURES, 10.0, np.float32), "scale"),
-                     numpy_helper.from_array((rng.standard_normal((FEATURES, 32)) / 4).astype(np.float32), "w1"),
-                     numpy_helper.from_array((rng.standard_normal((32, 8)) / 6).astype(np.float32), "w2")],
-    )
+    graph = offset_graph(rng)  # the FP16 guard's own test model (tests/builder/steps/test_fp16_guard.py)
     path = _save(graph, folder / "sensor.onnx")
     data = _npz(folder / "sensor.npz",
-                {"x": (300.0 + 0.1 * rng.standard_normal((SAMPLES, FEATURES))).astype(np.float32)})
+                {"x": (OFFSET + 0.1 * rng.standard_normal((SAMPLES, OFFSET_FEATURES))).astype(np.float32)})
     return ForeignModel("sensor", "FP16-sensitive: an offset FP16 cannot hold (plain FP16 misses cosine_min 0.999)",
                         path, data, ("--max-batch", "8"), "batch = [1, 4, 8]\n", True)
 

@@ -137,6 +137,37 @@ def outlier_mlp_onnx(path: Path, features: int = 32, hidden: int = 64, classes: 
     return path
 
 
+OFFSET_FEATURES = 16
+OFFSET = 300.0
+
+
+def offset_graph(rng: np.random.Generator, *, head: bool = True) -> onnx.GraphProto:
+    """A model plain FP16 provably gets wrong: x[batch, 16] − offset (300 + u, |u| ≤ 0.12) → ×10 → MatMul →
+    Relu → MatMul → logits[batch, 8], as a normalization layer fed raw sensor values (FP16's spacing at 300
+    is 0.25, so the subtraction, node `centre`, loses the offset's fraction). Without `head`, the subtraction
+    alone (its output is `logits`). Draws the offset, then w1 and w2, from `rng`."""
+    offset = (OFFSET + rng.uniform(-0.12, 0.12, OFFSET_FEATURES)).astype(np.float32)
+    w1 = (rng.standard_normal((OFFSET_FEATURES, 32)) / 4).astype(np.float32)
+    w2 = (rng.standard_normal((32, 8)) / 6).astype(np.float32)
+    nodes = [
+        helper.make_node("Sub", ["x", "offset"], ["centred"], name="centre"),
+        helper.make_node("Mul", ["centred", "scale"], ["scaled"], name="scale"),
+        helper.make_node("MatMul", ["scaled", "w1"], ["h0"], name="fc1"),
+        helper.make_node("Relu", ["h0"], ["h"], name="relu"),
+        helper.make_node("MatMul", ["h", "w2"], ["logits"], name="fc2"),
+    ]
+    if not head:
+        nodes = [helper.make_node("Sub", ["x", "offset"], ["logits"], name="centre")]
+    return helper.make_graph(
+        nodes, "offset",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", OFFSET_FEATURES])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 8 if head else OFFSET_FEATURES])],
+        initializer=[numpy_helper.from_array(offset, "offset"),
+                     numpy_helper.from_array(np.full(OFFSET_FEATURES, 10.0, np.float32), "scale"),
+                     numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(w2, "w2")],
+    )
+
+
 def tiny_specs(data_dir: Path) -> list[ModelSpec]:
     """An MLP classifier (fp32/fp16/int8, calibration from .npz) and a sequence model with a named dim."""
     mlp = mlp_onnx(data_dir / "mlp.onnx")

@@ -12,7 +12,7 @@ import numpy as np
 import onnx
 import pytest
 from numpy.typing import NDArray
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper
 
 from builder.errors import AccuracyError, ToolError
 from builder.pipeline import BuildOptions, build_all
@@ -21,35 +21,14 @@ from builder.spec import DataSpec, DimRange, ModelSpec, Precision, Task, Toleran
 from builder.steps import accuracy, precision
 from builder.steps.fp16_guard import fp16_nodes, guard
 from builder.steps.precision import Fp16Settings
+from tests.helpers.tiny_models import OFFSET, OFFSET_FEATURES, offset_graph
 
-FEATURES = 16
-OFFSET = 300.0
+FEATURES = OFFSET_FEATURES
 
 
 def offset_model(path: Path, seed: int = 0, *, head: bool = True) -> Path:
-    """x[batch, 16] − offset (300 + u, |u| ≤ 0.12) → ×10 → MatMul → Relu → MatMul → logits[batch, 8];
-    without `head`, the subtraction alone (its output is `logits`)."""
-    rng = np.random.default_rng(seed)
-    offset = (OFFSET + rng.uniform(-0.12, 0.12, FEATURES)).astype(np.float32)
-    w1 = (rng.standard_normal((FEATURES, 32)) / 4).astype(np.float32)
-    w2 = (rng.standard_normal((32, 8)) / 6).astype(np.float32)
-    nodes = [
-        helper.make_node("Sub", ["x", "offset"], ["centred"], name="centre"),
-        helper.make_node("Mul", ["centred", "scale"], ["scaled"], name="scale"),
-        helper.make_node("MatMul", ["scaled", "w1"], ["h0"], name="fc1"),
-        helper.make_node("Relu", ["h0"], ["h"], name="relu"),
-        helper.make_node("MatMul", ["h", "w2"], ["logits"], name="fc2"),
-    ]
-    if not head:
-        nodes = [helper.make_node("Sub", ["x", "offset"], ["logits"], name="centre")]
-    graph = helper.make_graph(
-        nodes, "offset",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", FEATURES])],
-        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 8 if head else FEATURES])],
-        initializer=[numpy_helper.from_array(offset, "offset"),
-                     numpy_helper.from_array(np.full(FEATURES, 10.0, np.float32), "scale"),
-                     numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(w2, "w2")],
-    )
+    """tests.helpers.tiny_models.offset_graph saved at `path`."""
+    graph = offset_graph(np.random.default_rng(seed), head=head)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     onnx.checker.check_model(model)
     onnx.save(model, str(path))
