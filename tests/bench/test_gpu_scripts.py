@@ -4,9 +4,7 @@ counts every step of a check (a check whose perfclient loads all failed exited 0
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -14,6 +12,7 @@ from types import ModuleType
 import pytest
 
 from builder.repository import triton_config
+from tests.helpers.scripts import loaded_script
 from tests.helpers.tiny_models import mlp_onnx
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,13 +21,8 @@ RESULTS = ROOT / "bench" / "gpu" / "results"
 
 @pytest.fixture(scope="module")
 def validate_gpu() -> Iterator[ModuleType]:
-    spec = importlib.util.spec_from_file_location("validate_gpu", ROOT / "bench" / "gpu" / "validate_gpu.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["validate_gpu"] = module
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules["validate_gpu"]
+    with loaded_script("validate_gpu", ROOT / "bench" / "gpu" / "validate_gpu.py") as module:
+        yield module
 
 
 CPU_CONFIG = """name: "m"

@@ -7,7 +7,6 @@ line naming what failed. A real GPU run of the same path is bench/gpu/validate_g
 from __future__ import annotations
 
 import ctypes
-import sys
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -18,6 +17,7 @@ import pytest
 from client.errors import PerfClientError
 from client.shared_memory import SharedMemory, SharedMemoryKind, SharedMemoryPool
 from client.wire import ShmRef
+from tests.helpers.scripts import install_cuda_runtime
 from tests.helpers.servers import Endpoints
 
 
@@ -76,12 +76,7 @@ class FakeCudart(types.ModuleType):
 @pytest.fixture
 def cudart(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCudart]:
     runtime = FakeCudart()
-    bindings = types.ModuleType("cuda.bindings")
-    bindings.runtime = runtime  # type: ignore[attr-defined]
-    cuda = types.ModuleType("cuda")
-    cuda.bindings = bindings  # type: ignore[attr-defined]
-    for name, module in (("cuda", cuda), ("cuda.bindings", bindings), ("cuda.bindings.runtime", runtime)):
-        monkeypatch.setitem(sys.modules, name, module)
+    install_cuda_runtime(monkeypatch, runtime)
     yield runtime
     assert runtime.blocks == {}, "a device buffer outlived the test"
 

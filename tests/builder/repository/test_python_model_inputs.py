@@ -19,6 +19,7 @@ import pytest
 from numpy.typing import NDArray
 
 from builder.repository import python_model
+from tests.helpers.scripts import install_cuda_runtime
 from tests.helpers.tiny_models import mlp_onnx
 
 RUNNER: Any = python_model  # untyped: copied into model folders, where Triton imports it
@@ -116,12 +117,7 @@ def _memmove_cuda(monkeypatch: pytest.MonkeyPatch, calls: list[tuple[Any, ...]] 
     runtime.cudaHostRegisterDefault = 0  # type: ignore[attr-defined]
     runtime.cudaHostRegister = host_register  # type: ignore[attr-defined]
     runtime.cudaHostUnregister = recorded("cudaHostUnregister")  # type: ignore[attr-defined]
-    bindings = types.ModuleType("cuda.bindings")
-    bindings.runtime = runtime  # type: ignore[attr-defined]
-    cuda = types.ModuleType("cuda")
-    cuda.bindings = bindings  # type: ignore[attr-defined]
-    for name, module in (("cuda", cuda), ("cuda.bindings", bindings), ("cuda.bindings.runtime", runtime)):
-        monkeypatch.setitem(sys.modules, name, module)
+    install_cuda_runtime(monkeypatch, runtime)
     return copies
 
 

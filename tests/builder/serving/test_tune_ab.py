@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+
+from tests.helpers.scripts import loaded_script
 
 SCRIPT = Path(__file__).resolve().parents[3] / "bench" / "tune_ab.py"
 
@@ -28,13 +28,8 @@ class TritonPythonModel(_Model):  # noqa: F811
 
 @pytest.fixture(scope="module")
 def tune_ab() -> Iterator[ModuleType]:
-    spec = importlib.util.spec_from_file_location("tune_ab", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["tune_ab"] = module  # dataclasses look their module up while the script runs
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules["tune_ab"]
+    with loaded_script("tune_ab", SCRIPT) as module:
+        yield module
 
 
 def _ab_with_max_batch_4_patched(tune_ab: ModuleType, repo_copy: Path, patch: str, *, rounds: int,

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -11,6 +9,7 @@ from types import ModuleType
 import pytest
 
 from builder.serving.tune import Point, Result
+from tests.helpers.scripts import loaded_script
 
 SCRIPT = Path(__file__).resolve().parents[3] / "bench" / "gpu" / "tune_energy.py"
 POINT = Point("efficientnet_lite0_fp16", 16, 0, 1)
@@ -18,13 +17,8 @@ POINT = Point("efficientnet_lite0_fp16", 16, 0, 1)
 
 @pytest.fixture(scope="module")
 def tune_energy() -> Iterator[ModuleType]:
-    spec = importlib.util.spec_from_file_location("tune_energy", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["tune_energy"] = module
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules["tune_energy"]
+    with loaded_script("tune_energy", SCRIPT) as module:
+        yield module
 
 
 def result(concurrency: int, p50_us: float | None, p99_us: float | None) -> Result:
