@@ -455,6 +455,29 @@ def _literal_indexed(name: bytes, value: bytes) -> bytes:
     return b"\x40" + bytes([len(name)]) + name + bytes([len(value)]) + value
 
 
+async def _answer_each_with(peer: Peer, head: bytes, blocks: list[bytes]) -> None:
+    """After the handshake, one answer per request: `head` as headers, one message, each block as trailers."""
+    await peer.handshake()
+    for block in blocks:
+        request = await peer.request()
+        peer.send(HEADERS, END_HEADERS, request.sid, head)
+        peer.send(DATA, 0, request.sid, b"\x00\x00\x00\x00\x01!")
+        peer.send(HEADERS, END_HEADERS | END_STREAM, request.sid, block)
+        await peer.writer.drain()
+
+
+async def _outcomes(channel: Channel, count: int) -> list[str]:
+    """`count` calls in turn: "ok", or the error kind each failed with."""
+    outcomes = []
+    for _ in range(count):
+        try:
+            await channel.send(b"x")
+            outcomes.append("ok")
+        except GrpcError as exc:
+            outcomes.append(error_kind(exc))
+    return outcomes
+
+
 def test_repeated_indexed_only_blocks_follow_the_servers_table_as_it_changes() -> None:
     # The trailers block 0xBE ("dynamic entry 62") is byte-identical each time, but what entry 62 holds changes
     # when the server indexes a new field: a decoder (or a memo of decoded blocks) out of step would read the
@@ -471,23 +494,11 @@ def test_repeated_indexed_only_blocks_follow_the_servers_table_as_it_changes() -
     ]
 
     async def script(peer: Peer, state: dict[str, Any]) -> None:
-        await peer.handshake()
-        for block in blocks:
-            request = await peer.request()
-            peer.send(HEADERS, END_HEADERS, request.sid, head)
-            peer.send(DATA, 0, request.sid, b"\x00\x00\x00\x00\x01!")
-            peer.send(HEADERS, END_HEADERS | END_STREAM, request.sid, block)
-            await peer.writer.drain()
+        await _answer_each_with(peer, head, blocks)
         await peer.frame()
 
     async def test(channel: Channel, state: dict[str, Any]) -> None:
-        outcomes = []
-        for _ in blocks:
-            try:
-                await channel.send(b"x")
-                outcomes.append("ok")
-            except GrpcError as exc:
-                outcomes.append(error_kind(exc))
+        outcomes = await _outcomes(channel, len(blocks))
         assert outcomes == ["ok", "ok", "ok", "unknown_model", "unknown_model", "ok", "unknown_model"]
 
     asyncio.run(_serve(script, test))
@@ -998,25 +1009,13 @@ def test_a_table_size_update_empties_the_memo_of_indexed_only_blocks() -> None:
     ]
 
     async def script(peer: Peer, state: dict[str, Any]) -> None:
-        await peer.handshake()
-        for block in blocks:
-            request = await peer.request()
-            peer.send(HEADERS, END_HEADERS, request.sid, head)
-            peer.send(DATA, 0, request.sid, b"\x00\x00\x00\x00\x01!")
-            peer.send(HEADERS, END_HEADERS | END_STREAM, request.sid, block)
-            await peer.writer.drain()
+        await _answer_each_with(peer, head, blocks)
         while (frame := await peer.frame()).kind != GOAWAY:
             pass
         state["goaway"] = struct.unpack(">II", frame.payload[:8])
 
     async def test(channel: Channel, state: dict[str, Any]) -> None:
-        outcomes = []
-        for _ in blocks:
-            try:
-                await channel.send(b"x")
-                outcomes.append("ok")
-            except GrpcError as exc:
-                outcomes.append(error_kind(exc))
+        outcomes = await _outcomes(channel, len(blocks))
         assert outcomes == ["ok", "ok", "ok", "internal"]
         while "goaway" not in state:
             await asyncio.sleep(0.01)
