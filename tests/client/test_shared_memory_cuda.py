@@ -101,51 +101,46 @@ def test_a_dead_server_is_one_line_and_every_buffer_is_freed(cudart: FakeCudart,
     assert cudart.blocks == {}
 
 
-def test_a_failed_copy_frees_its_buffer_at_once(cudart: FakeCudart, dead_url: str) -> None:
+@pytest.fixture
+def pool(cudart: FakeCudart, dead_url: str) -> Iterator[SharedMemoryPool]:
+    """A CUDA region pool for a server that is not there, closed at the end (before `cudart` checks)."""
+    pool = SharedMemoryPool(SharedMemory(SharedMemoryKind.CUDA, 0), protocol="grpc", url=dead_url)
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
+def test_a_failed_copy_frees_its_buffer_at_once(cudart: FakeCudart, pool: SharedMemoryPool) -> None:
     cudart.fail["cudaMemcpy"] = 1
-    pool = SharedMemoryPool(SharedMemory(SharedMemoryKind.CUDA, 0), protocol="grpc", url=dead_url)
-    try:
-        with pytest.raises(PerfClientError, match=r"^--shared-memory cuda: cannot create a 1024-byte region "
-                                                  r"\(CudaError: cudaMemcpy\(host to device\): fake reason 1\)$"):
-            pool.layout("mlp_fp32", {"x": X}, outputs=False)
-        assert cudart.blocks == {} and pool.region_names == []
-    finally:
-        pool.close()
+    with pytest.raises(PerfClientError, match=r"^--shared-memory cuda: cannot create a 1024-byte region "
+                                              r"\(CudaError: cudaMemcpy\(host to device\): fake reason 1\)$"):
+        pool.layout("mlp_fp32", {"x": X}, outputs=False)
+    assert cudart.blocks == {} and pool.region_names == []
 
 
-def test_ctrl_c_during_a_copy_frees_its_buffer(cudart: FakeCudart, dead_url: str) -> None:
+def test_ctrl_c_during_a_copy_frees_its_buffer(cudart: FakeCudart, pool: SharedMemoryPool) -> None:
     cudart.fail["cudaMemcpy"] = KeyboardInterrupt()
-    pool = SharedMemoryPool(SharedMemory(SharedMemoryKind.CUDA, 0), protocol="grpc", url=dead_url)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            pool.layout("mlp_fp32", {"x": X}, outputs=False)
-        assert cudart.blocks == {}
-    finally:
-        pool.close()
+    with pytest.raises(KeyboardInterrupt):
+        pool.layout("mlp_fp32", {"x": X}, outputs=False)
+    assert cudart.blocks == {}
 
 
-def test_a_device_that_cannot_be_used_is_one_line(cudart: FakeCudart, dead_url: str) -> None:
+def test_a_device_that_cannot_be_used_is_one_line(cudart: FakeCudart, pool: SharedMemoryPool) -> None:
     cudart.fail["cudaSetDevice"] = 101
-    pool = SharedMemoryPool(SharedMemory(SharedMemoryKind.CUDA, 0), protocol="grpc", url=dead_url)
-    try:
-        with pytest.raises(PerfClientError, match=r"cannot create a 1024-byte region \(CudaError: "
-                                                  r"cudaSetDevice\(0\): fake reason 101\)$"):
-            pool.layout("mlp_fp32", {"x": X}, outputs=False)
-    finally:
-        pool.close()
+    with pytest.raises(PerfClientError, match=r"cannot create a 1024-byte region \(CudaError: "
+                                              r"cudaSetDevice\(0\): fake reason 101\)$"):
+        pool.layout("mlp_fp32", {"x": X}, outputs=False)
 
 
-def test_an_ipc_handle_that_cannot_be_had_is_not_blamed_on_the_server(cudart: FakeCudart, dead_url: str) -> None:
+def test_an_ipc_handle_that_cannot_be_had_is_not_blamed_on_the_server(cudart: FakeCudart,
+                                                                     pool: SharedMemoryPool) -> None:
     """The handle is ours to make: its failure names the CUDA call, not a server refusal."""
     cudart.fail["cudaIpcGetMemHandle"] = 201
-    pool = SharedMemoryPool(SharedMemory(SharedMemoryKind.CUDA, 0), protocol="grpc", url=dead_url)
-    try:
-        with pytest.raises(PerfClientError) as info:
-            pool.layout("mlp_fp32", {"x": X}, outputs=False)
-        message = str(info.value)
-        assert "cudaIpcGetMemHandle: fake reason 201" in message and "refused" not in message, message
-    finally:
-        pool.close()
+    with pytest.raises(PerfClientError) as info:
+        pool.layout("mlp_fp32", {"x": X}, outputs=False)
+    message = str(info.value)
+    assert "cudaIpcGetMemHandle: fake reason 201" in message and "refused" not in message, message
 
 
 def test_a_server_that_refuses_the_region_leaves_nothing_registered_or_allocated(
