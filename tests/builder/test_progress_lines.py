@@ -13,16 +13,14 @@ import pytest
 from builder.pipeline import BuildOptions, build_all
 from builder.runtimes.onnxruntime import OnnxRuntimeCPU
 from builder.spec import CalibrationMethod, CalibrationSpec, DataSpec, DimRange, ModelSpec, Precision, Task, Tolerance
-from client import progress
+from tests.helpers.progress_capture import plain_progress
 from tests.helpers.tiny_models import mlp_samples, outlier_mlp_onnx
 
 
 @pytest.fixture
 def plain_lines() -> Iterator[io.StringIO]:
-    stream = io.StringIO()
-    progress.configure(progress.Mode.PLAIN, stream=stream, interval=3600.0)
-    yield stream
-    progress.configure(progress.Mode.OFF)
+    with plain_progress(interval=3600.0) as stream:
+        yield stream
 
 
 def test_guarded_int8_build_shows_its_steps_once_each(tmp_path: Path, plain_lines: io.StringIO) -> None:

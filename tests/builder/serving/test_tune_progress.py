@@ -10,15 +10,13 @@ from pathlib import Path
 import pytest
 
 from builder.serving.tune import Goal, Objective, Search, Space, tune
-from client import progress
+from tests.helpers.progress_capture import plain_progress
 
 
 @pytest.fixture
 def plain_lines() -> Iterator[io.StringIO]:
-    stream = io.StringIO()
-    progress.configure(progress.Mode.PLAIN, stream=stream, interval=0.0)
-    yield stream
-    progress.configure(progress.Mode.OFF)
+    with plain_progress(interval=0.0) as stream:
+        yield stream
 
 
 def test_tune_progress_counts_points_and_hides_each_point_s_lines(repo_copy: Path, tmp_path: Path,
