@@ -322,11 +322,6 @@ def build_all(
                 staging.commit()
         finally:
             staging.discard()
-    if errors and len(errors) == len(specs):
-        # Every model failed before building anything: nothing was written, not even a report.
-        if len(errors) == 1:
-            raise errors[0]
-        raise BuilderError("\n".join(str(e) for e in errors))
     if report_path is not None:
         write_json(report_path, {
             "command": command,
@@ -337,4 +332,9 @@ def build_all(
             "tools": tool_versions(),
             "models": [asdict(r) for r in results],
         })
+    if errors and len(errors) == len(specs):
+        # Every model failed before building anything: no model was written; the report (above) says why.
+        if len(errors) == 1:
+            raise errors[0]
+        raise BuilderError("\n".join(str(e) for e in errors))
     return results
