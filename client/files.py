@@ -9,25 +9,30 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+def _create_temporary(path: Path) -> tuple[int, str]:
+    """A new, uniquely named file beside `path`, created with mode 0666 for the kernel to apply the umask
+    to: the mode an ordinary open() gives (readers may be other users). mkstemp's 0600 would need a chmod
+    to the umask, and reading the umask means setting it, process-wide, racing with other threads."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
+    while True:
+        tmp = str(path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp")
+        try:
+            return os.open(tmp, flags, 0o666), tmp
+        except FileExistsError:  # another writer's name: draw again
+            continue
 
 
 def _write(path: Path, fill: Callable[[BinaryIO], None], *, stat_from: Path | None = None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = _create_temporary(path)
     try:
-        # mkstemp creates 0600; give the file the mode an ordinary open() would (readers may be other users).
-        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as handle:
             fill(handle)
             handle.flush()

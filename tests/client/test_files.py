@@ -41,3 +41,25 @@ def test_a_failed_write_leaves_the_previous_file_and_no_temporary(tmp_path: Path
         files._write(target, half_then_fail)
     assert target.read_bytes() == b"old"
     assert [p.name for p in tmp_path.iterdir()] == ["model.onnx"]
+
+
+def test_a_write_never_changes_the_process_umask(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The umask is process-wide: setting it, even for an instant, races with files other threads create."""
+    calls: list[int] = []
+    real_umask = os.umask
+
+    def watched(mask: int) -> int:
+        calls.append(mask)
+        return real_umask(mask)
+
+    old = real_umask(0o027)
+    try:
+        monkeypatch.setattr(os, "umask", watched)
+        write_atomic(tmp_path / "a.txt", "x")
+        write_json(tmp_path / "b.json", {})
+        copy_atomic(tmp_path / "a.txt", tmp_path / "c.txt")
+    finally:
+        real_umask(old)
+    assert calls == []
+    for name in ("a.txt", "b.json", "c.txt"):  # still the mode an ordinary open() gives under that umask
+        assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o640
