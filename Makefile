@@ -14,7 +14,7 @@ CONCURRENCY ?= 32
 VARIANTS := efficientnet_lite0_fp32 efficientnet_lite0_fp16 efficientnet_lite0_int8 \
             minilm_l6_v2_fp32 minilm_l6_v2_fp16 minilm_l6_v2_int8
 
-.PHONY: install install-gpu demo test test-gpu engines serve serve-bg stop verify perf lint bench bench-gpu bench-gpu-ort perf-compare k8s-render tune clean
+.PHONY: install install-gpu lock test-latest test-fast demo test test-gpu engines serve serve-bg stop verify perf lint bench bench-gpu bench-gpu-ort perf-compare k8s-render tune clean
 
 # GPU hosts: onnxruntime-gpu (ONNX Runtime's CUDA provider) instead of the CPU wheel. Set by itself
 # where nvidia-smi lists a GPU; `make install GPU=1` / `GPU=0` forces either way (only 1, yes or true
@@ -25,23 +25,36 @@ GPU_DEP := $(if $(filter 1 yes true,$(strip $(GPU))),$(GPU_STAMP))
 
 install: $(STAMP) $(GPU_DEP)
 
+# The lock files (requirements/README.md): what every install target installs, with hashes.
+LOCK_DIR := requirements
+LOCK     := $(LOCK_DIR)/lock.txt
+LOCK_GPU := $(LOCK_DIR)/lock-gpu.txt
+PIP      := $(BIN)/python -m pip
+PIP_LOCKED := -q --disable-pip-version-check --require-hashes --no-deps
+# uv resolves; `make lock` looks in /opt/wheels (the CPU torch on these machines' disk) where it exists.
+UV_COMPILE := $(BIN)/uv pip compile --quiet --generate-hashes --python-platform x86_64-manylinux_2_28 \
+  -c $(LOCK_DIR)/pins.txt $(if $(wildcard /opt/wheels),--find-links /opt/wheels)
+
 install-gpu: $(GPU_STAMP)
 
-# onnxruntime and onnxruntime-gpu both install the `onnxruntime` module: remove the CPU wheel, then
-# reinstall the GPU one so none of its files is missing. Runs again after every CPU reinstall.
-$(GPU_STAMP): $(STAMP)
-	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[dev,gpu]'
+# GPU hosts install lock-gpu.txt (the package with [dev,gpu], for their Python 3.12). onnxruntime and
+# onnxruntime-gpu both install the `onnxruntime` module: remove the CPU wheel, then reinstall the GPU one
+# so none of its files is missing. Runs again after every CPU reinstall.
+$(GPU_STAMP): $(STAMP) $(LOCK_GPU)
+	$(PIP) install $(PIP_LOCKED) -r $(LOCK_GPU)
 	$(BIN)/python -m pip uninstall -q -y onnxruntime
-	$(BIN)/python -m pip install -q --disable-pip-version-check --force-reinstall --no-deps 'onnxruntime-gpu>=1.31'
+	$(PIP) install $(PIP_LOCKED) --force-reinstall -r $(LOCK_DIR)/onnxruntime-gpu.txt
 	$(BIN)/python -c "import onnxruntime as o; p = o.get_available_providers(); assert 'CUDAExecutionProvider' in p, p"
 	touch $@
 
-$(STAMP): pyproject.toml
+# Installs exactly the lock (hashes checked, no resolver, nothing from the index that is not in it), then
+# the project itself, built with the locked setuptools. The lock on a GPU host is lock-gpu.txt.
+$(STAMP): pyproject.toml $(LOCK) $(LOCK_DIR)/triton.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --disable-pip-version-check --upgrade pip
-	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[dev]'
-	@# Only the tritonserver binary is used from this wheel; --no-deps keeps its numpy pin out.
-	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps nvidia-pytriton==0.7.0
+	$(PIP) install $(PIP_LOCKED) -r $(if $(GPU_DEP),$(LOCK_GPU),$(LOCK))
+	$(PIP) install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	$(PIP) install $(PIP_LOCKED) -r $(LOCK_DIR)/triton.txt
+	$(BIN)/python -m builder.lockcheck $(if $(GPU_DEP),$(LOCK_GPU),$(LOCK)) --what installed
 	touch $@
 
 # TensorRT's type stubs live apart from the venv: installed there, their `tensorrt` package of
@@ -56,7 +69,27 @@ $(STAMP): pyproject.toml
 	  .typestubs/tensorrt_bindings/tensorrt.pyi
 	touch $@
 
+# Resolve pyproject.toml's ranges again (newest versions within pins.txt) into the lock files. Then run
+# `make test`, re-measure what a changed version affects, and commit the lock files with the change.
+lock: $(BIN)/uv
+	$(UV_COMPILE) --python-version 3.11 --extra dev -o $(LOCK) pyproject.toml $(LOCK_DIR)/build.in
+	$(UV_COMPILE) --python-version 3.12 --extra dev --extra gpu -o $(LOCK_GPU) pyproject.toml $(LOCK_DIR)/build.in
+	$(UV_COMPILE) --python-version 3.12 --no-deps -o $(LOCK_DIR)/onnxruntime-gpu.txt $(LOCK_DIR)/onnxruntime-gpu.in
+	$(BIN)/uv pip compile --quiet --generate-hashes --no-deps --python-version 3.11 \
+	  --python-platform x86_64-manylinux_2_35 -o $(LOCK_DIR)/triton.txt $(LOCK_DIR)/triton.in
+
+# uv is in the lock ([dev]); the first lock of a checkout has no lock to install it from.
+$(BIN)/uv:
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --disable-pip-version-check uv
+
+# Non-blocking: the newest versions pyproject.toml admits, in .venv-latest, against the locked .venv;
+# prints the versions that differ and the tests whose outcome changed (the fast tier in both).
+test-latest: $(STAMP)
+	$(BIN)/python .ci/test_latest.py --locked-python $(BIN)/python --venv .venv-latest
+
 engines: $(STAMP) $(GPU_DEP)
+	@$(BIN)/python -m builder.lockcheck $(if $(GPU_DEP),$(LOCK_GPU),$(LOCK))
 	@$(BIN)/trtbuild engines --manifest $(MANIFEST) --repository $(REPOSITORY)
 
 serve: $(STAMP)
@@ -88,6 +121,10 @@ demo: engines
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
+
+# Unit tests only: no Triton server, no real pretrained model (markers set in tests/conftest.py).
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not server and not slow" tests
 
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -q -m "gpu or tensorrt" tests

@@ -1,0 +1,69 @@
+"""Compare the installed packages with a lock file and print one line when they differ.
+
+`make install` and `make engines` run it: the README's figures and build.json's recorded outcomes were
+measured with the locked versions, so a user running other versions is told which, once, up front.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+_PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;\\]+)")
+
+
+def _normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def locked_versions(lock: Path) -> dict[str, str]:
+    """`name==version` pins of a pip requirements lock (hash and comment lines skipped)."""
+    pins: dict[str, str] = {}
+    for line in lock.read_text(encoding="utf-8").splitlines():
+        match = _PIN.match(line.strip())
+        if match:
+            pins[_normalized(match.group(1))] = match.group(2)
+    return pins
+
+
+def installed_version(name: str) -> str | None:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def differences(pins: dict[str, str]) -> list[tuple[str, str, str | None]]:
+    """(name, locked, installed or None) for every pin the environment does not match."""
+    found = []
+    for name, locked in sorted(pins.items()):
+        installed = installed_version(name)
+        # A local label on the lock's side only (torch 2.13.0+cpu) is the same release when metadata drops it.
+        if installed is None or (installed != locked and installed != locked.split("+", 1)[0]):
+            found.append((name, locked, installed))
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m builder.lockcheck", description=__doc__)
+    parser.add_argument("lock", type=Path, help="a pip lock file (requirements/lock.txt)")
+    parser.add_argument("--what", default="tools", help="word used in the message (default: tools)")
+    args = parser.parse_args(argv)
+    if not args.lock.is_file():
+        print(f"lockcheck: {args.lock}: no such lock file (expected requirements/lock.txt from the checkout)",
+              file=sys.stderr)
+        return 1
+    diff = differences(locked_versions(args.lock))
+    if diff:
+        shown = ", ".join(f"{name} {installed or 'absent'} (locked {locked})" for name, locked, installed in diff[:8])
+        more = f" and {len(diff) - 8} more" if len(diff) > 8 else ""
+        print(f"note: {args.what} differ from {args.lock} (the README's figures were measured with the locked "
+              f"versions; `make install` restores them): {shown}{more}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
