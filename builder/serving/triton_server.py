@@ -521,10 +521,12 @@ class TritonServer:
             argv = self.argv()
             log.debug("starting %s", " ".join(argv))
             stdout = (self.state_dir / "tritonserver.out").open("wb")
-            self.process = subprocess.Popen(
-                argv, env=environment(), stdout=stdout, stderr=subprocess.STDOUT, start_new_session=detach,
-            )
-            stdout.close()  # the child holds its own copy
+            try:
+                self.process = subprocess.Popen(
+                    argv, env=environment(), stdout=stdout, stderr=subprocess.STDOUT, start_new_session=detach,
+                )
+            finally:
+                stdout.close()  # the child holds its own copy (or there is no child)
             pid = self.process.pid
             self.record = ServerRecord(
                 pid=pid, start_ticks=start_ticks(pid), argv=argv, command=[sys.executable, *sys.argv],
@@ -534,7 +536,13 @@ class TritonServer:
             if self.record.start_ticks is None:  # exited at once; the readiness loop reports why
                 self.record = None
             else:
-                write_json(self.state_dir / STATE_FILE, asdict(self.record))
+                try:
+                    write_json(self.state_dir / STATE_FILE, asdict(self.record))
+                except BaseException:
+                    # Unrecorded, no `trtbuild stop` could find it: stop it here rather than orphan it.
+                    self.record = None
+                    self.stop()
+                    raise
         deadline = time.monotonic() + timeout
         # Triton answers nothing until it has loaded every model (mode none): a status line meanwhile.
         models = sum(1 for child in self.repository.iterdir() if (child / "config.pbtxt").is_file())

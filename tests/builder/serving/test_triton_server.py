@@ -9,6 +9,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -292,3 +293,43 @@ def test_a_gpu_host_gets_a_cuda_pool_large_enough_for_gpu_inputs(monkeypatch: py
         "--cuda-memory-pool-byte-size=0:1073741824", "--cuda-memory-pool-byte-size=1:1073741824"]
     monkeypatch.setattr(triton_server, "gpu_ids", lambda: [])
     assert not any("cuda-memory-pool" in a for a in triton_server.command(tmp_path, ports, tmp_path, tmp_path / "l"))
+
+
+def _open_paths() -> list[str]:
+    paths = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor is gone by now
+            paths.append(os.readlink(f"/proc/self/fd/{fd}"))
+    return paths
+
+
+def test_a_server_that_cannot_be_started_leaves_no_open_log_file(monkeypatch: pytest.MonkeyPatch,
+                                                                  tmp_path: Path) -> None:
+    (tmp_path / "repo").mkdir()
+    server = TritonServer(tmp_path / "repo", tmp_path / "run", Ports(*free_ports(3)))
+    monkeypatch.setattr(TritonServer, "argv", lambda self: [str(tmp_path / "no-such-tritonserver")])
+    with pytest.raises(FileNotFoundError) as caught:
+        server.start(timeout=10)
+    # Closed by start itself, not by the garbage collector once the error (and its frames) is dropped.
+    out = str((tmp_path / "run" / "tritonserver.out").resolve())
+    assert out not in _open_paths()
+    assert caught.value.filename == str(tmp_path / "no-such-tritonserver")
+
+
+def test_a_server_whose_record_cannot_be_written_is_stopped_not_orphaned(monkeypatch: pytest.MonkeyPatch,
+                                                                         tmp_path: Path) -> None:
+    """Unrecorded, no `trtbuild stop` could find it: the failed write stops it, then raises."""
+    (tmp_path / "repo").mkdir()
+    state = tmp_path / "run"
+    (state / STATE_FILE / "in-the-way").mkdir(parents=True)  # the record cannot be renamed into place
+    server = TritonServer(tmp_path / "repo", state, Ports(*free_ports(3)))
+    monkeypatch.setattr(TritonServer, "argv", lambda self: [sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        with pytest.raises(OSError):
+            server.start(timeout=10)
+        assert server.process is not None
+        assert server.process.poll() is not None, "the unrecorded server is still running"
+    finally:
+        if server.process is not None and server.process.poll() is None:
+            server.process.kill()
+            server.process.wait()
