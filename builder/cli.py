@@ -132,6 +132,15 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--model-control", default="none",
                        help="none (load every model at start) | explicit (load on request: what "
                             "`trtbuild tune --url` and Model Analyzer's remote mode need)")
+    serve.add_argument("--listen", default=None, metavar="ADDRESS",
+                       help="bind HTTP, gRPC and metrics to this IPv4 address (default 127.0.0.1: this host only; "
+                            "0.0.0.0: every interface). Beyond loopback the model-repository, shared-memory, "
+                            "logging and trace APIs need the header triton-admin-key")
+    serve.add_argument("--admin-key-file", type=Path, default=None, metavar="FILE",
+                       help="with --listen: the admin key, in a file of yours with mode 0600 (default: "
+                            "$TRITON_ADMIN_KEY, else a new key in STATE_DIR/admin-key)")
+    serve.add_argument("--no-restrict", action="store_true",
+                       help="with --listen: leave the restricted APIs open to anyone who reaches the server")
 
     tune = sub.add_parser("tune", parents=[verbosity],
                           help="measure serving configurations and write the best into the repository")
@@ -457,13 +466,24 @@ def _tune(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from builder.serving.exposure import KEY_HEADER, RESTRICTED, exposure
     from builder.serving.triton_server import ModelControl, Ports, TritonServer
 
     # start() records the server in STATE_DIR/tritonserver.json, refuses while the recorded one runs,
     # and cleans (with a warning line) the stubs and /dev/shm regions a dead one left behind.
     ports = Ports(args.http_port, args.grpc_port, args.metrics_port)
     control = ModelControl.parse(args.model_control, "--model-control", error=ManifestError)
-    server = TritonServer(args.repository, args.state_dir, ports, model_control=control)
+    if args.listen is None and (args.no_restrict or args.admin_key_file is not None):
+        raise ManifestError("--no-restrict/--admin-key-file: only with --listen ADDRESS (loopback needs no key)")
+    exposed, key_source = exposure(args.listen, restrict=not args.no_restrict, key_file=args.admin_key_file,
+                                   state_dir=args.state_dir)
+    if exposed.exposed and key_source is not None:
+        print(f"listening on {exposed.address} (beyond this host): the {', '.join(RESTRICTED)} APIs need the "
+              f"header {KEY_HEADER} (key from {key_source})")
+    elif exposed.exposed:
+        print(f"warning: listening on {exposed.address} with --no-restrict: anyone who reaches it can load and "
+              "unload models, register shared memory and change logging and tracing")
+    server = TritonServer(args.repository, args.state_dir, ports, model_control=control, exposure=exposed)
     # Triton loads nothing by itself in explicit mode: say how to load, rather than leave an empty server.
     note = (f"model control explicit: no model is loaded at start; load one with POST "
             f"http://127.0.0.1:{ports.http}/v2/repository/models/NAME/load, or `trtbuild tune NAME --url "

@@ -37,6 +37,7 @@ from pathlib import Path
 from builder.errors import BuilderError, ServerError
 from builder.repository.lock import LockBusy, exclusive, repository_lock
 from builder.repository.staging import clear_leftovers, leftovers
+from builder.serving.exposure import Exposure, has_open, hide_key_once_parsed
 from client import progress
 from client.choices import Choice
 from client.files import copy_atomic, write_json
@@ -158,16 +159,18 @@ def free_ports(count: int = 3) -> list[int]:
     return ports
 
 
-def check_ports(ports: Ports) -> None:
+def check_ports(ports: Ports, host: str = "127.0.0.1") -> None:
     for label, port in (("--http-port", ports.http), ("--grpc-port", ports.grpc), ("--metrics-port", ports.metrics)):
         if not 1 <= port <= 65535:
             raise ServerError(f"{label} {port}: expected a port number 1-65535")
-        if not port_free(port):
+        if not port_free(port, host):
             raise ServerError(f"{label} {port}: port is in use; stop what holds it or choose another port")
 
 
 def command(repository: Path, ports: Ports, backend_dir: Path, log_file: Path,
-            model_control: ModelControl = ModelControl.NONE, extra: list[str] | None = None) -> list[str]:
+            model_control: ModelControl = ModelControl.NONE, extra: list[str] | None = None,
+            exposure: Exposure | None = None) -> list[str]:
+    """Triton's argv; it binds loopback unless `exposure` names another address (see exposure.py)."""
     return [
         str(binary()),
         f"--model-repository={repository.resolve()}",
@@ -175,6 +178,7 @@ def command(repository: Path, ports: Ports, backend_dir: Path, log_file: Path,
         f"--http-port={ports.http}",
         f"--grpc-port={ports.grpc}",
         f"--metrics-port={ports.metrics}",
+        *(exposure or Exposure()).args(),
         "--allow-metrics=true",
         f"--model-control-mode={model_control.value}",
         f"--log-file={log_file.resolve()}",
@@ -490,8 +494,10 @@ class TritonServer:
     cleans what a dead one left (see the module docstring)."""
 
     def __init__(self, repository: Path, state_dir: Path, ports: Ports | None = None,
-                 model_control: ModelControl = ModelControl.NONE, extra_args: list[str] | None = None) -> None:
+                 model_control: ModelControl = ModelControl.NONE, extra_args: list[str] | None = None,
+                 exposure: Exposure | None = None) -> None:
         self.repository = repository
+        self.exposure = exposure or Exposure()  # loopback unless asked
         self.state_dir = state_dir
         self.ports = ports or Ports()
         self.model_control = model_control
@@ -503,7 +509,8 @@ class TritonServer:
 
     def argv(self) -> list[str]:
         backend_dir = prepare_backends(self.state_dir)
-        return command(self.repository, self.ports, backend_dir, self.log_file, self.model_control, self.extra_args)
+        return command(self.repository, self.ports, backend_dir, self.log_file, self.model_control, self.extra_args,
+                       exposure=self.exposure)
 
     def start(self, timeout: float = 120.0, detach: bool = False) -> None:
         if not self.repository.is_dir():
@@ -517,9 +524,9 @@ class TritonServer:
                                   f"running (pid {other.pid}{f', http :{http}' if http else ''}); "
                                   "stop it with `trtbuild stop` first")
             self.cleaned = clean_leftovers(self.state_dir)
-            check_ports(self.ports)
+            check_ports(self.ports, self.exposure.host)
             argv = self.argv()
-            log.debug("starting %s", " ".join(argv))
+            log.debug("starting %s", " ".join(self.exposure.hide(argv)))
             stdout = (self.state_dir / "tritonserver.out").open("wb")
             try:
                 self.process = subprocess.Popen(
@@ -528,8 +535,13 @@ class TritonServer:
             finally:
                 stdout.close()  # the child holds its own copy (or there is no child)
             pid = self.process.pid
+            if self.exposure.key is not None:  # out of /proc/<pid>/cmdline once Triton has its own copy
+                process, log_file = self.process, self.log_file
+                hide_key_once_parsed(pid, self.exposure.key, lambda: has_open(pid, log_file),
+                                     lambda: process.poll() is not None)
             self.record = ServerRecord(
-                pid=pid, start_ticks=start_ticks(pid), argv=argv, command=[sys.executable, *sys.argv],
+                pid=pid, start_ticks=start_ticks(pid), argv=self.exposure.hide(argv),
+                command=[sys.executable, *sys.argv],
                 repository=str(self.repository.resolve()), backend_dir=str(self.state_dir.resolve() / "backends"),
                 ports=asdict(self.ports), started=datetime.now(timezone.utc).isoformat(timespec="seconds"),
             )
@@ -554,7 +566,7 @@ class TritonServer:
                     self._forget()
                     raise ServerError(f"tritonserver exited with status {self.process.returncode} before it was "
                                       f"ready; see {self.log_file}: {self.log_tail(1)}")
-                if ready(self.ports.http):
+                if ready(self.ports.http, self.exposure.host):
                     log.debug("tritonserver ready on http %d, grpc %d, metrics %d",
                               self.ports.http, self.ports.grpc, self.ports.metrics)
                     return
