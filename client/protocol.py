@@ -23,6 +23,7 @@ from urllib.parse import quote
 import aiohttp
 import grpc
 from numpy.typing import NDArray
+from tritonclient.utils import InferenceServerException
 
 from client.choices import Choice
 from client.errors import PerfClientError
@@ -167,6 +168,8 @@ class Connection:
         try:
             live = await _bounded(self._control.is_server_live())
         except Exception as exc:
+            if not is_unreachable(exc):  # a bug (ours or a library's) keeps its type and traceback
+                raise
             raise PerfClientError(f"-u {self.url}: cannot reach Triton over {self.protocol} ({describe(exc)})") from exc
         if not live:
             raise PerfClientError(f"-u {self.url}: server is up but not live")
@@ -270,6 +273,24 @@ def describe(exc: BaseException) -> str:
 TRANSPORT_ERRORS: tuple[type[Exception], ...] = (
     grpc.RpcError, HttpStatusError, ResponseFormatError, aiohttp.ClientError, asyncio.TimeoutError, TimeoutError,
     OSError)
+
+
+# gRPC statuses that mean no answer came from a server: none listening, or none in time.
+_NO_ANSWER_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def is_unreachable(exc: BaseException) -> bool:
+    """Whether a control call failed to reach the server at all (refused, reset, unresolvable, timed out), as
+    each transport says so: the socket layer's OSError, aiohttp's connection errors, a gRPC UNAVAILABLE or
+    DEADLINE_EXCEEDED (tritonclient's gRPC client raises these as InferenceServerException)."""
+    if isinstance(exc, OSError | TimeoutError | asyncio.TimeoutError | aiohttp.ClientConnectionError):
+        return True
+    if isinstance(exc, grpc.RpcError):
+        code = exc.code() if callable(getattr(exc, "code", None)) else None
+        return code in _NO_ANSWER_CODES
+    if isinstance(exc, InferenceServerException):
+        return exc.status() in {str(code) for code in _NO_ANSWER_CODES}
+    return False
 
 
 def is_transport_error(exc: BaseException) -> bool:

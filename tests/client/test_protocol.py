@@ -125,3 +125,25 @@ def test_an_http_url_without_a_port_is_one_line_and_leaves_nothing_open(url: str
         return seen
 
     assert asyncio.run(go()) == []
+
+
+@pytest.mark.parametrize("protocol", list(Protocol))
+def test_only_a_connection_failure_says_the_server_cannot_be_reached(protocol: Protocol, dead_url: str) -> None:
+    async def probe() -> None:
+        async with await Connection.open(protocol, dead_url, timeout_s=5) as conn:
+            await conn.model("mlp_fp32")
+
+    with pytest.raises(PerfClientError, match=f"^-u {dead_url}: cannot reach Triton over {protocol} "):
+        asyncio.run(probe())
+
+    async def broken_liveness() -> None:
+        async with await Connection.open(protocol, dead_url, timeout_s=5) as conn:
+
+            async def is_server_live() -> bool:
+                raise KeyError("a bug of ours in the liveness call")
+
+            conn._control.is_server_live = is_server_live
+            await conn.model("mlp_fp32")
+
+    with pytest.raises(KeyError, match="a bug of ours"):  # not "cannot reach Triton": it keeps its traceback
+        asyncio.run(broken_liveness())
