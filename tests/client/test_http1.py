@@ -4,6 +4,7 @@ close; keep-alive reuse; a late answer never taken for the next request's; the c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -13,6 +14,7 @@ from client.http1 import Pool, _Connection, request_bytes
 from client.protocol import error_kind
 from client.wire import ResponseFormatError
 from tests.helpers.addresses import resolve_every_name_to
+from tests.helpers.waiting import wait_until_async
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, dict[str, Any]], Awaitable[None]]
 
@@ -161,46 +163,60 @@ def test_garbage_is_a_format_error_not_an_answer() -> None:
 
 
 def test_a_late_answer_is_never_taken_for_the_next_requests() -> None:
-    async def slow_first(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, state: dict[str, Any]) -> None:
+    # The server answers the first request only once the client has given up on it (its deadline passed),
+    # and the next request is sent only once that late answer is written: it must go on a new connection.
+    async def late_first(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, state: dict[str, Any]) -> None:
         while (body := await _read_request(reader)) is not None:
             if body == b"slow":
-                await asyncio.sleep(0.5)
+                await state["gave_up"].wait()
             writer.write(_ok(b"answer to " + body))
+            if body == b"slow":
+                state["late_written"].set()
             try:
                 await writer.drain()
             except ConnectionError:
                 return
 
     async def test(pool: Pool, state: dict[str, Any]) -> None:
+        state["gave_up"], state["late_written"] = asyncio.Event(), asyncio.Event()
         with pytest.raises(TimeoutError) as caught:
             await pool.request(_req(b"slow"))
         assert error_kind(caught.value) == "timeout"
-        await asyncio.sleep(0.7)  # the slow answer has been written by now, to the aborted connection
+        state["gave_up"].set()
+        await asyncio.wait_for(state["late_written"].wait(), 10)
+        pool.timeout_s = 10.0  # the next request's deadline: a loaded machine may take a while to answer it
         assert (await pool.request(_req(b"fast"))).body == b"answer to fast"
         assert state["connections"] == 2
 
-    asyncio.run(_serve(slow_first, test, timeout_s=0.2))
+    asyncio.run(_serve(late_first, test, timeout_s=0.2))
 
 
 def test_no_more_connections_than_the_limit_and_every_request_answered() -> None:
-    async def slowish(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, state: dict[str, Any]) -> None:
+    # Nothing is answered until three connections are open: the pool reaches its limit, and the nine
+    # requests left wait for those three instead of opening more.
+    async def once_three_are_open(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                                  state: dict[str, Any]) -> None:
         while (body := await _read_request(reader)) is not None:
-            await asyncio.sleep(0.02)
+            await wait_until_async(lambda: state["max_open"] >= 3, what="three connections open")
             writer.write(_ok(body))
             await writer.drain()
 
     async def test(pool: Pool, state: dict[str, Any]) -> None:
         answers = await asyncio.gather(*[pool.request(_req(str(i).encode())) for i in range(12)])
         assert sorted(int(a.body) for a in answers) == list(range(12))
-        assert state["max_open"] <= 3
+        assert state["max_open"] == 3
 
-    asyncio.run(_serve(slowish, test, limit=3))
+    asyncio.run(_serve(once_three_are_open, test, limit=3, timeout_s=30.0))
 
 
 def test_a_cancelled_request_does_not_leave_its_connection_for_another() -> None:
-    async def slow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, state: dict[str, Any]) -> None:
+    # The first request is cancelled while the server holds it; the server answers it only afterwards, as the
+    # second request goes out: on the first's connection, that late answer would be taken for the second's.
+    async def held_first(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, state: dict[str, Any]) -> None:
         while (body := await _read_request(reader)) is not None:
-            await asyncio.sleep(0.2)
+            if body == b"first":
+                state["first_arrived"].set()
+                await state["release"].wait()
             writer.write(_ok(b"answer to " + body))
             try:
                 await writer.drain()
@@ -208,14 +224,16 @@ def test_a_cancelled_request_does_not_leave_its_connection_for_another() -> None
                 return
 
     async def test(pool: Pool, state: dict[str, Any]) -> None:
+        state["first_arrived"], state["release"] = asyncio.Event(), asyncio.Event()
         task = asyncio.ensure_future(pool.request(_req(b"first")))
-        await asyncio.sleep(0.05)
+        await asyncio.wait_for(state["first_arrived"].wait(), 10)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+        state["release"].set()
         assert (await pool.request(_req(b"second"))).body == b"answer to second"
 
-    asyncio.run(_serve(slow, test))
+    asyncio.run(_serve(held_first, test))
 
 
 def test_nobody_listening_is_a_connection_error() -> None:
@@ -268,7 +286,8 @@ def test_a_misframed_answer_is_a_format_error_at_once(answer: bytes) -> None:
         if await _read_request(reader) is not None:
             writer.write(answer)
             await writer.drain()
-            await asyncio.sleep(5)  # the connection stays open: only the framing can end the wait
+            with contextlib.suppress(ConnectionError):  # open until the client goes: only the framing ends its wait
+                await reader.read()
 
     async def test(pool: Pool, state: dict[str, Any]) -> None:
         with pytest.raises(ResponseFormatError):
@@ -280,18 +299,21 @@ def test_a_misframed_answer_is_a_format_error_at_once(answer: bytes) -> None:
 def test_a_waiter_woken_and_cancelled_at_once_passes_its_turn_on() -> None:
     # The race of a waiter whose deadline (or cancellation) comes in the same loop step as its wake-up: the
     # freed connection must go to the next waiter, not wait for a release that never comes.
-    async def slowish(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, state: dict[str, Any]) -> None:
+    async def held_first(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, state: dict[str, Any]) -> None:
         while (body := await _read_request(reader)) is not None:
-            await asyncio.sleep(0.1)
+            if body == b"a":
+                state["a_arrived"].set()
+                await state["release"].wait()
             writer.write(_ok(b"answer to " + body))
             await writer.drain()
 
     async def test(pool: Pool, state: dict[str, Any]) -> None:
+        state["a_arrived"], state["release"] = asyncio.Event(), asyncio.Event()
         first = asyncio.create_task(pool.request(_req(b"a")))
-        await asyncio.sleep(0.05)  # `first` holds the only connection
+        await asyncio.wait_for(state["a_arrived"].wait(), 10)  # `first` holds the only connection
         second = asyncio.create_task(pool.request(_req(b"b")))
         third = asyncio.create_task(pool.request(_req(b"c")))
-        await asyncio.sleep(0.01)  # both wait for it
+        await wait_until_async(lambda: len(pool._waiting) == 2, what="both waiting for the connection")
         release = pool._release
 
         def release_then_cancel_the_woken(conn: Any, *, reuse: bool) -> None:
@@ -299,13 +321,14 @@ def test_a_waiter_woken_and_cancelled_at_once_passes_its_turn_on() -> None:
             second.cancel()  # woken by the release above, cancelled before it ran
 
         pool._release = release_then_cancel_the_woken  # type: ignore[method-assign]
+        state["release"].set()
         assert (await first).body == b"answer to a"
         pool._release = release  # type: ignore[method-assign]
         with pytest.raises(asyncio.CancelledError):
             await second
         assert (await third).body == b"answer to c"  # before the fix: TimeoutError at its deadline
 
-    asyncio.run(_serve(slowish, test, limit=1, timeout_s=1.0))
+    asyncio.run(_serve(held_first, test, limit=1, timeout_s=5.0))
 
 
 def test_a_failed_connect_frees_its_place_for_a_waiter() -> None:
@@ -391,11 +414,14 @@ def test_a_request_still_connecting_when_the_pool_closes_is_never_sent() -> None
 
     async def test(pool: Pool, state: dict[str, Any]) -> None:
         request = asyncio.create_task(pool.request(_req(b"q")))
-        await asyncio.sleep(0)  # it is connecting now
+        await asyncio.sleep(0)  # one loop step: the task ran up to its connect (tasks run in the order made)
+        assert [c.transport for c in pool._open] == [None], "the premise: it is connecting now"
         pool.close()
         with pytest.raises(ConnectionError):
             await request
-        await asyncio.sleep(0.05)
+        # The server saw that connection open and end: whatever was sent on it has been read by now.
+        await wait_until_async(lambda: state["connections"] == 1 and state["open"] == 0,
+                               what="the server to see the abandoned connection end")
         assert state.get("requests", 0) == 0  # before: sent on a connection the closed pool no longer owned
 
     asyncio.run(_serve(counting, test))
