@@ -10,11 +10,14 @@ REPOSITORY ?= model_repository
 HTTP_PORT  ?= 8000
 GRPC_PORT  ?= 8001
 METRICS_PORT ?= 8002
+# Empty: Triton listens on 127.0.0.1 only. An address (0.0.0.0: every interface) exposes it; its
+# repository, shared-memory, logging and trace APIs then need TRITON_ADMIN_KEY (README, Security).
+LISTEN ?=
 CONCURRENCY ?= 32
 VARIANTS := efficientnet_lite0_fp32 efficientnet_lite0_fp16 efficientnet_lite0_int8 \
             minilm_l6_v2_fp32 minilm_l6_v2_fp16 minilm_l6_v2_int8
 
-.PHONY: install install-gpu lock test-latest test-fast demo test test-gpu engines serve serve-bg stop verify perf lint bench bench-gpu bench-gpu-ort perf-compare k8s-render tune clean
+.PHONY: install install-gpu lock test-latest test-fast scan scan-tools demo test test-gpu engines serve serve-bg stop verify perf lint bench bench-gpu bench-gpu-ort perf-compare k8s-render tune clean
 
 # GPU hosts: onnxruntime-gpu (ONNX Runtime's CUDA provider) instead of the CPU wheel. Set by itself
 # where nvidia-smi lists a GPU; `make install GPU=1` / `GPU=0` forces either way (only 1, yes or true
@@ -93,10 +96,10 @@ engines: $(STAMP) $(GPU_DEP)
 	@$(BIN)/trtbuild engines --manifest $(MANIFEST) --repository $(REPOSITORY)
 
 serve: $(STAMP)
-	$(BIN)/trtbuild serve --repository $(REPOSITORY) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
+	$(BIN)/trtbuild serve --repository $(REPOSITORY) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) $(if $(LISTEN),--listen $(LISTEN))
 
 serve-bg: $(STAMP)
-	@$(BIN)/trtbuild serve --background --repository $(REPOSITORY) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
+	@$(BIN)/trtbuild serve --background --repository $(REPOSITORY) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) $(if $(LISTEN),--listen $(LISTEN))
 
 stop: $(STAMP)
 	@$(BIN)/trtbuild stop
@@ -119,7 +122,22 @@ demo: engines
 	  echo "reports: $(REPOSITORY)/build_report.json, reports/demo_perf.json, reports/demo_perf.csv; logs: .logs/, .run/tritonserver.log"; \
 	  exit $$status
 
-test: $(STAMP)
+# checkov scans the deployment (tests/deploy/test_checkov.py) from a virtualenv of its own: installed
+# into .venv it would downgrade packaging, networkx and python-dateutil below the lock.
+CHECKOV_VERSION ?= 3.3.30
+CHECKOV_STAMP := .tools/checkov/.installed
+$(CHECKOV_STAMP):
+	rm -rf .tools/checkov
+	$(PYTHON) -m venv .tools/checkov
+	.tools/checkov/bin/python -m pip install -q --disable-pip-version-check checkov==$(CHECKOV_VERSION)
+	touch $@
+
+scan-tools: $(CHECKOV_STAMP)
+
+scan: $(STAMP) $(CHECKOV_STAMP)
+	$(BIN)/python -m pytest -q tests/deploy/test_checkov.py
+
+test: $(STAMP) $(CHECKOV_STAMP)
 	$(BIN)/python -m pytest -q tests
 
 # Unit tests only: no Triton server, no real pretrained model (markers set in tests/conftest.py).

@@ -87,6 +87,7 @@ def state(tmp_path: Path) -> Iterator[Path]:
     main(["-q", "stop", "--state-dir", str(folder)])
 
 
+@pytest.mark.server
 def test_the_default_server_listens_on_loopback_only(empty_repository: Path, tmp_path: Path) -> None:
     ports = Ports(*free_ports(3))
     with TritonServer(empty_repository, tmp_path / "state", ports, model_control=ModelControl.EXPLICIT) as server:
@@ -98,6 +99,7 @@ def test_the_default_server_listens_on_loopback_only(empty_repository: Path, tmp
     assert {address for address, _ in sockets} == {"127.0.0.1"}
 
 
+@pytest.mark.server
 def test_exposed_the_restricted_apis_need_the_key_which_no_one_can_read(
         empty_repository: Path, state: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
