@@ -57,12 +57,43 @@ class CalibrationResult:
 
 
 # Failures of the tools a variant is made with that mean "this model or these settings do not work
-# with it": they become one line naming a log file with the tool's full output. Any other exception
+# with it": they become one line naming a log file with the tool's full output, but only when a tool
+# raised them (raised_by_tool): the same types raised by our own code are bugs. Any other exception
 # is a bug (ours or the tool's) and keeps its traceback.
 TOOL_ERRORS: tuple[type[BaseException], ...] = (
     RuntimeError, ValueError, AssertionError, OSError, onnx.checker.ValidationError,
     onnx.shape_inference.InferenceError, *ORT_ERRORS,
 )
+# The tools, by top-level package; our own code, likewise ("__main__": the quantizer subprocess).
+_TOOL_PACKAGES = frozenset({"modelopt", "onnxruntime", "onnx"})
+_OUR_PACKAGES = frozenset({"builder", "client", "__main__"})
+
+
+def raised_by_tool(exc: BaseException) -> bool:
+    """Whether `exc` was raised inside a tool's code: of the frames it passed through, from where it was
+    raised outwards, the first that is a tool's or ours decides (frames of other libraries, numpy or the
+    standard library, are skipped: they were called by one or the other). A callback of ours that the tool
+    called is ours."""
+    frames = []
+    tb = exc.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for frame in reversed(frames):
+        package = str(frame.f_globals.get("__name__", "")).partition(".")[0]
+        if package in _OUR_PACKAGES:
+            return False
+        if package in _TOOL_PACKAGES:
+            return True
+    return False
+
+
+def _is_tool_failure(exc: BaseException) -> bool:
+    """A TOOL_ERRORS type, or ModelOpt's bare Exception ("ONNX Runtime failed", the reason in its log),
+    raised by a tool."""
+    return (isinstance(exc, TOOL_ERRORS) or type(exc) is Exception) and raised_by_tool(exc)
+
+
 # The ONNX Runtime quantizer runs in a subprocess; a calibration that takes longer is stuck.
 QUANTIZER_TIMEOUT_S = float(os.environ.get("TRTBUILD_QUANTIZER_TIMEOUT_S", "3600"))
 
@@ -209,7 +240,7 @@ def to_fp16(fp32_path: Path, out_path: Path, *, feeds: Sequence[Mapping[str, NDA
         except Exception as exc:
             # ModelOpt raises a bare Exception when ONNX Runtime cannot run the graph (the reason is in
             # its log): a tool failure like TOOL_ERRORS. Subclasses of Exception outside TOOL_ERRORS are bugs.
-            if not (isinstance(exc, TOOL_ERRORS) or type(exc) is Exception):
+            if not _is_tool_failure(exc):
                 raise
             output = sink.getvalue()
             record = failure_log(f"fp16 {what}", output, exc)
@@ -284,7 +315,8 @@ def to_int8(
                     _quantize_modelopt(fp32_path, calibration, spec, tmp_out)
         except Exception as exc:
             # As in to_fp16: a bare Exception is ModelOpt's "ONNX Runtime failed"; other types are bugs.
-            if not (isinstance(exc, _INT8_ERRORS) or type(exc) is Exception):
+            # QuantizerFailed is the subprocess's tool failure (it decided by the same rule).
+            if not (isinstance(exc, QuantizerFailed) or _is_tool_failure(exc)):
                 raise
             output = sink.getvalue() + (exc.output if isinstance(exc, QuantizerFailed) else "")
             record = failure_log(f"int8 {spec.recipe} {what}", output, exc)
@@ -412,9 +444,6 @@ class QuantizerFailed(Exception):
         self.output = output
 
 
-_INT8_ERRORS: tuple[type[BaseException], ...] = (*TOOL_ERRORS, QuantizerFailed)
-
-
 def _ort_quantize_worker(job_path: str) -> None:
     """Per-channel U8S8 Q/DQ: the form ONNX Runtime's CPU kernels fuse (QLinearConv, MatMulInteger)."""
     from onnxruntime.quantization import (
@@ -473,6 +502,8 @@ if __name__ == "__main__":
     try:
         _ort_quantize_worker(sys.argv[1])
     except TOOL_ERRORS as exc:
+        if not raised_by_tool(exc):  # a bug of ours: exit 1 with the traceback (QuantizerCrashed)
+            raise
         traceback.print_exc()
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
         sys.exit(_TOOL_FAILED)

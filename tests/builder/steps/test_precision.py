@@ -4,6 +4,8 @@ with its full output; anything else keeps its traceback; ModelOpt's logging is l
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -112,3 +114,28 @@ def test_onnx_runtime_reasons_keep_their_continuation_lines_and_lose_our_tempora
     assert tool_cause(ValueError(f"Load model from {temp} failed"), hide={temp: "the model"}) == \
         "Load model from the model failed"
     assert tool_cause(ValueError(f"cannot read {temp.parent / 'feeds' / '00001.npz'}")) == "cannot read 00001.npz"
+
+
+def test_a_value_error_of_our_own_code_is_no_tool_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ValueError, RuntimeError, AssertionError are the tools' way of refusing a model: only when a tool raised
+    them. Raised by our code around the call, they are bugs and keep their traceback."""
+    monkeypatch.setenv("TRTBUILD_CACHE", str(tmp_path / "cache"))
+
+    def broken(*args: object) -> bool:
+        raise ValueError("a bug of ours, not a bad model")
+
+    monkeypatch.setattr(precision, "_whole_samples", broken)
+    model = mlp_onnx(tmp_path / "m.onnx")
+    spec = CalibrationSpec(DataSpec("x.npz", 8), method=CalibrationMethod.MAX, recipe=Int8Recipe.MODELOPT)
+    with pytest.raises(ValueError, match="a bug of ours"):
+        precision.to_int8(model, fp32_sha=sha256_file(model), calibration=mlp_samples(8), data_digest="d",
+                          spec=spec, out_path=tmp_path / "int8.onnx", cache_dir=tmp_path / "cache")
+
+
+def test_the_quantizer_subprocess_reports_a_bug_of_its_own_as_a_crash_not_a_tool_failure(tmp_path: Path) -> None:
+    job = tmp_path / "job.json"
+    job.write_text("not json")  # json's ValueError, raised by our worker's own code: a bug
+    proc = subprocess.run([sys.executable, "-m", "builder.steps.precision", str(job)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode not in (0, precision._TOOL_FAILED), proc.stderr
+    assert "Traceback" in proc.stderr and "JSONDecodeError" in proc.stderr
