@@ -47,6 +47,7 @@ from client.grpc_h2 import (
 from client.protocol import TRANSPORT_ERRORS, error_kind
 from client.wire import GRPC_INFER_METHOD, grpc_infer_outputs, grpc_infer_request
 from tests.helpers.addresses import resolve_every_name_to
+from tests.helpers.waiting import wait_until_async
 
 ACK = 0x1
 
@@ -233,7 +234,7 @@ def test_continuation_padding_and_priority_fields_are_read() -> None:
 
     async def test(channel: Channel, state: dict[str, Any]) -> None:
         assert await channel.infer(b"hello") == b"pad:hello"
-        await asyncio.sleep(0.05)
+        await wait_until_async(lambda: "ping_ack" in state, what="the PING acknowledged")
 
     state = asyncio.run(_serve(script, test))
     assert (state["ping_ack"].flags, state["ping_ack"].payload) == (ACK, b"12345678")
@@ -293,7 +294,7 @@ def test_a_request_larger_than_the_windows_waits_for_window_updates(run: Callabl
                 await peer.writer.drain()
         state["stalls"] = stalls
         await peer.writer.drain()
-        await asyncio.sleep(0.05)
+        await peer.reader.read()  # open until the client goes: closing with its frames unread would reset it
 
     async def test(channel: Channel, state: dict[str, Any]) -> None:
         answers = await asyncio.gather(channel.infer(b"a" * size), channel.infer(b"b" * size))
@@ -643,7 +644,12 @@ def test_a_killed_server_fails_requests_in_flight_as_unavailable(h2_repository: 
             channel = Channel("127.0.0.1", server.ports.grpc, method=GRPC_INFER_METHOD, timeout_s=30)
             try:
                 calls = [asyncio.ensure_future(channel.send(body)) for _ in range(3)]
-                await asyncio.sleep(1.0)  # all three sent, the first one sleeping in the model
+
+                def all_sent() -> bool:
+                    conn = channel._conns[0]
+                    return conn is not None and len(conn.streams) == 3 and not conn._out and not conn._blocked
+
+                await wait_until_async(all_sent, what="all three requests sent", timeout_s=60)
                 assert server.process is not None
                 server.process.kill()
                 return await asyncio.gather(*calls, return_exceptions=True)
@@ -677,11 +683,11 @@ def test_a_stream_given_up_frees_its_slot_for_a_waiting_call(how: str) -> None:
     async def test(channel: Channel, state: dict[str, Any]) -> None:
         first = asyncio.create_task(channel.infer(b"held"))
         await state.setdefault("held", asyncio.Event()).wait()
-        if how == "deadline":
-            await asyncio.sleep(0.3)  # the waiting call's deadline is this much later than the held one's
+        channel.timeout_s = 30.0  # the waiting call's deadline: far beyond the held one's
         waiting = asyncio.create_task(channel.infer(b"waiting"))
-        for _ in range(5):
-            await asyncio.sleep(0)  # the waiting call is now queued for the slot
+        conn = channel._conns[0]
+        assert conn is not None
+        await wait_until_async(lambda: len(conn._slot_waiters) == 1, what="the call queued for the slot")
         assert not waiting.done()
         if how == "cancelled":
             first.cancel()
@@ -690,7 +696,7 @@ def test_a_stream_given_up_frees_its_slot_for_a_waiting_call(how: str) -> None:
         assert isinstance(results[0], expected), results
         assert results[1] == b"echo:waiting", results
 
-    state = asyncio.run(_serve(script, test, timeout_s=5.0 if how == "cancelled" else 0.6))
+    state = asyncio.run(_serve(script, test, timeout_s=30.0 if how == "cancelled" else 2.0))
     reset_sid, code, held_sid = state["reset"]
     assert (reset_sid, code) == (held_sid, CANCEL)
 
@@ -713,8 +719,7 @@ def test_a_woken_slot_waiter_that_gives_up_passes_the_slot_on() -> None:
             await asyncio.sleep(0.01)  # connected, the held stream open
         woken = asyncio.create_task(channel.infer(b"woken"))
         other = asyncio.create_task(channel.infer(b"other"))
-        for _ in range(5):
-            await asyncio.sleep(0)
+        await wait_until_async(lambda: len(conn._slot_waiters) == 2, what="both calls queued for the slot")
         assert not woken.done() and not other.done()
         # Runs right after the held stream ends, before the woken waiter's task resumes.
         next(iter(conn.streams.values())).future.add_done_callback(lambda _: woken.cancel())
@@ -958,11 +963,13 @@ def test_a_call_waiting_for_a_stream_slot_is_not_overtaken_by_later_calls() -> N
                 answered.append(await channel.infer(b"loop%d" % i))
 
         looping = asyncio.create_task(loop())
-        while not answered:
-            await asyncio.sleep(0.001)
+        await wait_until_async(lambda: answered, what="the loop's first answer")
+        # However far the loop got meanwhile (the poll is not instant on a loaded machine), one of its calls
+        # holds the slot now: the waiter must be answered right after it, not after the loop's later calls.
+        issued_at = len(answered)
         answered.append(await channel.infer(b"waiter"))
         await looping
-        assert answered.index(b"waiter") <= 3, answered
+        assert answered.index(b"waiter") <= issued_at + 2, (issued_at, answered)
 
     asyncio.run(_serve(script, test))
 
