@@ -24,6 +24,7 @@ import gc
 import json
 import logging
 import os
+import re
 import time
 import weakref
 
@@ -42,6 +43,23 @@ _NUMPY_OF_ORT = {
     "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(int8)": np.int8, "tensor(uint8)": np.uint8,
     "tensor(bool)": np.bool_,
 }
+
+
+# ONNX Runtime's words when device or host memory runs out (its CUDA arena, CUDA, cuDNN, the C++ allocator).
+_OUT_OF_MEMORY = re.compile(r"out of memory|failed to allocate memory|available memory of \d+ is smaller than "
+                            r"requested|bad_alloc|ALLOC_FAILED|cudaErrorMemoryAllocation", re.IGNORECASE)
+
+
+def out_of_memory(exc):
+    """Whether `exc` says memory ran out: Python's MemoryError, or ONNX Runtime's failure to allocate."""
+    return isinstance(exc, MemoryError) or bool(_OUT_OF_MEMORY.search(str(exc)))
+
+
+def _reason(exc):
+    """An error's text for a client; an out-of-memory failure says so (a MemoryError's own text is empty)."""
+    if out_of_memory(exc):
+        return f"out of memory ({str(exc).strip() or type(exc).__name__})"
+    return str(exc)
 
 
 def buckets(max_batch: int) -> list[int]:
@@ -310,7 +328,11 @@ class CudaBucketRunner:
                         bucket.run(bucket.host, size)
                 except DynamicDims:
                     raise  # no bucket can be preallocated, with or without a graph
-                except Exception as exc:  # noqa: BLE001 - ORT refuses graphs when a node is off the GPU
+                except MemoryError:
+                    raise  # the model does not fit: no second session on a full device
+                except Exception as exc:  # ORT refuses graphs when a node is off the GPU
+                    if out_of_memory(exc):  # as above: the model does not fit
+                        raise
                     self.graph_fallback = str(exc).strip().splitlines()[-1][:300]
                     log.warning("CUDA graphs off: %s", self.graph_fallback)
                     bucket = None
@@ -533,8 +555,10 @@ class TritonPythonModel:
                                                 for n, v in host_feed(feeds[indices[0]]).items()})
                 results = [produced[i] for i in self.order]
             except Exception as exc:  # noqa: BLE001 - report to each client instead of crashing the stub
+                if out_of_memory(exc):  # in Triton's log too, as what it is
+                    pb_utils.Logger.log_warn(f"batch of {len(indices)} requests: {_reason(exc)}")
                 for i in indices:
-                    responses[i] = pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc)))
+                    responses[i] = pb_utils.InferenceResponse(error=pb_utils.TritonError(_reason(exc)))
                 continue
             if not self.batching:
                 tensors = [pb_utils.Tensor(name, np.ascontiguousarray(value))
