@@ -117,14 +117,17 @@ class ProcessPool:
             crashed = exc
         except PerfClientError as exc:  # a worker already gone: the run has failed for it already
             log.debug("stopping the workers: %s", exc)
-        for proc in self._procs:
-            proc.join(timeout=5)
-            if proc.is_alive():
-                proc.kill()
+        await asyncio.to_thread(self._reap)  # seconds per worker at worst: off the event loop
         for pipe in self._pipes:
             pipe.close()
         if crashed is not None:
             raise crashed
+
+    def _reap(self) -> None:
+        for proc in self._procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
 
     async def _ask(self, command: str, timeout_s: float = _REPLY_TIMEOUT_S) -> list[Any]:
         """Send `command` to every worker at once, then collect their replies (off the event loop)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import traceback
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from client.errors import PerfClientError
 from client.protocol import Prepared, Protocol
 from client.session import SessionConfig
 from client.workers import ProcessPool, WorkerCrashed, shares
+from tests.helpers.waiting import wait_until_async
 
 
 @pytest.mark.parametrize(("extra", "other"), [
@@ -56,3 +58,39 @@ def test_a_bug_in_a_worker_is_raised_by_the_parent_with_the_workers_traceback() 
         assert "a bug inside the worker" in text and "in due" in text  # the worker's frame, by name
 
     asyncio.run(go())
+
+
+class _SlowToExit:
+    """A worker process as ProcessPool.stop sees it: it exits once `released` is set, by another coroutine
+    of the same event loop (so only while the loop keeps serving)."""
+
+    def __init__(self) -> None:
+        self.joining = threading.Event()
+        self.released = threading.Event()
+        self.killed = False
+
+    def join(self, timeout: float | None = None) -> None:
+        self.joining.set()
+        self.released.wait(timeout)
+
+    def is_alive(self) -> bool:
+        return not self.released.is_set()
+
+    def kill(self) -> None:
+        self.killed = True
+
+
+def test_waiting_for_the_workers_to_exit_leaves_the_event_loop_serving() -> None:
+    pool = ProcessPool(1, protocol=Protocol.GRPC, url="127.0.0.1:1", timeout_s=1.0, model="m", payloads=[], batch=1)
+    worker = _SlowToExit()
+    pool._procs = [worker]  # type: ignore[list-item]
+
+    async def go() -> None:
+        async def release_once_joined() -> None:
+            await wait_until_async(worker.joining.is_set, what="the join started", timeout_s=10)
+            worker.released.set()
+
+        await asyncio.gather(pool.stop(), release_once_joined())
+
+    asyncio.run(go())
+    assert not worker.killed  # it exited within the join: the loop ran the releasing coroutine meanwhile
