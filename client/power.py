@@ -161,6 +161,9 @@ class TritonMetricsMeter:
         pass
 
 
+RAPL_ROOT = Path("/sys/class/powercap")
+
+
 class RaplMeter:
     """CPU package energy from /sys/class/powercap (root-only on Linux >= 5.10)."""
 
@@ -168,7 +171,7 @@ class RaplMeter:
     trace = None
     reason = None
 
-    def __init__(self, root: Path = Path("/sys/class/powercap")) -> None:
+    def __init__(self, root: Path = RAPL_ROOT) -> None:
         self.domains = sorted(p for p in root.glob("intel-rapl:*") if p.name.count(":") == 1)
         if not self.domains:
             raise RuntimeError(f"no RAPL domains under {root}")
@@ -213,11 +216,12 @@ class NoMeter:
         pass
 
 
-def open_meter(source: PowerSource, metrics_url: str) -> Meter:
-    """The first source that works, in order nvml → triton → rapl; `none` with every reason otherwise."""
+def open_meter(source: PowerSource, metrics_url: str, *, rapl_root: Path = RAPL_ROOT) -> Meter:
+    """The first source that works, in order nvml → triton → rapl; `none` with every reason otherwise.
+    `rapl_root`: where the powercap tree is (another folder in tests)."""
     order = [PowerSource.NVML, PowerSource.TRITON, PowerSource.RAPL] if source is PowerSource.AUTO else [source]
     openers: dict[PowerSource, Callable[[], Meter]] = {
-        PowerSource.NVML: NvmlMeter, PowerSource.RAPL: RaplMeter,
+        PowerSource.NVML: NvmlMeter, PowerSource.RAPL: lambda: RaplMeter(rapl_root),
         PowerSource.TRITON: lambda: TritonMetricsMeter(metrics_url)}
     reasons = []
     for name in order:
