@@ -32,10 +32,18 @@ def _has_gpu() -> bool:
         return False
 
 
+# Fixtures that start a real tritonserver (directly or through one of these): a test that asks for any of
+# them, at any depth, is in the `server` tier. Tests that start one in their body carry the marker
+# themselves; _unmarked_tests_start_no_server below fails a test that does so unmarked.
+SERVER_FIXTURES = frozenset({"triton", "endpoints", "private_server", "h2_server", "server"})
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     gpu = _has_gpu()
     trt = gpu and tensorrt_available()
     for item in items:
+        if SERVER_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.server)
         if "gpu" in item.keywords and not gpu:
             item.add_marker(pytest.mark.skip(reason="no NVIDIA GPU here"))
         if "tensorrt" in item.keywords and not trt:
@@ -82,6 +90,20 @@ def triton(tiny_repository: tuple[Path, list[ModelSpec]],
     yield server
     _SHARED.clear()
     server.stop()
+
+
+@pytest.fixture(autouse=True)
+def _unmarked_tests_start_no_server(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`make test-fast` deselects the `server` tier; a test that starts Triton without the marker would
+    slip into it (and make it slow), so in a run that deselects the tier, starting one fails that test."""
+    if "not server" not in str(request.config.option.markexpr) or request.node.get_closest_marker("server"):
+        return
+
+    def refuse(self: TritonServer, *args: object, **kwargs: object) -> None:
+        raise AssertionError(f"{request.node.nodeid} starts a Triton server but is not marked "
+                             "pytest.mark.server (the fast tier runs without servers)")
+
+    monkeypatch.setattr(TritonServer, "start", refuse)
 
 
 @pytest.fixture(autouse=True)

@@ -6,10 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from builder.serving.triton_server import Ports, TritonServer, free_ports, ready
 from tests.helpers.servers import revive
 
 
+@pytest.mark.server
 def test_a_dead_server_is_started_again_on_its_ports_and_a_live_one_is_left_alone(
         tiny_repository: tuple[Path, Any], tmp_path: Path) -> None:
     repository, _ = tiny_repository

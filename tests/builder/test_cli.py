@@ -94,6 +94,7 @@ def test_manifest_errors_and_unknown_only(tmp_path: Path, capsys: pytest.Capture
     assert code == 1 and "--only resnet: not in" in line
 
 
+@pytest.mark.server
 def test_port_in_use_is_reported(tmp_path: Path, repo_copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))

@@ -634,6 +634,7 @@ def test_a_request_past_its_deadline_is_a_timeout(h2_server: TritonServer) -> No
     assert isinstance(asyncio.run(_h2(h2_server.ports.grpc, fine, timeout_s=10)), bytes)
 
 
+@pytest.mark.server
 def test_a_killed_server_fails_requests_in_flight_as_unavailable(h2_repository: Path, tmp_path: Path) -> None:
     server = TritonServer(h2_repository, tmp_path / "state", Ports(*free_ports(3)))
     server.start(timeout=180)

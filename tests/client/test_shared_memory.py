@@ -203,6 +203,7 @@ def test_ctrl_c_and_sigterm_unregister_and_unlink_every_region(signum: signal.Si
     assert not set(regions) & set(registered(endpoints))
 
 
+@pytest.mark.server
 def test_a_server_killed_mid_run_leaves_no_region_behind(
     tiny_repository: tuple[Path, list[ModelSpec]], tmp_path: Path,
 ) -> None:
@@ -226,6 +227,7 @@ def test_a_server_killed_mid_run_leaves_no_region_behind(
     assert leftovers(process.pid) == [], log.read_text()
 
 
+@pytest.mark.server
 def test_a_hung_server_costs_one_timeout_not_one_per_region(
     tiny_repository: tuple[Path, list[ModelSpec]], tmp_path: Path,
 ) -> None:

@@ -231,6 +231,7 @@ def test_make_k8s_render_uses_plain_kustomize() -> None:
     assert "kubectl kustomize deploy/kubernetes/overlays/" in recipe and "load-restrictor" not in recipe
 
 
+@pytest.mark.server
 def test_restricted_api_flags_work_on_a_real_server(tiny_repository: tuple[Path, Any]) -> None:
     """The Deployment's own restricted-API arguments, given to the bundled Triton."""
     repository, _ = tiny_repository

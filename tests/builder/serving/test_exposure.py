@@ -174,6 +174,7 @@ def test_no_restrict_says_what_it_leaves_open(tmp_path: Path, capsys: pytest.Cap
     assert main(["serve", "--repository", str(tmp_path / "missing"), "--state-dir", str(tmp_path / "run"),
                  "--listen", "0.0.0.0", "--no-restrict"]) == 1
     out = capsys.readouterr().out
+@pytest.mark.server
     assert out.startswith("warning: listening on 0.0.0.0 with --no-restrict: anyone who reaches it can load")
 
 

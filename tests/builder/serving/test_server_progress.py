@@ -7,10 +7,13 @@ import re
 import shutil
 from pathlib import Path
 
+import pytest
+
 from builder.serving.triton_server import Ports, TritonServer, free_ports
 from client import progress
 
 
+@pytest.mark.server
 def test_start_shows_a_status_line_until_the_server_is_ready(repo_copy: Path, tmp_path: Path) -> None:
     for child in repo_copy.iterdir():  # one model: one stub, a short start
         if child.is_dir() and child.name != "mlp_fp32":

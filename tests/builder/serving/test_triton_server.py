@@ -100,6 +100,7 @@ def _reap(pid: int) -> None:
         os.waitpid(pid, 0)
 
 
+@pytest.mark.server
 def test_serve_records_the_server_and_refuses_a_second_one(
     one_model: Path, state: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -140,6 +141,7 @@ def crashed(one_model: Path, state: Path) -> Iterator[tuple[ServerRecord, dict[i
     _reap(dead.pid)
 
 
+@pytest.mark.server
 def test_serve_after_sigkill_starts_cleanly_and_no_stub_survives(
     one_model: Path, state: Path, crashed: tuple[ServerRecord, dict[int, str]],
     capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
@@ -164,6 +166,7 @@ def test_serve_after_sigkill_starts_cleanly_and_no_stub_survives(
     assert all(_cmdline(pid)[5] == str(fresh.pid) for pid in new)  # every stub now is the new server's
 
 
+@pytest.mark.server
 def test_stop_after_sigkill_cleans_the_stubs(
     state: Path, crashed: tuple[ServerRecord, dict[int, str]], capsys: pytest.CaptureFixture[str],
     caplog: pytest.LogCaptureFixture
@@ -215,6 +218,7 @@ def test_stop_refuses_a_pid_that_is_not_our_tritonserver(
     assert read_record(state) is None
 
 
+@pytest.mark.server
 def test_stop_honours_the_previous_versions_pid_file(
     one_model: Path, state: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -253,6 +257,7 @@ def test_backends_are_prepared_by_rename_while_the_stub_file_runs(tmp_path: Path
 
 
 
+@pytest.mark.server
 def test_serve_removes_a_dead_builds_staging_folder_that_triton_would_load(
     one_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -265,6 +270,7 @@ def test_serve_removes_a_dead_builds_staging_folder_that_triton_would_load(
         assert main(["stop", "--state-dir", str(state)]) == 0
 
 
+@pytest.mark.server
 def test_the_python_backend_waits_long_enough_for_a_gpu_runner_to_load(one_model: Path, tmp_path: Path) -> None:
     """A GPU runner loads a session per batch bucket (up to ~36 s on an H100), past the python backend's
     default 30 s wait for its stub: the server is started with a longer one, and Triton applies it."""
@@ -303,6 +309,7 @@ def _open_paths() -> list[str]:
     return paths
 
 
+@pytest.mark.server
 def test_a_server_that_cannot_be_started_leaves_no_open_log_file(monkeypatch: pytest.MonkeyPatch,
                                                                   tmp_path: Path) -> None:
     (tmp_path / "repo").mkdir()
@@ -316,6 +323,7 @@ def test_a_server_that_cannot_be_started_leaves_no_open_log_file(monkeypatch: py
     assert caught.value.filename == str(tmp_path / "no-such-tritonserver")
 
 
+@pytest.mark.server
 def test_a_server_whose_record_cannot_be_written_is_stopped_not_orphaned(monkeypatch: pytest.MonkeyPatch,
                                                                          tmp_path: Path) -> None:
     """Unrecorded, no `trtbuild stop` could find it: the failed write stops it, then raises."""

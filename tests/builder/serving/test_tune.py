@@ -99,6 +99,7 @@ def test_apply_rewrites_serving_settings_through_the_schema(repo_copy: Path) -> 
         assert point_of("mlp_fp32", apply(text, point)) == point  # every point survives the round trip
 
 
+@pytest.mark.server
 def test_tune_on_a_real_server_writes_the_winner_atomically(repo_copy: Path, tmp_path: Path) -> None:
     space = Space(("mlp_fp32", "mlp_int8"), (1, 8), (OFF, 0), (1,))
     names = {path.relative_to(repo_copy) for path in repo_copy.rglob("*")}
@@ -127,6 +128,7 @@ def test_a_point_that_completed_nothing_is_never_feasible_nor_best_for_p99() -> 
     assert hung not in pareto(points)
 
 
+@pytest.mark.server
 def test_tune_with_unmeetable_constraints_leaves_the_repository_untouched(repo_copy: Path, tmp_path: Path) -> None:
     before = snapshot(repo_copy)
     space = Space(("mlp_fp32",), (8,), (0,), (1,))
@@ -194,6 +196,7 @@ class TritonPythonModel:
 '''
 
 
+@pytest.mark.server
 def test_a_point_whose_model_fails_to_load_is_skipped_and_reported(repo_copy: Path, tmp_path: Path) -> None:
     broken = variant_copy(repo_copy, "mlp_fp32", "mlp_broken")
     (broken / "1" / "model.onnx").write_bytes(b"not an ONNX file")
@@ -209,6 +212,7 @@ def test_a_point_whose_model_fails_to_load_is_skipped_and_reported(repo_copy: Pa
     assert [p["failure"] is not None for p in doc["points"]] == [True, False]  # sorted: mlp_broken first
 
 
+@pytest.mark.server
 def test_a_hung_point_is_recorded_as_timed_out_and_never_wins(repo_copy: Path, tmp_path: Path) -> None:
     hung = variant_copy(repo_copy, "mlp_fp32", "mlp_hung")
     (hung / "1" / "model.py").write_text(HUNG_MODEL)
@@ -248,6 +252,7 @@ class TritonPythonModel:
 '''
 
 
+@pytest.mark.server
 def test_a_point_whose_every_request_fails_is_recorded_and_never_wins(repo_copy: Path, tmp_path: Path) -> None:
     failing = variant_copy(repo_copy, "mlp_fp32", "mlp_failing")
     (failing / "1" / "model.py").write_text(FAILING_MODEL)

@@ -44,6 +44,7 @@ def _ab_with_max_batch_4_patched(tune_ab: ModuleType, repo_copy: Path, patch: st
     return status, capsys.readouterr().out.splitlines()
 
 
+@pytest.mark.server
 def test_a_failing_point_is_recorded_with_its_reason_and_the_rounds_go_on(
         tune_ab: ModuleType, repo_copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
     status, out = _ab_with_max_batch_4_patched(tune_ab, repo_copy, PICKY, rounds=2, capsys=capsys)
@@ -89,6 +90,7 @@ class TritonPythonModel(_Model):  # noqa: F811
 '''
 
 
+@pytest.mark.server
 def test_a_server_that_dies_mid_run_keeps_what_was_measured_and_says_how_far_it_got(
         tune_ab: ModuleType, repo_copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
     status, out = _ab_with_max_batch_4_patched(tune_ab, repo_copy, FATAL, rounds=3, capsys=capsys)

@@ -41,6 +41,7 @@ def explicit_server(repo_copy: Path, tmp_path: Path) -> Iterator[tuple[TritonSer
         server.stop()
 
 
+@pytest.mark.server
 def test_attach_mode_changes_the_served_config_and_the_repository(
         explicit_server: tuple[TritonServer, Endpoints], repo_copy: Path, tmp_path: Path) -> None:
     server, endpoints = explicit_server
@@ -87,6 +88,7 @@ def test_attach_to_nothing_is_one_line(repo_copy: Path) -> None:
              attach=Endpoints(f"127.0.0.1:{port}", f"127.0.0.1:{port}"))
 
 
+@pytest.mark.server
 def test_serve_with_explicit_model_control_loads_nothing_and_says_how_to_load(
         repo_copy: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from builder.cli import main

@@ -19,6 +19,7 @@ batch = { min = 1, opt = 4, max = 8 }
 '''
 
 
+@pytest.mark.server
 def test_a_long_search_lists_the_front_the_winner_and_says_how_many_more(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     mlp_onnx(tmp_path / "mlp.onnx")

@@ -41,6 +41,7 @@ def served(repository: Path) -> Serving:
     return serving_of((repository / "mlp_fp32" / "config.pbtxt").read_text())
 
 
+@pytest.mark.server
 def test_tune_then_engines_force_keeps_the_tuned_settings(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> None:
     mlp_onnx(tmp_path / "mlp.onnx")
@@ -177,6 +178,7 @@ def _terminate_once_measuring(tmp: Path, stop: threading.Event) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.server
 def test_sigterm_stops_a_tune_run_cleanly_and_the_report_says_partial(
         repo_copy: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     mlp_onnx(tmp_path / "mlp.onnx")

@@ -19,6 +19,7 @@ def plain_lines() -> Iterator[io.StringIO]:
         yield stream
 
 
+@pytest.mark.server
 def test_tune_progress_counts_points_and_hides_each_point_s_lines(repo_copy: Path, tmp_path: Path,
                                                                   plain_lines: io.StringIO) -> None:
     space = Space(("mlp_fp32",), (1, 8), (None,), (1,))

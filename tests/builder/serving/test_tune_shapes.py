@@ -16,6 +16,7 @@ from tests.helpers.foreign_models import ForeignModel, detector, stateful
     (stateful, {"input": (1, 512)}),  # max_batch_size 0: whole shapes (state and sr are fixed)
     (detector, {"images": (3, 96, 96)}),  # batching: without the batch axis
 ])
+@pytest.mark.server
 def test_tune_measures_a_model_with_free_dims_at_its_opt_shapes(
         make: type, expected: dict[str, tuple[int, ...]], tmp_path: Path) -> None:
     model: ForeignModel = make(tmp_path)
