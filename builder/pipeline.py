@@ -245,13 +245,18 @@ def build_model(spec: ModelSpec, options: BuildOptions, staging: Staging) -> Mod
         # The user's data first, on the graph as given (a size inside the range the graph cannot take):
         # one line here, not a traceback from the clean-up's probe run.
         onnx_model.run_fp32(fp32_path, samples.take(evaluation, 0, 4), eval_batch, what)
+        declared = onnx_model.signature(onnx_model.load(fp32_path), what)  # as the user's graph declares them
         slim_report = cleanup.slim(fp32_path, samples.take(evaluation, 0, 4), batch_size=eval_batch)
         onnx_model.check_runs_at_levels(fp32_path, sig.inputs, shapes, what)
+        reference = onnx_model.run_fp32(fp32_path, evaluation, eval_batch, what)
+        # Outputs as ONNX Runtime returns them: a declared shape the graph contradicts is one warning line.
+        for note in onnx_model.output_shape_notes(declared, reference, batching=shapes.batching):
+            log.warning("%s: %s", spec.name, note)
         model = ModelContext(
             spec=spec, fp32_path=fp32_path, fp32_sha=onnx_model.sha256_model(fp32_path),
-            signature=onnx_model.signature(onnx_model.load(fp32_path), what),
+            signature=onnx_model.returned_outputs(declared, reference, batching=shapes.batching),
             evaluation=evaluation, calibration=calibration, calibration_digest=calibration_digest,
-            reference=onnx_model.run_fp32(fp32_path, evaluation, eval_batch, what), build_key=key,
+            reference=reference, build_key=key,
             inputs_record=inputs_record, work=work, cache_dir=options.cache_dir, repository=options.repository,
             shapes=shapes, other_levels=_other_levels(spec, sig, shapes, fp32_path, eval_batch, what),
         )

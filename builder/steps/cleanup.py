@@ -66,7 +66,18 @@ def _slim(path: Path, probe: Mapping[str, NDArray[Any]], batch_size: int | None)
                     last_line(exc, 200))
         return SlimReport(applied=False, reason=f"slimmed graph does not run: {type(exc).__name__}",
                           nodes_before=nodes_before)
-    worst = max(float(np.max(np.abs(reference[k] - result[k]))) for k in reference)
+    # Compared as ONNX Runtime returns them, whatever the graph declares: a slimmed graph that returns
+    # another shape (onnxslim trusted a declared output shape the graph contradicts) is not kept.
+    reshaped = [k for k in reference if k not in result or reference[k].shape != result[k].shape]
+    if reshaped:
+        onnx_model.remove_model(candidate)
+        name = reshaped[0]
+        had, got = list(reference[name].shape), list(result[name].shape) if name in result else "nothing"
+        log.warning("onnxslim changed the shape of output %r (%s -> %s); keeping the exported graph", name, had, got)
+        return SlimReport(applied=False, reason=f"output {name!r} changed shape: {had} -> {got}",
+                          nodes_before=nodes_before)
+    worst = max((float(np.max(np.abs(reference[k] - result[k]))) if reference[k].size else 0.0
+                 for k in reference), default=0.0)
     same = all(np.allclose(reference[k], result[k], atol=_ATOL, rtol=_RTOL) for k in reference)
     if not same:
         onnx_model.remove_model(candidate)

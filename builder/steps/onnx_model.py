@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import stat
 from collections.abc import Mapping
@@ -23,6 +24,8 @@ if TYPE_CHECKING:
     from numpy.typing import NDArray
 
     from builder.runtimes.base import Outputs
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -79,7 +82,30 @@ def infer_shapes(model: onnx.ModelProto, what: str) -> onnx.ModelProto:
     try:
         return onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True)
     except (onnx.shape_inference.InferenceError, RuntimeError) as exc:
-        raise OnnxModelError(f"{what}: shape inference failed: {exc}") from exc
+        retried = _without_output_shapes(model, what)
+        if retried is None:
+            raise OnnxModelError(f"{what}: shape inference failed: {exc}") from exc
+        return retried
+
+
+def _without_output_shapes(model: onnx.ModelProto, what: str) -> onnx.ModelProto | None:
+    """Strict inference again with the graph outputs' declared shapes left out (their types kept): None when
+    it still fails. Models from other projects declare output shapes their graph contradicts (a CTC model
+    declaring [1, seqlen] that returns (W/8, 1, classes)): the outputs are then taken as the graph returns
+    them (pipeline: onnx_model.returned_outputs), with one warning line there."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    declared = [o for o in copy.graph.output if o.type.tensor_type.HasField("shape")]
+    if not declared:
+        return None
+    for output in declared:
+        output.type.tensor_type.ClearField("shape")
+    try:
+        inferred_copy = onnx.shape_inference.infer_shapes(copy, check_type=True, strict_mode=True)
+    except (onnx.shape_inference.InferenceError, RuntimeError):
+        return None
+    log.debug("%s: shape inference passes only without the declared output shapes", what)
+    return inferred_copy
 
 
 def inferred(path: Path, what: str) -> onnx.ModelProto:
@@ -93,7 +119,11 @@ def inferred(path: Path, what: str) -> onnx.ModelProto:
         onnx.shape_inference.infer_shapes_path(str(path), str(out), check_type=True, strict_mode=True)
         return onnx.load(str(out), load_external_data=False)
     except (onnx.shape_inference.InferenceError, RuntimeError) as exc:
-        raise OnnxModelError(f"{what}: shape inference failed: {exc}") from exc
+        # Inference needs no weights: the graph alone, with its declared output shapes left out.
+        retried = _without_output_shapes(onnx.load(str(path), load_external_data=False), what)
+        if retried is None:
+            raise OnnxModelError(f"{what}: shape inference failed: {exc}") from exc
+        return retried
     finally:
         out.unlink(missing_ok=True)
 
@@ -142,10 +172,12 @@ def check_manifest_inputs(sig: Signature, declared: tuple[TensorSpec, ...], what
             )
 
 
-def check_runs_at_levels(path: Path, inputs: tuple[TensorSpec, ...], shapes: ModelShapes, what: str) -> None:
-    """Run the FP32 graph at the min, opt and max shapes (batch included) on synthetic data, so a range
-    the graph cannot take (a stride that does not divide, a Concat of mismatched maps) fails here, in one
-    line naming the shapes, instead of inside a later tool."""
+def check_runs_at_levels(path: Path, inputs: tuple[TensorSpec, ...], shapes: ModelShapes, what: str, *,
+                         graph: str = "the FP32 model") -> None:
+    """Run the FP32 graph (or a converted one: `graph` names it) at the min, opt and max shapes (batch
+    included) on synthetic data, so a range the graph cannot take (a stride that does not divide, a Concat
+    of mismatched maps, a converted graph's stale shape annotations) fails here, in one line naming the
+    shapes, instead of inside a later tool."""
     from builder.errors import tool_cause
     from builder.runtimes.onnxruntime import ORT_ERRORS, run_file
     from builder.steps.samples import synthetic
@@ -158,8 +190,76 @@ def check_runs_at_levels(path: Path, inputs: tuple[TensorSpec, ...], shapes: Mod
             run_file(path, feed, batch)
         except ORT_ERRORS as exc:
             given = ",".join(f"{name}:{format_shape(shape)}" for name, shape in at.items())
-            raise OnnxModelError(f"{what}: the FP32 model does not run at the {level} shapes ({given}): "
+            raise OnnxModelError(f"{what}: {graph} does not run at the {level} shapes ({given}): "
                                  f"{tool_cause(exc, limit=400)}") from exc
+
+
+def refresh_value_info(model: onnx.ModelProto) -> onnx.ModelProto:
+    """`model` without the shape annotations (`value_info`) a converter left, in the graph and its subgraphs,
+    and with them inferred again: a converter's annotations can hold the shapes of the samples it ran on,
+    and ONNX Runtime plans its buffers by them, so at other shapes the graph fails ("Shape mismatch attempting
+    to re-use buffer"). Where inference fails (or the model is over protobuf's limit), none are kept:
+    ONNX Runtime infers its own."""
+    graphs = [model.graph]
+    while graphs:
+        graph = graphs.pop()
+        del graph.value_info[:]
+        for node in graph.node:
+            for attribute in node.attribute:
+                if attribute.type == onnx.AttributeProto.GRAPH:
+                    graphs.append(attribute.g)
+                graphs.extend(attribute.graphs)
+    try:
+        if model.ByteSize() >= PROTOBUF_LIMIT:
+            return model
+        return onnx.shape_inference.infer_shapes(model)
+    except (onnx.shape_inference.InferenceError, RuntimeError, ValueError, OverflowError):
+        return model
+
+
+def output_shape_notes(sig: Signature, outputs: Mapping[str, NDArray[Any]], *, batching: bool) -> list[str]:
+    """Outputs whose declared shape contradicts what ONNX Runtime returns (rank, or a fixed size), one note
+    each: the graph's returned shape is what the build compares and serves. `outputs` are a run's, joined
+    along a leading axis (the batch, or a sample axis for a model that does not batch)."""
+    notes = []
+    for spec in sig.outputs:
+        array = outputs.get(spec.name)
+        if array is None or not spec.shape:
+            continue
+        returned = tuple(array.shape[1:])
+        declared = spec.shape[1:] if batching else spec.shape
+        fixed_differs = len(declared) == len(returned) and any(
+            isinstance(d, int) and d > 0 and d != r for d, r in zip(declared, returned, strict=True))
+        if len(declared) != len(returned) or fixed_differs:
+            shown = [d if isinstance(d, int) and d > 0 else "?" if d == -1 else d for d in spec.shape]
+            got = ["batch", *returned] if batching else list(returned)
+            notes.append(f"output {spec.name!r} is declared {shown} but the graph returns {got}; "
+                         "the build compares and serves what it returns")
+    return notes
+
+
+def returned_outputs(sig: Signature, outputs: Mapping[str, NDArray[Any]], *, batching: bool) -> Signature:
+    """The signature with each output whose declared shape contradicts what the graph returns (see
+    output_shape_notes) shaped as returned: its rank, sizes that are fixed where they agree, -1 elsewhere."""
+    fixed = []
+    for spec in sig.outputs:
+        array = outputs.get(spec.name)
+        declared = spec.shape[1:] if batching else spec.shape
+        if array is not None and not spec.shape:  # no shape declared: as returned
+            fixed.append(TensorSpec(name=spec.name, dtype=spec.dtype,
+                                    shape=(-1,) * (array.ndim if batching else array.ndim - 1)))
+            continue
+        if array is None or not output_shape_notes(Signature(sig.inputs, (spec,)), {spec.name: array},
+                                                   batching=batching):
+            fixed.append(spec)
+            continue
+        returned = tuple(array.shape[1:])
+        same_rank = len(declared) == len(returned)
+        dims: list[int | str] = [d if same_rank and (isinstance(d, str) or d in (-1, r)) else -1
+                                 for d, r in zip(declared if same_rank else returned, returned, strict=True)]
+        head: list[int | str] = [spec.shape[0]] if batching else []
+        fixed.append(TensorSpec(name=spec.name, dtype=spec.dtype, shape=(*head, *dims)))
+    return Signature(sig.inputs, tuple(fixed))
 
 
 def run_fp32(path: Path, samples: Mapping[str, NDArray[Any]], batch_size: int | None, what: str) -> Outputs:

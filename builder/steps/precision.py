@@ -247,7 +247,9 @@ def to_fp16(fp32_path: Path, out_path: Path, *, feeds: Sequence[Mapping[str, NDA
             raise ToolError(f"{what}: FP16 conversion (ModelOpt autocast) failed: "
                             f"{tool_cause(exc, output, hide={fp32_path: 'the model', Path(tmp): 'its feeds'})} "
                             f"(full output: {record})") from exc
-    onnx_model.save(model, out_path)
+    # Autocast's shape annotations can hold the shapes of the feeds it ran on: ONNX Runtime plans buffers by
+    # them and fails at other shapes ("Shape mismatch attempting to re-use buffer"). Inferred again instead.
+    onnx_model.save(onnx_model.refresh_value_info(model), out_path)
     onnx_model.load(out_path)
     return settings.record()
 

@@ -13,14 +13,17 @@ import logging
 from pathlib import Path
 from typing import Protocol
 
-from builder.errors import AccuracyError
+import onnx
+
+from builder.errors import AccuracyError, ToolError, tool_cause
 from builder.repository import model_folder
 from builder.repository.triton_config import ConfigInputs
-from builder.runtimes.onnxruntime import run_file
+from builder.runtimes.onnxruntime import ORT_ERRORS, run_file
 from builder.spec.enums import Precision
-from builder.steps import accuracy, precision, samples
+from builder.steps import accuracy, onnx_model, precision, samples
 from builder.steps.accuracy import Metrics
 from builder.steps.context import ModelContext, VariantContext
+from builder.steps.fp16_fallback import to_fp16_checked
 from builder.steps.fp16_guard import guard_fp16
 from builder.steps.guard import guard_int8
 from builder.steps.onnx_model import copy_model, default_opset, sha256_model
@@ -31,6 +34,8 @@ log = logging.getLogger(__name__)
 
 
 class Step(Protocol):
+    label: str  # the step, as a failure line names it
+
     def run(self, ctx: VariantContext) -> None: ...
 
 
@@ -54,7 +59,10 @@ def what(model: ModelContext) -> str:
 
 
 class MakePrecision:
-    """The variant ONNX: the FP32 graph itself, FP16 by autocast, or INT8 by calibrated Q/DQ."""
+    """The variant ONNX: the FP32 graph itself, FP16 by autocast (else onnxconverter-common's float16, where
+    autocast fails or its graph does not run at the min, opt and max shapes), or INT8 by calibrated Q/DQ."""
+
+    label = "precision conversion"
 
     def run(self, ctx: VariantContext) -> None:
         model = ctx.model
@@ -62,8 +70,12 @@ class MakePrecision:
             copy_model(model.fp32_path, ctx.variant_onnx)  # with its data file, if it has one
             ctx.settings = {}
         elif ctx.precision is Precision.FP16:
-            ctx.settings = precision.to_fp16(model.fp32_path, ctx.variant_onnx, feeds=fp16_feeds(model),
-                                             what=what(model))
+            def check(path: Path) -> None:
+                onnx_model.check_runs_at_levels(path, model.signature.inputs, model.input_shapes, what(model),
+                                                graph=f"the FP16 graph ({path.name})")
+
+            ctx.settings = to_fp16_checked(model.fp32_path, ctx.variant_onnx, feeds=fp16_feeds(model),
+                                           what=what(model), check=check)
         else:
             calibration_spec = model.spec.calibration
             if calibration_spec is None or model.calibration is None or model.calibration_digest is None:
@@ -78,6 +90,8 @@ class MakePrecision:
 class Compile:
     """The artifact Triton serves, compiled from the variant ONNX by the runtime (which may reuse
     artifacts of an earlier build that are still valid)."""
+
+    label = "compile"
 
     def run(self, ctx: VariantContext) -> None:
         ctx.variant_sha = sha256_model(ctx.variant_onnx)
@@ -95,6 +109,8 @@ class Measure:
     """The compiled artifact against the FP32 reference on the held-out samples (and, where those are
     synthetic, on samples at the min and max shapes too)."""
 
+    label = "accuracy check (running the variant)"
+
     def run(self, ctx: VariantContext) -> None:
         ctx.metrics = ctx.model.measure(lambda samples: ctx.runtime.run(ctx.artifact, samples, ctx.model.eval_batch))
         log.debug("%s: %s", ctx.name, ctx.metrics.summary())
@@ -104,6 +120,8 @@ class Gate:
     """The tolerance check. An FP16 variant, and an INT8 variant with an explicit tolerance (models.toml
     or --tolerance), is guarded: when it misses, search for the nodes to keep in higher precision,
     rebuild and check again."""
+
+    label = "accuracy gate"
 
     def run(self, ctx: VariantContext) -> None:
         assert ctx.metrics is not None, "Gate runs after Measure"
@@ -190,10 +208,28 @@ class WriteModelFolder:
 STEPS: tuple[Step, ...] = (MakePrecision(), Compile(), Measure(), Gate())
 
 
+# A converted graph ONNX Runtime cannot load or run, or an ONNX check failing inside a step: the user's
+# model (or a tool's output for it), not a bug of ours: one line, the full text in the build log.
+_GRAPH_ERRORS: tuple[type[BaseException], ...] = (
+    *ORT_ERRORS, onnx.checker.ValidationError, onnx.shape_inference.InferenceError)
+
+
+def run_step(step: Step, ctx: VariantContext) -> None:
+    """One step; a converted graph's failure inside it becomes a ToolError naming the model, the variant and
+    the step (the other variants go on), with the traceback in the build log."""
+    try:
+        step.run(ctx)
+    except _GRAPH_ERRORS as exc:
+        model = what(ctx.model)
+        record = precision.failure_log(f"{ctx.name} {step.label} {model}", "", exc)
+        raise ToolError(f"{model}: {ctx.name}: {step.label} failed: {tool_cause(exc)} (full output: {record})"
+                        ) from exc
+
+
 def build_variant(ctx: VariantContext) -> VariantResult:
     with progress.task(f"{ctx.name}: building"):
         for step in STEPS:
-            step.run(ctx)
+            run_step(step, ctx)
     result = VariantResult.of(ctx)
     WriteModelFolder(result).run(ctx)
     log.debug("%s built in %.1f s", ctx.name, result.build_seconds)

@@ -26,11 +26,13 @@ from tests.helpers.tiny_models import mlp_samples, outlier_mlp_onnx
 
 
 def contrib_gelu_onnx(path: Path) -> Path:
-    """MatMul → com.microsoft Gelu: ONNX Runtime runs it; ModelOpt autocast rewrites the node to the
-    standard Gelu, which opset 17 lacks, and fails."""
+    """MatMul → com.microsoft Gelu → Celu: ONNX Runtime runs it; ModelOpt autocast rewrites the Gelu to the
+    standard one, which opset 17 lacks, and fails; onnxconverter-common's FP16 (the fallback) gives the Celu
+    an FP16 input, which Celu does not take, and ONNX Runtime refuses its graph."""
     graph = helper.make_graph(
         [helper.make_node("MatMul", ["x", "w"], ["h"], name="fc"),
-         helper.make_node("Gelu", ["h"], ["y"], name="gelu", domain="com.microsoft")], "g",
+         helper.make_node("Gelu", ["h"], ["g"], name="gelu", domain="com.microsoft"),
+         helper.make_node("Celu", ["g"], ["y"], name="celu")], "g",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 8])],
         initializer=[numpy_helper.from_array(np.eye(8, dtype=np.float32), "w")])

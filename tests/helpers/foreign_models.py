@@ -281,3 +281,113 @@ MAKERS: tuple[Callable[[Path], ForeignModel], ...] = (
 
 def all_models(folder: Path) -> list[ForeignModel]:
     return [make(folder) for make in MAKERS]
+
+
+# Issue 22: classes that broke the build on real third-party models (look-alikes, generated here).
+
+
+def ctc_recognizer(folder: Path) -> ForeignModel:
+    """A CTC text recognizer whose declared output contradicts what it returns: x[1, 1, 32, W] → a stride-8
+    conv over the width → Transpose → MatMul → Softmax → probs, declared [1, seqlen] but returned as
+    (W/8, 1, classes), time first and the batch on axis 1 (a captcha OCR shipped in a wheel does this)."""
+    rng = np.random.default_rng(8)
+    classes = 40
+    nodes = [
+        helper.make_node("Conv", ["x", "w", "b"], ["c"], strides=[32, 8], kernel_shape=[32, 8], name="conv"),
+        helper.make_node("Squeeze", ["c", "height"], ["s"], name="squeeze"),  # [1, 16, W/8]
+        helper.make_node("Transpose", ["s"], ["t"], perm=[2, 0, 1], name="time_first"),  # [W/8, 1, 16]
+        helper.make_node("MatMul", ["t", "proj"], ["logits"], name="proj"),  # [W/8, 1, classes]
+        helper.make_node("Softmax", ["logits"], ["probs"], axis=2, name="softmax"),
+    ]
+    graph = helper.make_graph(
+        nodes, "ctc",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, 32, "W"])],
+        [helper.make_tensor_value_info("probs", TensorProto.FLOAT, [1, "seqlen"])],
+        initializer=[_init(rng, "w", 16, 1, 32, 8), _init(rng, "b", 16, scale=0.1),
+                     numpy_helper.from_array(np.array([2], np.int64), "height"), _init(rng, "proj", 16, classes)],
+    )
+    path = _save(graph, folder / "ctc.onnx")
+    data = _npz(folder / "ctc.npz", {"x": rng.uniform(0, 1, (SAMPLES, 1, 1, 32, 160)).astype(np.float32)})
+    return ForeignModel(
+        "ctc", "declared output [1, seqlen] contradicts the returned (W/8, 1, classes)", path, data,
+        ("--min-shapes", "x:1x1x32x64", "--opt-shapes", "x:1x1x32x160", "--max-shapes", "x:1x1x32x320"),
+        '[model.shapes]\nx = { min = [1, 1, 32, 64], opt = [1, 1, 32, 160], max = [1, 1, 32, 320] }\n', False)
+
+
+def _branch(rng: np.random.Generator, name: str, scale: float) -> onnx.GraphProto:
+    """One branch of control_flow's If: reads `h`, `state` and `decay` from the outer graph."""
+    return helper.make_graph(
+        [helper.make_node("MatMul", ["h", f"w_{name}"], [f"o_{name}"], name=f"{name}_fc"),
+         helper.make_node("Tanh", [f"o_{name}"], [f"out_{name}"], name=f"{name}_tanh"),
+         helper.make_node("Mul", ["state", "decay"], [f"s_{name}"], name=f"{name}_decay")],
+        name, [],
+        [helper.make_tensor_value_info(f"out_{name}", TensorProto.FLOAT, ["batch", 8]),
+         helper.make_tensor_value_info(f"s_{name}", TensorProto.FLOAT, [2, "batch", 16])],
+        initializer=[_init(rng, f"w_{name}", 32, 8, scale=scale / 6)])
+
+
+def control_flow(folder: Path) -> ForeignModel:
+    """A voice-activity model with control flow: x[batch, 32], state[2, batch, 16], sr (int64[1]) → Relu →
+    If (sr == 16000) whose branches read outer values (`h`, `state`, an initializer) and produce the graph's
+    outputs y[batch, 8] and stateN[2, batch, 16] directly. Batch on axis 1 of the state: max_batch_size 0."""
+    rng = np.random.default_rng(9)
+    nodes = [
+        helper.make_node("Relu", ["x"], ["h"], name="relu"),
+        helper.make_node("Equal", ["sr", "khz16"], ["is16"], name="is16"),
+        helper.make_node("Squeeze", ["is16"], ["cond"], name="cond"),
+        helper.make_node("If", ["cond"], ["y", "stateN"], then_branch=_branch(rng, "wide", 1.0),
+                         else_branch=_branch(rng, "narrow", 0.5), name="rate"),
+    ]
+    graph = helper.make_graph(
+        nodes, "vad_if",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 32]),
+         helper.make_tensor_value_info("state", TensorProto.FLOAT, [2, "batch", 16]),
+         helper.make_tensor_value_info("sr", TensorProto.INT64, [1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 8]),
+         helper.make_tensor_value_info("stateN", TensorProto.FLOAT, [2, "batch", 16])],
+        initializer=[numpy_helper.from_array(np.array(0.5, np.float32), "decay"),
+                     numpy_helper.from_array(np.array([16000], np.int64), "khz16")],
+    )
+    path = _save(graph, folder / "vad_if.onnx")
+    data = _npz(folder / "vad_if.npz", {
+        "x": rng.standard_normal((SAMPLES, 1, 32)).astype(np.float32),
+        "state": rng.standard_normal((SAMPLES, 2, 1, 16)).astype(np.float32),
+        "sr": np.full((SAMPLES, 1), 16000, np.int64),
+    })
+    return ForeignModel(
+        "vad_if", "If subgraphs reading outer values, producing the graph's outputs", path, data,
+        ("--shapes", "x:1x32,state:2x1x16,sr:1"), '[model.shapes]\nx = [1, 32]\nstate = [2, 1, 16]\nsr = [1]\n',
+        False)
+
+
+def split_detector(folder: Path) -> ForeignModel:
+    """A YOLO-style head with dynamic H/W: images[batch, 3, H, W] → stride-4 conv → Reshape [b, 82, A] →
+    Split [64, 18] → (box distribution: Reshape, Softmax, ReduceSum) and (classes: Sigmoid) → Concat →
+    preds[batch, 22, A]. A converter's shape annotations taken at one size go stale at others."""
+    rng = np.random.default_rng(10)
+    nodes = [
+        helper.make_node("Conv", ["images", "w", "b"], ["c"], strides=[4, 4], kernel_shape=[4, 4], name="stem"),
+        helper.make_node("Reshape", ["c", "flat"], ["r"], name="flatten"),
+        helper.make_node("Split", ["r", "sizes"], ["box", "cls"], axis=1, name="split"),
+        helper.make_node("Reshape", ["box", "bins"], ["box4"], name="bins"),
+        helper.make_node("Softmax", ["box4"], ["soft"], axis=2, name="softmax"),
+        helper.make_node("ReduceSum", ["soft", "axis2"], ["dist"], keepdims=0, name="dist"),
+        helper.make_node("Sigmoid", ["cls"], ["scores"], name="scores"),
+        helper.make_node("Concat", ["dist", "scores"], ["preds"], axis=1, name="concat"),
+    ]
+    ints = (([0, 82, -1], "flat"), ([64, 18], "sizes"), ([0, 4, 16, -1], "bins"), ([2], "axis2"))
+    graph = helper.make_graph(
+        nodes, "split_detector",
+        [helper.make_tensor_value_info("images", TensorProto.FLOAT, ["batch", 3, "height", "width"])],
+        [helper.make_tensor_value_info("preds", TensorProto.FLOAT, ["batch", 22, "anchors"])],
+        initializer=[_init(rng, "w", 82, 3, 4, 4), _init(rng, "b", 82, scale=0.1),
+                     *(numpy_helper.from_array(np.array(v, np.int64), n) for v, n in ints)],
+    )
+    path = _save(graph, folder / "split_detector.onnx")
+    data = _npz(folder / "split_detector.npz",
+                {"images": rng.uniform(0, 1, (SAMPLES, 3, 64, 64)).astype(np.float32)})
+    return ForeignModel(
+        "split_detector", "Split head, dynamic H/W (a converter's shape annotations go stale)", path, data,
+        ("--min-shapes", "images:1x3x32x32", "--opt-shapes", "images:2x3x64x64", "--max-shapes",
+         "images:4x3x128x128"),
+        '[model.shapes]\nimages = { min = [1, 3, 32, 32], opt = [2, 3, 64, 64], max = [4, 3, 128, 128] }\n', True)

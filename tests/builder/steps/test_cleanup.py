@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import pytest
 from numpy.typing import NDArray
 from onnx import TensorProto, helper, numpy_helper
 
@@ -123,5 +124,33 @@ def test_a_rewrite_onnx_runtime_cannot_load_is_not_kept(tmp_path: Path) -> None:
     before = path.read_bytes()
     report = slim(path, probe(6, (2, 5, 5)))
     assert not report.applied and report.reason
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx"]
+
+
+def test_a_rewrite_that_returns_another_output_shape_is_not_kept_and_does_not_crash(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CTC recognizer declaring [1, seqlen] but returning (W/8, 1, classes), onnxslim's graph returned
+    the output flattened ((1, W/8 * classes)) and comparing the two crashed ("operands could not be broadcast
+    together"). Stand-in: onnxslim's real result with the output flattened the same way."""
+    import onnxslim
+
+    real = onnxslim.slim
+
+    def flattening(model: onnx.ModelProto) -> onnx.ModelProto:
+        slimmed = real(model)
+        output = slimmed.graph.output[0]
+        for node in slimmed.graph.node:
+            node.output[:] = [f"{o}_pre" if o == output.name else o for o in node.output]
+        slimmed.graph.initializer.append(numpy_helper.from_array(np.array([1, -1], np.int64), "flat_shape"))
+        slimmed.graph.node.append(helper.make_node("Reshape", [f"{output.name}_pre", "flat_shape"], [output.name]))
+        return slimmed
+
+    monkeypatch.setattr(onnxslim, "slim", flattening)
+    path = foldable_onnx(tmp_path / "model.onnx")
+    before = path.read_bytes()
+    report = slim(path, probe(), batch_size=4)  # three batches of [4, 6] against three of [1, 24]
+    assert not report.applied
+    assert report.reason == "output 'y' changed shape: [12, 6] -> [3, 24]"
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx"]

@@ -1,0 +1,189 @@
+"""FP16 that runs: ModelOpt autocast first (steps.precision.to_fp16); where autocast fails (its "Sanity
+Check Failed" on a model with If subgraphs) or its graph does not run at the min, opt and max shapes,
+onnxconverter-common's float16 (FP32 inputs and outputs, an op block list, the subgraphs of If/Loop/Scan
+kept in FP32). A variant that still misses its tolerance then goes to the FP16 guard (steps.variant.Gate).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import re
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import onnx
+from numpy.typing import NDArray
+
+from builder.errors import OnnxModelError, ToolError, tool_cause
+from builder.steps import onnx_model, precision
+
+log = logging.getLogger(__name__)
+
+CONTROL_FLOW = ("If", "Loop", "Scan")
+TOOL = "onnxconverter_common.float16"
+
+# Checks a converted graph (e.g. runs it at the min, opt and max shapes); raises OnnxModelError where it fails.
+Check = Callable[[Path], None]
+
+
+def to_fp16_checked(fp32_path: Path, out_path: Path, *, feeds: Sequence[Mapping[str, NDArray[Any]]], what: str,
+                    check: Check) -> dict[str, object]:
+    """The FP16 variant at `out_path`, from the first converter whose graph passes `check`; its settings as
+    build.json records them (with the reason autocast's graph was set aside, where it was)."""
+    try:
+        settings = precision.to_fp16(fp32_path, out_path, feeds=feeds, what=what)
+        check(out_path)
+        return settings
+    except (ToolError, OnnxModelError) as exc:
+        first = exc
+    log.debug("%s; trying onnxconverter-common's FP16", first)
+    try:
+        settings = to_fp16_onnxconverter(fp32_path, out_path, what=what)
+        check(out_path)
+    except (ToolError, OnnxModelError) as exc:
+        record = precision.failure_log(f"fp16 onnxconverter-common {what}", "", exc)
+        raise ToolError(f"{what}: {_reason(first, what)}; onnxconverter-common's FP16 neither: "
+                        f"{_reason(exc, what)} (full output: {record})") from exc
+    log.warning("%s; the FP16 variant is onnxconverter-common's instead", first)  # one line, once it holds
+    return {**settings, "instead_of": "modelopt.onnx.autocast", "why": _reason(first, what)}
+
+
+def _reason(exc: BaseException, what: str) -> str:
+    """The one-line message without the model's name and the log it names (the caller names them once)."""
+    return re.sub(r" \(full output: [^()]*\)$", "", str(exc).removeprefix(f"{what}: "))
+
+
+def to_fp16_onnxconverter(fp32_path: Path, out_path: Path, *, what: str) -> dict[str, object]:
+    """onnxconverter-common's float16 with FP32 inputs and outputs. Control-flow nodes are blocked (their
+    subgraphs stay FP32) and each outer value their subgraphs read gets an FP32 copy where the conversion
+    made it FP16; the converter's shape annotations are dropped and inferred again."""
+    from onnxconverter_common import float16  # type: ignore[import-untyped]
+
+    block = sorted({*float16.DEFAULT_OP_BLOCK_LIST, *CONTROL_FLOW})
+    model = onnx_model.load(fp32_path)
+    try:
+        with _quiet() as sink:
+            converted = float16.convert_float_to_float16(model, keep_io_types=True, op_block_list=block)
+            feed_subgraphs_fp32(converted.graph)
+            converted = onnx_model.refresh_value_info(converted)
+            if converted.ByteSize() < onnx_model.PROTOBUF_LIMIT:
+                onnx.checker.check_model(converted)
+    except precision.TOOL_ERRORS as exc:
+        record = precision.failure_log(f"fp16 onnxconverter-common {what}", sink.getvalue(), exc)
+        # onnx's checker puts its reason over several lines: one line here.
+        cause = " ".join(str(exc).split()) if isinstance(exc, onnx.checker.ValidationError) else \
+            tool_cause(exc, hide={fp32_path: "the model"})
+        raise ToolError(f"{what}: FP16 conversion (onnxconverter-common) failed: {cause[:300]} "
+                        f"(full output: {record})") from exc
+    onnx_model.save(converted, out_path)
+    return {"tool": TOOL, "keep_io_types": True, "op_block_list": block}
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[io.StringIO]:
+    sink = io.StringIO()
+    with warnings.catch_warnings(), contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+        warnings.simplefilter("ignore")
+        yield sink
+
+
+def _subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
+    for attribute in node.attribute:
+        if attribute.type == onnx.AttributeProto.GRAPH:
+            yield attribute.g
+        yield from attribute.graphs
+
+
+def outer_reads(graph: onnx.GraphProto) -> set[str]:
+    """Names a subgraph reads from the scopes around it (not its own inputs, initializers or node outputs),
+    its nested subgraphs' included."""
+    local = {i.name for i in graph.input} | {i.name for i in graph.initializer}
+    local |= {o for node in graph.node for o in node.output}
+    reads: set[str] = set()
+    for node in graph.node:
+        reads |= {name for name in node.input if name}
+        for sub in _subgraphs(node):
+            reads |= outer_reads(sub)
+    reads |= {o.name for o in graph.output}
+    return reads - local
+
+
+def _rename_reads(graph: onnx.GraphProto, old: str, new: str) -> None:
+    local = {i.name for i in graph.input} | {i.name for i in graph.initializer}
+    local |= {o for node in graph.node for o in node.output}
+    if old in local:  # shadowed here: this scope's own value
+        return
+    for node in graph.node:
+        for index, name in enumerate(node.input):
+            if name == old:
+                node.input[index] = new
+        for sub in _subgraphs(node):
+            _rename_reads(sub, old, new)
+    for output in graph.output:
+        if output.name == old:  # a subgraph passing an outer value straight through: an Identity reads it
+            renamed = f"{old}_passed_fp32"
+            graph.node.append(onnx.helper.make_node("Identity", [new], [renamed], name=f"{renamed}_identity"))
+            output.name = renamed
+
+
+def _float16_names(graph: onnx.GraphProto) -> set[str]:
+    half = onnx.TensorProto.FLOAT16
+    found = {v.name for v in (*graph.value_info, *graph.input, *graph.output) if v.type.tensor_type.elem_type == half}
+    found |= {t.name for t in graph.initializer if t.data_type == half}
+    for node in graph.node:
+        if node.op_type == "Cast" and any(a.name == "to" and a.i == half for a in node.attribute):
+            found.update(node.output)
+        if node.op_type == "Constant" and any(a.name == "value" and a.t.data_type == half for a in node.attribute):
+            found.update(node.output)
+    return found
+
+
+def feed_subgraphs_fp32(graph: onnx.GraphProto) -> None:
+    """Give each control-flow node's subgraphs FP32 copies of the outer values they read that the conversion
+    made FP16 (a Cast before the node), as the subgraphs themselves were kept in FP32."""
+    half = _float16_names(graph)
+    index = 0
+    while index < len(graph.node):
+        node = graph.node[index]
+        if node.op_type not in CONTROL_FLOW:
+            index += 1
+            continue
+        reads = set().union(*(outer_reads(sub) for sub in _subgraphs(node))) & half
+        for name in sorted(reads):
+            copy = f"{name}_fp32_for_{node.name or node.op_type}"
+            graph.node.insert(index, onnx.helper.make_node("Cast", [name], [copy], to=onnx.TensorProto.FLOAT,
+                                                           name=f"{copy}_cast"))
+            index += 1
+            for sub in _subgraphs(node):
+                _rename_reads(sub, name, copy)
+        index += 1
+    _sort(graph)
+
+
+def _sort(graph: onnx.GraphProto) -> None:
+    """Nodes in an order where each comes after the producers of what it reads, the values its subgraphs read
+    from this graph included (onnxconverter-common's sort sees only a node's own inputs, so it can put an If
+    before the producer of a value its branches read)."""
+    nodes = list(graph.node)
+    producer = {out: i for i, node in enumerate(nodes) for out in node.output if out}
+    needs = []
+    for node in nodes:
+        reads = {name for name in node.input if name}
+        for sub in _subgraphs(node):
+            reads |= outer_reads(sub)
+        needs.append({producer[name] for name in reads if name in producer})
+    done: list[int] = []
+    placed: set[int] = set()
+    while len(done) < len(nodes):
+        ready = [i for i in range(len(nodes)) if i not in placed and needs[i] <= placed]
+        if not ready:  # a cycle: leave the order as the converter wrote it
+            return
+        done.append(ready[0])
+        placed.add(ready[0])
+    ordered = [nodes[i] for i in done]
+    del graph.node[:]
+    graph.node.extend(ordered)

@@ -1,0 +1,185 @@
+"""Issue 22: the classes of third-party ONNX that broke `trtbuild build` with a traceback or without a
+fallback, as generated look-alikes (tests/helpers/foreign_models.py):
+
+- a CTC recognizer whose declared output [1, seqlen] contradicts the (W/8, 1, classes) it returns: one
+  warning line, outputs compared and served as returned;
+- a model with If subgraphs on which ModelOpt autocast fails its sanity check: FP16 by onnxconverter-common;
+- a Split detector whose converted graph carries stale shape annotations: dropped and inferred again;
+- a converted graph ONNX Runtime cannot run: one line naming the model, the variant and the step, the
+  traceback in the build log, the other variants written.
+
+Where ModelOpt's own failure on the real model is not reproduced by a small graph, a stand-in makes the tool
+fail the same way (its sanity check rejecting the converted graph; annotations at sizes the graph contradicts).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+
+from builder.cli import main
+from builder.pipeline import BuildOptions, ModelStatus, build_all
+from builder.runtimes.base import CompileTarget
+from builder.runtimes.onnxruntime import OnnxRuntimeCPU, run_file
+from builder.spec import DataSpec, DimRange, ModelSpec, Precision
+from builder.spec.shapes import ShapeRange
+from builder.steps import onnx_model
+from builder.steps.fp16_fallback import to_fp16_onnxconverter
+from tests.helpers.foreign_models import control_flow, ctc_recognizer, split_detector
+
+
+@pytest.fixture
+def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TRTBUILD_CACHE", str(tmp_path / "cache"))
+    return tmp_path
+
+
+def _output_dims(config: str) -> list[int]:
+    block = config[config.index("output {"):]
+    block = block[: block.index("}")]
+    return [int(line.split(":")[1]) for line in block.splitlines() if line.strip().startswith("dims:")]
+
+
+def test_a_declared_output_shape_the_graph_contradicts_is_one_warning_line(
+        workdir: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    model = ctc_recognizer(workdir)
+    code = main([*model.build_args(workdir / "repo"), "--precision", "fp32,fp16"])
+    err = capfd.readouterr().err
+    assert code == 0, err
+    notes = [ln for ln in err.splitlines() if "declared" in ln]
+    assert notes == ["WARNING builder.pipeline: ctc: output 'probs' is declared [1, 'seqlen'] but the graph returns "
+                     "[20, 1, 40]; the build compares and serves what it returns"], err
+    assert "Traceback" not in err
+    for precision in ("fp32", "fp16"):
+        config = (workdir / "repo" / f"ctc_{precision}" / "config.pbtxt").read_text()
+        assert _output_dims(config) == [-1, -1, -1]  # rank 3 as returned; no size known for every width
+        record = json.loads((workdir / "repo" / f"ctc_{precision}" / "build.json").read_text())
+        assert record["accuracy"]["cosine_min"] > 0.99
+
+
+def _sanity_check_fails_on_converted_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ModelOpt's autocast checks its converted graph with onnx's checker and, where that fails, raises
+    "Sanity Check Failed" (what it did on a voice-activity model with If subgraphs): its checker made to
+    reject any graph holding a Cast, i.e. every converted one, and only those."""
+    from modelopt.onnx.autocast import precisionconverter
+
+    real = precisionconverter.onnx_utils.check_model
+
+    def check(model: onnx.ModelProto) -> None:
+        if any(n.op_type == "Cast" for n in model.graph.node):
+            raise onnx.checker.ValidationError("Graph attribute inferencing failed: If subgraph 'wide'")
+        real(model)
+
+    monkeypatch.setattr(precisionconverter.onnx_utils, "check_model", check)
+
+
+def test_autocast_failing_on_if_subgraphs_falls_back_to_onnxconverter_common(
+        workdir: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
+    _sanity_check_fails_on_converted_graphs(monkeypatch)
+    model = control_flow(workdir)
+    code = main([*model.build_args(workdir / "repo"), "--precision", "fp32,fp16", "--log", "build.log"])
+    err = capfd.readouterr().err
+    assert code == 0, err
+    warned = [ln for ln in err.splitlines() if "onnxconverter-common's instead" in ln]
+    assert len(warned) == 1 and "Sanity Check Failed" in warned[0], err
+    record = json.loads((workdir / "repo" / "vad_if_fp16" / "build.json").read_text())
+    settings = record["precision_settings"]
+    assert settings["tool"] == "onnxconverter_common.float16" and settings["keep_io_types"] is True
+    assert settings["instead_of"] == "modelopt.onnx.autocast" and "Sanity Check Failed" in settings["why"]
+    assert {"If", "Loop", "Scan"} <= set(settings["op_block_list"])
+    assert record["accuracy"]["cosine_min"] >= 0.999
+    served = onnx.load(str(workdir / "repo" / "vad_if_fp16" / "1" / "model.onnx"))
+    assert any(n.op_type == "Cast" for n in served.graph.node)  # FP16 outside the If, FP32 inside
+
+
+def test_onnxconverter_common_keeps_if_subgraphs_in_fp32_and_feeds_them_fp32(tmp_path: Path) -> None:
+    """Without the FP32 copies of the outer values the subgraphs read, ONNX Runtime refuses the graph
+    ("Type parameter (T) of Optype (MatMul) bound to different types")."""
+    model = control_flow(tmp_path)
+    out = tmp_path / "fp16.onnx"
+    to_fp16_onnxconverter(model.onnx, out, what="model 'vad_if'")
+    with np.load(model.calibration) as data:
+        samples = {k: data[k][:4] for k in data.files}
+    reference = run_file(model.onnx, samples, None)
+    converted = run_file(out, samples, None)
+    for name, value in reference.items():
+        assert np.allclose(value, converted[name], atol=2e-2), name
+    half = onnx.TensorProto.FLOAT16
+    graph = onnx.load(str(out)).graph
+    assert any(init.data_type == half for init in graph.initializer) or any(
+        n.op_type == "Cast" and n.attribute[0].i == half for n in graph.node)
+
+
+def _stale(model: onnx.ModelProto, size: int = 7) -> onnx.ModelProto:
+    """The converted graph with every shape annotation's dynamic dims fixed at `size`: annotations a tool took
+    at one size, which the graph contradicts (ONNX Runtime refuses such a graph: "Can't merge shape info")."""
+    for value in model.graph.value_info:
+        for dim in value.type.tensor_type.shape.dim:
+            if not dim.HasField("dim_value"):
+                dim.Clear()
+                dim.dim_value = size
+    return model
+
+
+def test_stale_shape_annotations_of_the_fp16_graph_are_dropped_and_inferred_again(
+        workdir: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
+    import modelopt.onnx.autocast as autocast
+
+    real: Callable[..., onnx.ModelProto] = autocast.convert_to_mixed_precision
+
+    def annotating(*args: Any, **kwargs: Any) -> onnx.ModelProto:
+        return _stale(real(*args, **kwargs))
+
+    monkeypatch.setattr(autocast, "convert_to_mixed_precision", annotating)
+    model = split_detector(workdir)
+    code = main([*model.build_args(workdir / "repo"), "--precision", "fp32,fp16"])
+    err = capfd.readouterr().err
+    assert code == 0, err
+    served = onnx.load(str(workdir / "repo" / "split_detector_fp16" / "1" / "model.onnx"))
+    fixed = [v.name for v in served.graph.value_info
+             if [d.dim_value for d in v.type.tensor_type.shape.dim][:1] == [7]]
+    assert not fixed  # none of the stale annotations is left
+    for shapes in ((1, 3, 32, 32), (4, 3, 128, 128), (3, 3, 96, 64)):  # min, max, and one between
+        feed = {"images": np.random.default_rng(0).uniform(0, 1, shapes).astype(np.float32)}
+        preds = run_file(workdir / "repo" / "split_detector_fp16" / "1" / "model.onnx", feed, shapes[0])["preds"]
+        assert preds.shape == (shapes[0], 22, shapes[2] * shapes[3] // 16)
+
+
+class _StaleFp16Artifact(OnnxRuntimeCPU):
+    """ONNX Runtime, except that the FP16 artifact is written with stale shape annotations: a converted graph
+    ONNX Runtime cannot load (the failure is ONNX Runtime's, inside the accuracy check)."""
+
+    def compile(self, onnx_path: Path, out_path: Path, target: CompileTarget) -> None:
+        model = onnx.load(str(onnx_path))
+        if not any(n.op_type == "Cast" for n in model.graph.node):
+            super().compile(onnx_path, out_path, target)
+            return
+        onnx_model.save(_stale(onnx.shape_inference.infer_shapes(model)), out_path)
+
+
+def test_a_converted_graph_onnx_runtime_cannot_run_is_one_line_naming_model_variant_and_step(
+        tmp_path: Path) -> None:
+    model = split_detector(tmp_path)
+    spec = ModelSpec(name="det", onnx=model.onnx, batch=DimRange(1, 2, 4), precisions=(Precision.FP32, Precision.FP16),
+                     evaluation=DataSpec(str(model.calibration), 16),
+                     shapes={"images": ShapeRange((1, 3, 32, 32), (2, 3, 64, 64), (4, 3, 128, 128))}).check()
+    options = BuildOptions(repository=tmp_path / "repo", runtime=_StaleFp16Artifact(), cache_dir=tmp_path / "cache")
+    (result,) = build_all([spec], options, None, ["pytest"])
+    assert result.status is ModelStatus.BUILT
+    assert [v.name for v in result.variants] == ["det_fp32"]
+    (failure,) = result.failures
+    line = failure.line()
+    assert line.startswith("det_fp16 not written: model 'det': det_fp16: accuracy check (running the variant) "
+                           "failed: "), line
+    assert "\n" not in line and "(full output: " in line
+    log_file = Path(line.rsplit("(full output: ", 1)[1].rstrip(")"))
+    assert "Traceback" in log_file.read_text()
+    assert (tmp_path / "repo" / "det_fp32" / "config.pbtxt").is_file()
+    assert not (tmp_path / "repo" / "det_fp16").exists()
