@@ -147,6 +147,8 @@ def test_serve_after_sigkill_starts_cleanly_and_no_stub_survives(
     capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
 ) -> None:
     dead, old = crashed
+    # Not a synchronisation: a stub checks on its server about once a second; this gives each a check to
+    # exit on (they do not while it is an unreaped zombie), so the clean-up below is the one that stops them.
     time.sleep(1.0)
     assert all(alive(pid) for pid in old), "the premise: SIGKILL of tritonserver leaves its stubs running"
 
@@ -181,9 +183,28 @@ def test_stop_after_sigkill_cleans_the_stubs(
     assert not (state / STATE_FILE).exists()
 
 
+def _block_every_signal() -> None:
+    signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())  # SIGKILL and SIGSTOP stay unblockable
+
+
+def _status(pid: int) -> dict[str, str]:
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return {name: value.strip() for name, _, value in (line.partition(":") for line in lines)}
+
+
+def _signalled(pid: int) -> bool:
+    """Whether any signal reached `pid` (blocking them all, see `sleeper`): one pending, or it has ended."""
+    status = _status(pid)
+    return status["State"].startswith(("Z", "X")) or int(status["SigPnd"], 16) | int(status["ShdPnd"], 16) != 0
+
+
 @pytest.fixture
 def sleeper() -> Iterator[subprocess.Popen[bytes]]:
-    proc = subprocess.Popen(["sleep", "60"])
+    """`sleep 60` with every blockable signal blocked: a signal sent to it stays pending, seen at once in
+    /proc/<pid>/status (a SIGKILL is pending until it runs), rather than ending it at some later time."""
+    proc = subprocess.Popen(["sleep", "60"], preexec_fn=_block_every_signal)
+    assert int(_status(proc.pid)["SigBlk"], 16) & (1 << (signal.SIGINT - 1)), "the premise: SIGINT is blocked"
+    assert not _signalled(proc.pid)
     yield proc
     proc.kill()
     proc.wait(timeout=10)
@@ -213,8 +234,7 @@ def test_stop_refuses_a_pid_that_is_not_our_tritonserver(
         assert main(["stop", "--state-dir", str(state)]) == 1
         assert error_lines(capsys) == [f"trtbuild: error: pid {sleeper.pid} in {source} {why}: not signalled; "
                                        "removed the stale record"]
-    time.sleep(0.2)
-    assert sleeper.poll() is None  # untouched
+    assert not _signalled(sleeper.pid)  # untouched
     assert read_record(state) is None
 
 
@@ -244,7 +264,8 @@ def test_backends_are_prepared_by_rename_while_the_stub_file_runs(tmp_path: Path
     shutil.copy2(sleep, stub)  # a different executable at the stub's name, running
     busy = subprocess.Popen([str(stub), "60"])
     try:
-        time.sleep(0.2)
+        # Popen returns once the child has exec'd: the stub file is being executed now.
+        assert Path(os.readlink(f"/proc/{busy.pid}/exe")) == stub.resolve()
         with pytest.raises(OSError, match="Text file busy"), stub.open("r+b"):
             pass
         assert prepare_backends(state) == python_dir.parent
