@@ -153,6 +153,9 @@ def _parser() -> argparse.ArgumentParser:
                            "private one; the winner is written to --repository and loaded on it")
     tune.add_argument("--grpc-url", default=None, metavar="HOST:PORT", help="with --url (default: HOST:8001)")
     tune.add_argument("--metrics-url", default=None, help="with --url (default: http://HOST:8002/metrics)")
+    tune.add_argument("--admin-key-file", type=Path, default=None, metavar="FILE",
+                      help="with --url: the key of a server whose repository API is restricted, in a file of "
+                           "yours with mode 0600 (default: $TRITON_ADMIN_KEY)")
     tune.add_argument("--precisions", default="fp32,fp16,int8", help="variants to consider")
     tune.add_argument("--max-batch", default="1,4,8,16", help="max_batch_size values")
     tune.add_argument("--queue-delay-us", default="off,0,1000,4000",
@@ -185,6 +188,9 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("--http-url", default="localhost:8000")
     verify.add_argument("--grpc-url", default="localhost:8001")
     verify.add_argument("--samples", type=int, default=16, help="held-out samples per variant")
+    verify.add_argument("--admin-key-file", type=Path, default=None, metavar="FILE",
+                        help="the key of a server with restricted APIs (sent as triton-admin-key), in a file of "
+                             "yours with mode 0600 (default: $TRITON_ADMIN_KEY)")
     verify.add_argument("--save", type=Path, default=None, metavar="FILE.npz",
                         help="write the samples sent and the outputs expected, for perfclient --validate")
     verify.add_argument("--only", action="append", default=[], metavar="NAME", help="verify only NAME (repeatable)")
@@ -376,6 +382,7 @@ _TUNE_ROWS = 12  # points listed whole; a longer search lists the Pareto front, 
 
 
 def _tune(args: argparse.Namespace) -> int:
+    from builder.serving.exposure import client_key
     from builder.serving.tune import Endpoints, Goal, Objective, Search, Space, tune
     from builder.spec.tuned import load_tuned, tuned_path
 
@@ -401,9 +408,9 @@ def _tune(args: argparse.Namespace) -> int:
         metrics = args.metrics_url or f"http://{host}:8002/metrics"
         if not metrics.startswith(("http://", "https://")):
             raise ManifestError(f"--metrics-url {metrics!r}: expected http://HOST:PORT/metrics")
-        attach = Endpoints(args.url, grpc, metrics)
-    elif args.grpc_url or args.metrics_url:
-        raise ManifestError("--grpc-url/--metrics-url: only with --url (a running server to tune)")
+        attach = Endpoints(args.url, grpc, metrics, key=client_key(args.admin_key_file))
+    elif args.grpc_url or args.metrics_url or args.admin_key_file:
+        raise ManifestError("--grpc-url/--metrics-url/--admin-key-file: only with --url (a running server to tune)")
     specs = {spec.name: spec for spec in load_manifest(args.manifest)}
     if name not in specs:
         raise ManifestError(f"tune {name}: not in {args.manifest} (models: {', '.join(specs)})")
@@ -511,6 +518,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
+    from builder.serving.exposure import client_key
     from builder.serving.verify import check_models, expected_archive, npz_bytes, table_lines
     from client.files import write_atomic
     from client.protocol import Protocol
@@ -523,7 +531,8 @@ def _verify(args: argparse.Namespace) -> int:
         raise ManifestError(f"--only {', '.join(unknown)}: not in {args.manifest} "
                             f"(models: {', '.join(s.name for s in specs)})")
     checks = check_models([s for s in specs if not args.only or s.name in args.only], args.repository,
-                          {Protocol.GRPC: args.grpc_url, Protocol.HTTP: args.http_url}, args.samples)
+                          {Protocol.GRPC: args.grpc_url, Protocol.HTTP: args.http_url}, args.samples,
+                          key=client_key(args.admin_key_file))
     results = [r for check in checks for r in check.results]
     for line in table_lines(checks):
         print(line)

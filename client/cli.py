@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from client import progress
+from client.admin_key import KEY_ENV, request_headers
 from client.engine import DEFAULT_MAX_INFLIGHT, Distribution, LoadLevel, Measurement
 from client.errors import PerfClientError, RunAborted
 from client.html_report import write_html
@@ -84,6 +85,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--shared-memory", default="none",
                    help=f"{' | '.join(SharedMemoryKind.values())}: send tensors through shared memory regions "
                         "registered with a local server (cuda needs cuda-python and a GPU)")
+    p.add_argument("-H", "--header", action="append", default=[], metavar="NAME:VALUE",
+                   help="a header for the server's control requests (shared-memory registration), perf_analyzer's "
+                        f"form; ${KEY_ENV} adds the admin key of a server whose restricted APIs need it (keeps the "
+                        "key off the command line, which every local user can read)")
     p.add_argument("--output-shared-memory-size", type=int, default=DEFAULT_OUTPUT_SIZE, metavar="BYTES",
                    help="bytes of each output's region with --shared-memory (0: outputs come in the answer)")
     p.add_argument("--shape", action="append", default=[], help="NAME:D1,D2 for dynamic dims (no batch dim)")
@@ -222,7 +227,8 @@ def parse_config(argv: Sequence[str] | None) -> CliConfig:
         metrics_url=args.metrics_url,
         power_source=PowerSource.parse(args.power_source, "--power-source", error=PerfClientError),
         validate=args.validate, validate_options=_validate_options(args),
-        shared_memory=SharedMemory(args.shared_memory, args.output_shared_memory_size),
+        shared_memory=SharedMemory(args.shared_memory, args.output_shared_memory_size,
+                                   headers=request_headers(str(protocol), args.header)),
         request_timeout_ms=args.request_timeout_ms, time_limit_s=args.time_limit, processes=args.processes,
     )
     return CliConfig(session=session, json_path=args.json, csv_path=args.csv, plot_path=args.plot, html_path=args.html,

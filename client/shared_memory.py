@@ -26,7 +26,7 @@ import os
 import secrets
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing import shared_memory as mpshm
 from typing import Any
 
@@ -67,6 +67,8 @@ class SharedMemory:
     kind: SharedMemoryKind = SharedMemoryKind.NONE
     output_size: int = DEFAULT_OUTPUT_SIZE
     device_id: int = 0  # the GPU CUDA regions are allocated on
+    # Sent with every region request: registering is a restricted API on an exposed server (client.admin_key).
+    headers: tuple[tuple[str, str], ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", SharedMemoryKind.parse(self.kind, FLAG, error=PerfClientError))
@@ -138,8 +140,12 @@ class SharedMemoryPool:
     def region_names(self) -> list[str]:
         return [region.name for region in self._regions]
 
-    def _timeout(self) -> dict[str, float]:
-        return {"client_timeout": CONTROL_TIMEOUT_S} if self.protocol == "grpc" else {}
+    def _timeout(self) -> dict[str, Any]:
+        """The keyword arguments of every request: the timeout (gRPC; HTTP's is the client's) and the headers."""
+        options: dict[str, Any] = {"client_timeout": CONTROL_TIMEOUT_S} if self.protocol == "grpc" else {}
+        if self.config.headers:
+            options["headers"] = dict(self.config.headers)
+        return options
 
     def _new_region(self, byte_size: int, data: NDArray[Any] | None) -> _Region:
         if self._closed:

@@ -29,15 +29,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from builder.errors import ServerError
+from client.admin_key import GRPC_KEY_HEADER as GRPC_KEY_HEADER  # re-exported: one name for both packages
+from client.admin_key import KEY_ENV as KEY_ENV
+from client.admin_key import KEY_HEADER as KEY_HEADER
 
 log = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
-KEY_ENV = "TRITON_ADMIN_KEY"
-KEY_HEADER = "triton-admin-key"
-# Triton's gRPC frontend prefixes the header it checks (checked on 2.51: "This protocol is restricted,
-# expecting header 'triton-grpc-protocol-triton-admin-key'"); HTTP checks KEY_HEADER itself.
-GRPC_KEY_HEADER = f"triton-grpc-protocol-{KEY_HEADER}"
 KEY_FILE = "admin-key"  # in the state folder, when we make one
 RESTRICTED = ("model-repository", "shared-memory", "logging", "trace")
 HIDDEN = "<admin key>"

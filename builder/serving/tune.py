@@ -40,6 +40,7 @@ from builder.errors import BuilderError, ServerError
 from builder.repository import triton_config
 from builder.repository.lock import repository_lock
 from builder.repository.model_folder import read_record
+from builder.serving.exposure import KEY_HEADER
 from builder.serving.triton_server import ModelControl, Ports, TritonServer, free_ports
 from builder.spec import tuned as tuned_file
 from builder.spec.tuned import TunedServing
@@ -299,14 +300,15 @@ class Rejected(ServerError):
 class Http:
     """Triton's HTTP API for control requests: every failure is one line naming the URL."""
 
-    def __init__(self, base: str) -> None:
+    def __init__(self, base: str, key: str | None = None) -> None:
         self.base = base.rstrip("/") if "://" in base else f"http://{base.rstrip('/')}"
+        self.key = key  # the admin key of a server whose repository API is restricted (exposure.py)
 
     def request(self, path: str, body: dict[str, Any] | None = None, *, timeout: float = 30.0) -> Any:
         url = f"{self.base}{path}"
         data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(url, data=data, method="GET" if data is None else "POST",
-                                         headers={"Content-Type": "application/json"})
+        headers = {"Content-Type": "application/json", **({KEY_HEADER: self.key} if self.key else {})}
+        request = urllib.request.Request(url, data=data, method="GET" if data is None else "POST", headers=headers)
         try:
             with urllib.request.urlopen(request, timeout=timeout) as response:
                 payload = response.read()
@@ -340,6 +342,7 @@ class Endpoints:
     http: str  # HOST:PORT
     grpc: str  # HOST:PORT
     metrics: str | None = None  # http://HOST:PORT/metrics; None: the gRPC host's port 8002
+    key: str | None = field(default=None, repr=False)  # sent as triton-admin-key on repository requests
 
 
 def _configs(repository: Path, variants: Sequence[str]) -> dict[str, str]:
@@ -464,7 +467,7 @@ class RemoteTarget(Target):
     def __init__(self, endpoints: Endpoints, repository: Path, variants: Sequence[str]) -> None:
         self.originals = _configs(repository, variants)
         self.endpoints = endpoints
-        self.http = Http(endpoints.http)
+        self.http = Http(endpoints.http, endpoints.key)
         self.loaded_before: set[str] = set()
         self.touched: set[str] = set()
         self.applied: str | None = None

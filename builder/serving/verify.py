@@ -29,6 +29,7 @@ from builder.spec.shapes import for_model
 from builder.steps import onnx_model
 from builder.steps import samples as samples_mod
 from client import progress
+from client.admin_key import key_header
 from client.datatypes import triton_datatype
 from client.protocol import Protocol
 from client.validate import ATOL, RTOL  # one pair of tolerances for verify and perfclient --validate
@@ -59,7 +60,8 @@ class VariantCheck:
 
 
 def _infer(
-    protocol: Protocol, url: str, model: str, feed: dict[str, NDArray[Any]], outputs: list[str]
+    protocol: Protocol, url: str, model: str, feed: dict[str, NDArray[Any]], outputs: list[str],
+    key: str | None = None,
 ) -> dict[str, NDArray[Any]]:
     client: Any
     if protocol is Protocol.GRPC:
@@ -81,6 +83,8 @@ def _infer(
         inputs.append(item)
     requested = [tc.InferRequestedOutput(n) for n in outputs]
     try:
+        if key:  # a server whose restricted APIs need the admin key (client.admin_key)
+            call_options["headers"] = {key_header(str(protocol)): key}
         result = client.infer(model, inputs, outputs=requested, **call_options)
         return {n: result.as_numpy(n) for n in outputs}
     except (InferenceServerException, OSError) as exc:  # the server's answer, or no connection
@@ -90,7 +94,7 @@ def _infer(
 
 
 def check_variant(repository: Path, name: str, samples: dict[str, NDArray[Any]], urls: Mapping[Protocol, str],
-                  batch: int = 4, source: str = "held-out") -> VariantCheck:
+                  batch: int = 4, source: str = "held-out", *, key: str | None = None) -> VariantCheck:
     record = read_record(repository / name)
     if record is None:
         raise BuilderError(f"{repository / name}: no build record; run `make engines` first")
@@ -107,7 +111,8 @@ def check_variant(repository: Path, name: str, samples: dict[str, NDArray[Any]],
         worst = 0.0
         ok = True
         for index, feed in enumerate(samples_mod.feeds(samples, step)):
-            got = _infer(protocol, url, name, {k: np.ascontiguousarray(v) for k, v in feed.items()}, outputs)
+            got = _infer(protocol, url, name, {k: np.ascontiguousarray(v) for k, v in feed.items()}, outputs,
+                         key)
             for out in outputs:
                 want = expected[out][index * batch : (index + 1) * batch] if step else expected[out][index]
                 have = got[out].reshape(want.shape)  # a scalar output comes back as [1]
@@ -168,7 +173,8 @@ def verification_samples(spec: ModelSpec, repository: Path, count: int) -> tuple
 
 
 def check_models(
-    specs: list[ModelSpec], repository: Path, urls: Mapping[Protocol, str], samples: int = 16
+    specs: list[ModelSpec], repository: Path, urls: Mapping[Protocol, str], samples: int = 16, *,
+    key: str | None = None,
 ) -> list[VariantCheck]:
     checks: list[VariantCheck] = []
     for spec in specs:
@@ -178,7 +184,7 @@ def check_models(
         with progress.task(f"verify {spec.name}", total=len(spec.precisions)) as bar:
             for prec in spec.precisions:
                 name = variant_name(spec.name, prec)
-                checks.append(check_variant(repository, name, chosen, urls, source=source))
+                checks.append(check_variant(repository, name, chosen, urls, source=source, key=key))
                 bar.advance(status=name)
     return checks
 

@@ -30,6 +30,7 @@ from builder.serving.exposure import (
     scrub_argv,
 )
 from builder.serving.triton_server import ModelControl, Ports, TritonServer, free_ports, read_record
+from builder.serving.tune import Http, Rejected
 
 KEY = "test-admin-key-0123456789abcdef"
 
@@ -119,6 +120,10 @@ def test_exposed_the_restricted_apis_need_the_key_which_no_one_can_read(
     assert repository_index(http, None) == 403
     assert repository_index(http, "wrong-key-0123456789") == 403
     assert repository_index(http, KEY) == 200
+    # `trtbuild tune --url` sends it on its repository requests
+    assert Http(f"127.0.0.1:{http}", KEY).request("/v2/repository/index", {}) == []
+    with pytest.raises(Rejected, match="HTTP 403"):
+        Http(f"127.0.0.1:{http}").request("/v2/repository/index", {})
 
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc}")
     with pytest.raises(InferenceServerException, match=GRPC_KEY_HEADER):
@@ -169,12 +174,12 @@ def test_without_a_key_serve_makes_one_only_its_owner_can_read(tmp_path: Path,
         exposure("example.com")
 
 
+@pytest.mark.server
 def test_no_restrict_says_what_it_leaves_open(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # The repository does not exist: serve stops after the warning, before starting anything.
     assert main(["serve", "--repository", str(tmp_path / "missing"), "--state-dir", str(tmp_path / "run"),
                  "--listen", "0.0.0.0", "--no-restrict"]) == 1
     out = capsys.readouterr().out
-@pytest.mark.server
     assert out.startswith("warning: listening on 0.0.0.0 with --no-restrict: anyone who reaches it can load")
 
 
