@@ -10,6 +10,7 @@ import signal
 import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -165,17 +166,29 @@ def test_tuned_settings_on_a_model_rebuilt_without_batching_turn_batching_off(re
     assert (folder / "build.json").stat().st_mtime_ns == stamp
 
 
+def _served_requests(tmp: Path) -> bool:
+    """Whether tune's private server (its state folder under `tmp`) has answered requests for mlp_fp32: its
+    own statistics say so; False while it has no record or does not answer yet."""
+    for record in tmp.glob("trtbuild-tune-*/state/tritonserver.json"):
+        try:
+            port = json.loads(record.read_text())["ports"]["http"]
+            url = f"http://127.0.0.1:{port}/v2/models/mlp_fp32/stats"
+            with urllib.request.urlopen(url, timeout=5) as response:
+                stats = json.load(response)
+        except (OSError, ValueError, KeyError):  # the record half written, the server starting or loading
+            return False
+        return any(model.get("inference_count", 0) > 0 for model in stats.get("model_stats", []))
+    return False
+
+
 def _terminate_once_measuring(tmp: Path, stop: threading.Event) -> None:
-    """SIGTERM to this process once the private server has served its first point's requests."""
+    """SIGTERM to this process once the private server has answered the first point's requests."""
     deadline = time.monotonic() + 120
     while not stop.is_set() and time.monotonic() < deadline:
-        logs = list(tmp.glob("trtbuild-tune-*/state/tritonserver.log"))
-        if logs and "successfully loaded 'mlp_fp32'" in logs[0].read_text(errors="replace"):
-            time.sleep(1.0)
-            if not stop.is_set():
-                os.kill(os.getpid(), signal.SIGTERM)
+        if _served_requests(tmp):
+            os.kill(os.getpid(), signal.SIGTERM)
             return
-        time.sleep(0.1)
+        stop.wait(0.1)
 
 
 @pytest.mark.server
