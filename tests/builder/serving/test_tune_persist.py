@@ -119,7 +119,7 @@ def test_a_bad_tuned_file_is_one_line_naming_the_key(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("args", "message"), [
     (["serve", "--model-control", "poll"], "--model-control 'poll': expected one of none, explicit"),
-    (["tune", "mlp", "--grpc-url", "h:1"], "--grpc-url/--metrics-url: only with --url"),
+    (["tune", "mlp", "--grpc-url", "h:1"], "--grpc-url/--metrics-url/--admin-key-file: only with --url"),
     (["tune", "mlp", "--url", "nohost"], "--url 'nohost': expected HOST:PORT"),
     (["tune", "mlp", "--search", "random"], "--search"),
     (["tune", "mlp", "--trials", "0"], "--trials 0: expected a positive integer"),
