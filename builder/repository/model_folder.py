@@ -4,6 +4,7 @@ and build.json, the record of what it was built from."""
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import resources
@@ -14,12 +15,15 @@ from tritonclient.grpc import model_config_pb2
 
 from builder.repository import triton_config
 from builder.repository.triton_config import ConfigInputs, TritonBackend
+from builder.repository.untrusted import MAX_RECORD_BYTES, UnsafeInput, inside, read_text
 from builder.spec.shapes import ModelShapes
 from client.files import write_atomic, write_json
 
 RECORD = "build.json"
 CONFIG = "config.pbtxt"
 RUNNER = "model.py"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -34,16 +38,25 @@ class BuildRecord:
 
 
 def read_record(model_dir: Path) -> BuildRecord | None:
-    """The folder's build record, or None when it has none (or one this version cannot read)."""
+    """The folder's build record, or None when it has none (or one this version cannot read).
+
+    Read as untrusted (the repository may come from elsewhere): at most MAX_RECORD_BYTES, the file and
+    its artifact inside the repository (model_dir's parent). An unsafe one is None, with a warning."""
     try:
-        data = json.loads((model_dir / RECORD).read_text(encoding="utf-8"))
+        text = read_text(model_dir / RECORD, limit=MAX_RECORD_BYTES, root=model_dir.parent)
+        data = json.loads(text)
         record = BuildRecord(build_key=data["build_key"], artifact=data["artifact"], runtime=data["runtime"],
                              inputs=data["inputs"],
                              shapes=ModelShapes.from_json(data["shapes"]) if data.get("shapes") else None)
-    except (OSError, ValueError, KeyError, TypeError):
+        if not all(isinstance(v, str) for v in (record.build_key, record.artifact, record.runtime)):
+            return None
+        inside(model_dir.parent, record.artifact, f"{model_dir / RECORD}: artifact")
+    except UnsafeInput as exc:
+        log.warning("ignoring %s", exc)
         return None
-    valid = all(isinstance(v, str) for v in (record.build_key, record.artifact, record.runtime))
-    return record if valid and isinstance(record.inputs, Mapping) else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        return None
+    return record if isinstance(record.inputs, Mapping) else None
 
 
 def write_record(model_dir: Path, record: dict[str, Any]) -> None:

@@ -37,6 +37,7 @@ from pathlib import Path
 from builder.errors import BuilderError, ServerError
 from builder.repository.lock import LockBusy, exclusive, repository_lock
 from builder.repository.staging import clear_leftovers, leftovers
+from builder.repository.untrusted import check_tree
 from builder.serving.exposure import Exposure, has_open, hide_key_once_parsed
 from client import progress
 from client.choices import Choice
@@ -516,6 +517,7 @@ class TritonServer:
         if not self.repository.is_dir():
             raise ServerError(f"--repository {self.repository}: folder not found; run `make engines` first")
         _clear_build_leftovers(self.repository)
+        check_tree(self.repository)  # Triton would follow a symlink out of the repository and load what it finds
         with _state_lock(self.state_dir):
             other = running(self.state_dir)
             if other is not None:

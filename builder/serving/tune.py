@@ -40,6 +40,7 @@ from builder.errors import BuilderError, ServerError
 from builder.repository import triton_config
 from builder.repository.lock import repository_lock
 from builder.repository.model_folder import read_record
+from builder.repository.untrusted import MAX_CONFIG_BYTES, check_tree, read_text
 from builder.serving.exposure import KEY_HEADER
 from builder.serving.triton_server import ModelControl, Ports, TritonServer, free_ports
 from builder.spec import tuned as tuned_file
@@ -352,7 +353,9 @@ def _configs(repository: Path, variants: Sequence[str]) -> dict[str, str]:
         if not path.is_file():
             raise BuilderError(f"--precisions: variant {variant} is not in {repository}; "
                                "run `trtbuild engines` first")
-        texts[variant] = path.read_text(encoding="utf-8")
+        # Untrusted: the folder is copied for a private server (a symlink out of it would copy what it names).
+        check_tree(repository / variant)
+        texts[variant] = read_text(path, limit=MAX_CONFIG_BYTES, root=repository)
     return texts
 
 

@@ -32,6 +32,8 @@ from typing import Any
 import tomlkit
 
 from builder.errors import ManifestError
+from builder.repository.untrusted import MAX_TUNED_BYTES, read_text
+from builder.spec.names import check_model_name
 from client.files import write_atomic
 
 if sys.version_info >= (3, 11):
@@ -72,16 +74,20 @@ def _positive_int(value: object, where: str, *, low: int) -> int:
 
 
 def load_tuned(path: Path) -> dict[str, TunedServing]:
-    """Entries by variant name; {} when the file does not exist. A bad entry: one ManifestError line."""
+    """Entries by variant name; {} when the file does not exist. A bad entry: one ManifestError line.
+
+    Read as untrusted: at most MAX_TUNED_BYTES; model and variant names follow the naming rule (they
+    become folder names under the repository)."""
     if not path.is_file():
         return {}
     try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+        raw = tomllib.loads(read_text(path, limit=MAX_TUNED_BYTES))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ManifestError(f"{path}: not valid TOML ({exc})") from exc
     out: dict[str, TunedServing] = {}
     for model, entry in raw.items():
         where = f"{path}: [{model}]"
+        check_model_name(model, f"{path}: table name")
         if not isinstance(entry, dict):
             raise ManifestError(f"{where}: expected a table of serving settings")
         unknown = sorted(set(entry) - _KEYS)
@@ -90,6 +96,7 @@ def load_tuned(path: Path) -> dict[str, TunedServing]:
         variant = entry.get("variant")
         if not isinstance(variant, str) or not variant.startswith(f"{model}_"):
             raise ManifestError(f"{where}.variant: expected a variant name {model}_<precision>, got {variant!r}")
+        check_model_name(variant, f"{where}.variant")
         batching = entry.get("dynamic_batching", True)
         if not isinstance(batching, bool):
             raise ManifestError(f"{where}.dynamic_batching: expected true or false, got {batching!r}")
