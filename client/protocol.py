@@ -149,7 +149,9 @@ class Connection:
 
     async def close(self) -> None:
         if self._shm is not None:
-            self._shm.close()  # first: whatever happens below, no region outlives the run
+            # First: whatever happens below, no region outlives the run. Off the event loop: a blocking
+            # control call per region, each up to CONTROL_TIMEOUT_S.
+            await asyncio.to_thread(self._shm.close)
         await self._control.close()
         if self.protocol is Protocol.GRPC:
             self._h2.close()
@@ -196,11 +198,13 @@ class Connection:
 
         return ModelMeta(name, max_batch, tensors(meta.get("inputs", [])), tensors(meta.get("outputs", [])))
 
-    def prepare(self, model: str, arrays: Mapping[str, Any],
-                expected: Check | None = None) -> Prepared:
+    async def prepare(self, model: str, arrays: Mapping[str, Any],
+                      expected: Check | None = None) -> Prepared:
         """Serialize one payload (input name -> array, full shape) in this connection's wire format."""
-        # A validated payload's outputs come back in the answer, to be compared; others' go to shared memory.
-        shm = self._shm.layout(model, arrays, outputs=expected is None) if self._shm is not None else None
+        # A validated payload's outputs come back in the answer, to be compared; others' go to shared memory,
+        # whose regions are registered by blocking control calls: off the event loop.
+        shm = (await asyncio.to_thread(self._shm.layout, model, arrays, outputs=expected is None)
+               if self._shm is not None else None)
         if self.protocol is Protocol.GRPC:
             return Prepared(model, grpc_infer_request(model, arrays, shm), expected=expected)
         body, headers = http_infer_request(arrays, shm)

@@ -391,9 +391,9 @@ async def _prepare(conn: Connection, config: SessionConfig) -> list[tuple[str, l
     for meta in metas:
         payloads = []
         if expected is None or config.validate_options.mix:
-            payloads = [conn.prepare(meta.name, arrays) for arrays in _payloads(meta, config)]
+            payloads = [await conn.prepare(meta.name, arrays) for arrays in _payloads(meta, config)]
         if expected is not None:
-            payloads += _validated(conn, meta, config, expected[meta.name])
+            payloads += await _validated(conn, meta, config, expected[meta.name])
         plans.append((meta.name, payloads))
     for name, payloads in plans:
         # One request first: wrong names, shapes or dtypes fail here with the server's reason.
@@ -410,6 +410,8 @@ def _payloads(meta: ModelMeta, config: SessionConfig) -> list[dict[str, NDArray[
     return build_payloads(meta, config.batch, config.input_data, shapes)
 
 
-def _validated(conn: Connection, meta: ModelMeta, config: SessionConfig, expected: Expected) -> list[Prepared]:
+async def _validated(conn: Connection, meta: ModelMeta, config: SessionConfig,
+                     expected: Expected) -> list[Prepared]:
     pairs = validated_payloads(meta, config.batch, expected, str(config.validate))
-    return [conn.prepare(meta.name, arrays, Check(outputs, config.validate_options)) for arrays, outputs in pairs]
+    return [await conn.prepare(meta.name, arrays, Check(outputs, config.validate_options))
+            for arrays, outputs in pairs]

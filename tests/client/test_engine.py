@@ -30,7 +30,7 @@ def measure(url: str, level: LoadLevel, measurement: Measurement, *, batch: int 
     async def go() -> tuple[LevelResult, Records]:
         async with await Connection.open(Protocol.GRPC, url) as conn:
             meta = await conn.model(MODEL)
-            payloads = [conn.prepare(MODEL, arrays) for arrays in build_payloads(meta, batch, InputData(), {})]
+            payloads = [await conn.prepare(MODEL, arrays) for arrays in build_payloads(meta, batch, InputData(), {})]
             run = LoadRun(conn, model=MODEL, payloads=payloads, batch=batch, meter=NoMeter("not measured here"),
                           measurement=measurement, on_window=on_window, keep_records=True)
             result = await run.run(level)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import threading
 from typing import Any
 
 import grpc
@@ -15,7 +16,9 @@ from numpy.typing import NDArray
 from client.errors import PerfClientError
 from client.protocol import Connection, HttpStatusError, Protocol, describe, error_kind
 from client.server_stats import ServerStats
+from client.shared_memory import SharedMemory
 from tests.helpers.servers import Endpoints
+from tests.helpers.waiting import wait_until_async
 
 X = np.random.default_rng(0).standard_normal((2, 4, 32)).astype(np.float32)
 
@@ -24,7 +27,7 @@ async def _send(protocol: Protocol, url: str, model: str, arrays: dict[str, NDAr
                 timeout_s: float = 10.0) -> BaseException | None:
     async with await Connection.open(protocol, url, timeout_s=timeout_s) as conn:
         try:
-            await conn.send(conn.prepare(model, arrays))
+            await conn.send(await conn.prepare(model, arrays))
         except Exception as exc:  # noqa: BLE001 - the test inspects what was raised
             return exc
     return None
@@ -42,7 +45,7 @@ def test_the_server_accepts_and_counts_our_requests(protocol: Protocol, endpoint
 
     async def send_five() -> None:
         async with await Connection.open(protocol, url) as conn:
-            prepared = conn.prepare("mlp_fp32", {"x": X})
+            prepared = await conn.prepare("mlp_fp32", {"x": X})
             for _ in range(5):
                 await conn.send(prepared)
 
@@ -147,3 +150,43 @@ def test_only_a_connection_failure_says_the_server_cannot_be_reached(protocol: P
 
     with pytest.raises(KeyError, match="a bug of ours"):  # not "cannot reach Triton": it keeps its traceback
         asyncio.run(broken_liveness())
+
+
+class _Held:
+    """One of the shared-memory pool's (blocking) control calls, held until another coroutine of the same
+    event loop releases it: released in time only while the loop keeps serving during the call."""
+
+    def __init__(self, call: Any) -> None:
+        self.call = call
+        self.entered = threading.Event()
+        self.released = threading.Event()
+        self.in_time: list[bool] = []
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.entered.set()
+        self.in_time.append(self.released.wait(5))
+        return self.call(*args, **kwargs)
+
+    async def release(self) -> None:
+        await wait_until_async(self.entered.is_set, what="the control call made", timeout_s=10)
+        self.released.set()
+
+
+@pytest.mark.parametrize("protocol", list(Protocol))
+def test_registering_and_unregistering_shared_memory_leave_the_event_loop_serving(
+        protocol: Protocol, endpoints: Endpoints) -> None:
+    async def go() -> tuple[_Held, _Held]:
+        conn = await Connection.open(protocol, endpoints.url(protocol), shared_memory=SharedMemory("system", 4096))
+        client = conn._shm._client  # type: ignore[union-attr]
+        register = client.register_system_shared_memory = _Held(client.register_system_shared_memory)
+        unregister = client.unregister_system_shared_memory = _Held(client.unregister_system_shared_memory)
+        try:
+            prepared, _ = await asyncio.gather(conn.prepare("mlp_fp32", {"x": X}), register.release())
+            await conn.send(prepared)
+        finally:
+            await asyncio.gather(conn.close(), unregister.release())
+        return register, unregister
+
+    register, unregister = asyncio.run(go())
+    assert register.in_time and all(register.in_time)  # the input region, then the output region
+    assert unregister.in_time and all(unregister.in_time)

@@ -36,7 +36,7 @@ def replay(url: str, level: LoadLevel) -> tuple[LevelResult, Records]:
     async def go() -> tuple[LevelResult, Records]:
         async with await Connection.open(Protocol.GRPC, url) as conn:
             meta = await conn.model(MODEL)
-            payloads = [conn.prepare(MODEL, arrays) for arrays in build_payloads(meta, 1, InputData(), {})]
+            payloads = [await conn.prepare(MODEL, arrays) for arrays in build_payloads(meta, 1, InputData(), {})]
             run = LoadRun(conn, model=MODEL, payloads=payloads, batch=1, meter=NoMeter("not measured here"),
                           measurement=Measurement(measurement_ms=2000, stability_percentage=100, max_trials=3,
                                                   warmup_requests=5), keep_records=True)

@@ -165,7 +165,7 @@ def test_decoded_answers_equal_what_tritonclient_decodes(protocol: str, saved: P
 
     async def infer() -> dict[str, NDArray[Any]]:
         async with await Connection.open(Protocol(protocol), endpoints.url(protocol)) as conn:
-            return await conn.infer(conn.prepare("seq_fp32", {"ids": ids}))
+            return await conn.infer(await conn.prepare("seq_fp32", {"ids": ids}))
 
     got = asyncio.run(infer())
     tc: Any = grpc_tc if protocol == "grpc" else http_tc
