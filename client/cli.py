@@ -65,6 +65,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="stop the whole run after this long, keeping the windows measured (exit 1, like Ctrl-C)")
     p.add_argument("--processes", type=int, default=1, metavar="N",
                    help="generate the load from N worker processes (their records merge exactly; default 1)")
+    p.add_argument("--seed", type=int, default=None, metavar="N",
+                   help="seed of the Poisson arrivals (one stream per model, level and process) and the random "
+                        "inputs (default: drawn at random, recorded in --json)")
     p.add_argument("--simultaneous", action="store_true",
                    help="load every -m model at once (default: one after another); energy for the whole run")
     p.add_argument("--model-concurrency", action="append", default=[], metavar="MODEL=N",
@@ -230,6 +233,7 @@ def parse_config(argv: Sequence[str] | None) -> CliConfig:
         shared_memory=SharedMemory(args.shared_memory, args.output_shared_memory_size,
                                    headers=request_headers(str(protocol), args.header)),
         request_timeout_ms=args.request_timeout_ms, time_limit_s=args.time_limit, processes=args.processes,
+        seed=args.seed,
     )
     return CliConfig(session=session, json_path=args.json, csv_path=args.csv, plot_path=args.plot, html_path=args.html,
                      progress=not args.no_progress and not args.quiet, verbose=args.verbose, quiet=args.quiet)

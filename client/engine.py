@@ -220,9 +220,11 @@ class LoadRun:
     def __init__(self, conn: Connection, *, model: str, payloads: Sequence[Prepared], batch: int, meter: Meter,
                  measurement: Measurement, on_window: WindowFn | None = None,
                  cross_checks: Sequence[Meter] = (), abort: Abort | None = None, keep_records: bool = False,
-                 together: Together | None = None, pool: WorkerPool | None = None) -> None:
+                 together: Together | None = None, pool: WorkerPool | None = None,
+                 seed: np.random.SeedSequence | None = None) -> None:
         """`pool`: worker processes generate the load instead of this loop (--processes); this loop
-        only sets the window boundaries, reads the server and the meters, and merges their tallies."""
+        only sets the window boundaries, reads the server and the meters, and merges their tallies.
+        `seed`: this loop's Poisson arrivals (client.arrivals; None: seed 0)."""
         self.conn = conn
         self.model = model
         self.payloads = list(payloads)
@@ -242,6 +244,7 @@ class LoadRun:
         self._count = 0
         self.together = together
         self.pool = pool
+        self.seed = seed
         if pool is not None and measurement.request_count > 0:
             raise PerfClientError("--processes: not with --request-count (windows are timed by the parent)")
         self.started = asyncio.Event()  # the first window opened
@@ -298,28 +301,16 @@ class LoadRun:
         self._tally.lag(lag, late=lag >= late_ns)
         self._done(scheduled, sent, await self._request(request))
 
-    def _gaps_ns(self, level: LoadLevel) -> Iterator[float]:
-        """Open-loop inter-arrival gaps in ns (seeded: the same schedule every run)."""
-        assert level.request_rate is not None  # LoadLevel holds exactly one of the two
-        if level.intervals is not None:
-            yield from level.intervals.gaps_ns()
-        mean_ns = 1e9 / level.request_rate
-        if level.distribution is Distribution.POISSON:
-            rng = np.random.default_rng(0)
-            while True:
-                yield float(rng.exponential(mean_ns))
-        while True:
-            yield mean_ns
-
     async def _open_loop(self, level: LoadLevel, offset_ns: float = 0.0) -> None:
         assert level.request_rate is not None
         # Late: left a whole mean inter-arrival gap after its time, i.e. the client fell a send behind
         # its schedule (sub-millisecond event-loop jitter is not lateness; the lag is in the latency anyway).
         late_ns = 1e9 / level.request_rate
-        next_t = float(time.monotonic_ns()) + offset_ns
-        for gap in self._gaps_ns(level):
+        start = float(time.monotonic_ns())
+        for at in send_times_ns(level, self.seed, offset_ns):
             if self._stop.is_set():
                 break
+            next_t = start + at
             wait = (next_t - time.monotonic_ns()) / 1e9
             # Behind schedule: still yield, so the sends created run, windows close and signals are seen
             # (a rate above what one loop can schedule would otherwise never give the loop back).
@@ -330,7 +321,6 @@ class LoadRun:
                 task = asyncio.create_task(self._scheduled_send(int(next_t), late_ns))
                 self._tasks.add(task)
                 task.add_done_callback(self._send_done)
-            next_t += gap
 
     def _send_done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
@@ -508,6 +498,33 @@ class LoadRun:
                            server=server_breakdown(stats0, stats1),
                            power=self._power(power0, power1, summary.inferences), power_trace=power_trace,
                            complete=stop_reason is None, stop_reason=stop_reason)
+
+
+def send_times_ns(level: LoadLevel, seed: np.random.SeedSequence | int | None,
+                  offset_ns: float = 0.0) -> Iterator[float]:
+    """Each open-loop send's time in ns after the level's start, without end.
+
+    Constant: `offset_ns`, then one mean gap apart. Poisson: exponential gaps drawn from `seed` (None: 0),
+    the first one before the first send too, so the stream is Poisson from time 0 and streams merged from
+    independent seeds are one Poisson stream at the summed rate. --request-intervals: the file's gaps,
+    repeated, from `offset_ns`.
+    """
+    assert level.request_rate is not None  # LoadLevel holds exactly one of the two
+    t = float(offset_ns)
+    if level.intervals is not None:
+        for gap in level.intervals.gaps_ns():  # repeats without end
+            yield t
+            t += gap
+    mean_ns = 1e9 / level.request_rate
+    if level.distribution is Distribution.POISSON:
+        rng = np.random.default_rng(seed if seed is not None else 0)
+        while True:
+            for gap in rng.exponential(mean_ns, size=256):  # in blocks: the same numbers as drawn one by one
+                t += float(gap)
+                yield t
+    while True:
+        yield t
+        t += mean_ns
 
 
 def _completed_windows(windows: list[Window], answered: list[bool]) -> list[Window]:

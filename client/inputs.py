@@ -83,8 +83,8 @@ def _resolve_shape(meta: ModelMeta, name: str, shape: tuple[int, ...],
 
 
 def build_payloads(meta: ModelMeta, batch: int, source: InputData, overrides: Mapping[str, tuple[int, ...]],
-                   seed: int = 0) -> list[dict[str, NDArray[Any]]]:
-    """Up to 8 distinct payloads of `batch` samples each."""
+                   seed: int | np.random.SeedSequence = 0) -> list[dict[str, NDArray[Any]]]:
+    """Up to 8 distinct payloads of `batch` samples each (random ones drawn from `seed`)."""
     if batch < 1:
         raise PerfClientError(f"-b {batch}: expected a positive batch size")
     if meta.max_batch_size == 0 and batch != 1:
@@ -121,7 +121,7 @@ def _dtype(meta: ModelMeta, name: str, datatype: str) -> np.dtype[Any]:
 
 
 def _synthetic(meta: ModelMeta, batch: int, kind: InputKind, overrides: Mapping[str, tuple[int, ...]],
-               seed: int) -> list[dict[str, NDArray[Any]]]:
+               seed: int | np.random.SeedSequence) -> list[dict[str, NDArray[Any]]]:
     rng = np.random.default_rng(seed)
     payloads = []
     for _ in range(1 if kind is InputKind.ZERO else _PAYLOADS):

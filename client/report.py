@@ -90,7 +90,8 @@ def result_dict(result: LevelResult) -> dict[str, Any]:
 def document(model: str, config: SessionConfig, results: Sequence[LevelResult],
              error: str | None = None) -> dict[str, Any]:
     doc: dict[str, Any] = {"model": model, "protocol": str(config.protocol), "url": config.url,
-                           "batch_size": config.batch, "results": [result_dict(r) for r in results]}
+                           "batch_size": config.batch, "seed": config.seed,
+                           "results": [result_dict(r) for r in results]}
     if config.validate is not None:
         doc["validate"] = str(config.validate)  # answers checked; mismatches are counted in "errors"
     if error:

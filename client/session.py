@@ -26,6 +26,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from client import progress as progress_display
+from client.arrivals import arrivals_seed, inputs_seed, random_seed
 from client.engine import (
     Abort,
     Distribution,
@@ -85,6 +86,8 @@ class SessionConfig:
     `processes`: worker processes that generate the load (their windows' records merged exactly).
     `simultaneous`: every model under load at once (level i of each together); each model's row has its
     own client and server figures, energy is measured for the whole run (row WHOLE_RUN).
+    `seed`: the root of every random draw (Poisson arrivals per model, level and worker process; synthetic
+    inputs per model: client.arrivals); None draws one at random, kept here (and in the JSON report).
     """
 
     models: tuple[str, ...]
@@ -105,10 +108,13 @@ class SessionConfig:
     simultaneous: bool = False
     processes: int = 1
     shared_memory: SharedMemory = field(default_factory=SharedMemory)  # --shared-memory, its output size
+    seed: int | None = None  # --seed; None: drawn at random once, here
 
     def __post_init__(self) -> None:
         # Plain strings ("http", "nvml") and lists work too: stored as the enum members and tuples.
         object.__setattr__(self, "models", tuple(self.models))
+        if self.seed is None:
+            object.__setattr__(self, "seed", random_seed())
         object.__setattr__(self, "levels", tuple(self.levels))
         object.__setattr__(self, "shapes", dict(self.shapes))
         object.__setattr__(self, "model_levels", {m: tuple(levels) for m, levels in self.model_levels.items()})
@@ -145,6 +151,8 @@ class SessionConfig:
                 level.check()
         if self.processes < 1:
             raise PerfClientError(f"--processes {self.processes}: expected a positive integer")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise PerfClientError(f"--seed {self.seed}: expected an integer from 0 to 2**63 - 1")
         if self.processes > 1 and self.simultaneous:
             raise PerfClientError(f"--processes {self.processes}: not with --simultaneous")
         if self.processes > 1 and self.measurement.request_count > 0:
@@ -168,6 +176,12 @@ class SessionConfig:
             if not self.validate_options.mix and (self.input_data != InputData() or self.shapes):
                 raise PerfClientError(f"--validate {self.validate}: the inputs come from the file; "
                                       "drop --input-data and --shape")
+
+    @property
+    def run_seed(self) -> int:
+        """`seed`, drawn when it was None."""
+        assert self.seed is not None  # __post_init__ draws one
+        return self.seed
 
     def levels_of(self, model: str) -> tuple[LoadLevel, ...]:
         return self.model_levels.get(model, self.levels)
@@ -199,8 +213,9 @@ async def measure(config: SessionConfig, progress: ProgressFn | None = None,
     async with await Connection.open(config.protocol, config.url, timeout_s=config.request_timeout_ms / 1000,
                                      shared_memory=config.shared_memory) as conn:
         plans = await _prepare(conn, config)
-        meter = open_meter(config.power_source, config.metrics_endpoint)
-        cross_checks = open_cross_checks(meter, config.metrics_endpoint)
+        # Off the event loop: opening a meter reads it (the Triton meter over blocking HTTP, up to its timeout).
+        meter = await asyncio.to_thread(open_meter, config.power_source, config.metrics_endpoint)
+        cross_checks = await asyncio.to_thread(open_cross_checks, meter, config.metrics_endpoint)
         log.debug("power source %s; cross-checks: %s", meter.source, [m.source for m in cross_checks])
         timer = None
         if config.time_limit_s is not None:
@@ -212,20 +227,21 @@ async def measure(config: SessionConfig, progress: ProgressFn | None = None,
                     rows.extend(await _measure_together(conn, plans, step, config, meter=meter, abort=abort,
                                                         progress=progress, done=rows))
                 return rows
-            for model, payloads in plans:
-                for level in config.levels_of(model):
+            for model_index, (model, payloads) in enumerate(plans):
+                for level_index, level in enumerate(config.levels_of(model)):
+                    seed = arrivals_seed(config.run_seed, model_index, level_index)
                     log.debug("measuring %s at %s", model, level.label)
                     # Windows until stable, at most max_trials: the bar may end early.
                     with progress_display.task(f"{model} {level.label}: windows",
                                                total=config.measurement.max_trials) as bar:
                         pool = (ProcessPool(config.processes, protocol=config.protocol, url=config.url,
                                             timeout_s=config.request_timeout_ms / 1000, model=model,
-                                            payloads=payloads, batch=config.batch)
+                                            payloads=payloads, batch=config.batch, seed=seed)
                                 if config.processes > 1 else None)
                         run_level = LoadRun(conn, model=model, payloads=payloads, batch=config.batch, meter=meter,
                                             measurement=config.measurement,
                                             on_window=_bind(progress, model, level, bar),
-                                            cross_checks=cross_checks, abort=abort, pool=pool)
+                                            cross_checks=cross_checks, abort=abort, pool=pool, seed=seed)
                         try:
                             result = await run_level.run(level)
                         except LevelStopped as exc:
@@ -237,7 +253,7 @@ async def measure(config: SessionConfig, progress: ProgressFn | None = None,
             if timer is not None:
                 timer.cancel()
             for each in (meter, *cross_checks):
-                each.close()
+                await asyncio.to_thread(each.close)  # NVML's joins its sampling thread
     return rows
 
 
@@ -265,11 +281,11 @@ async def _measure_together_shown(conn: Connection, plans: list[tuple[str, list[
     together = Together()
     shared = NoMeter("energy is measured for the whole run with --simultaneous")
     runs, tasks = [], []
-    for model, payloads in plans:
+    for model_index, (model, payloads) in enumerate(plans):
         level = config.levels_of(model)[step]
         run_level = LoadRun(conn, model=model, payloads=payloads, batch=config.batch, meter=shared,
                             measurement=config.measurement, on_window=_bind(progress, model, level, bar),
-                            abort=abort, together=together)
+                            abort=abort, together=together, seed=arrivals_seed(config.run_seed, model_index, step))
         runs.append(run_level)
         tasks.append(asyncio.create_task(run_level.run(level)))
 
@@ -407,7 +423,8 @@ async def _prepare(conn: Connection, config: SessionConfig) -> list[tuple[str, l
 def _payloads(meta: ModelMeta, config: SessionConfig) -> list[dict[str, NDArray[Any]]]:
     names = {t.name for t in meta.inputs}
     shapes = {name: dims for name, dims in config.shapes.items() if name in names}
-    return build_payloads(meta, config.batch, config.input_data, shapes)
+    index = config.models.index(meta.name) if meta.name in config.models else 0
+    return build_payloads(meta, config.batch, config.input_data, shapes, inputs_seed(config.run_seed, index))
 
 
 async def _validated(conn: Connection, meta: ModelMeta, config: SessionConfig,

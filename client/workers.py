@@ -7,7 +7,9 @@ error counts added (client.stats.Tally). A worker answers "swap" as soon as its 
 boundary is a worker's a few hundred microseconds after the parent's.
 
 Closed loop: concurrency C split as evenly as possible (C >= N). Open loop: each worker sends at
-rate/N, the constant schedules interleaved (worker i starts i/rate later), Poisson ones seeded apart.
+rate/N, the constant schedules interleaved (worker i starts i/rate later), Poisson ones drawn from
+independent seeds (worker i's is `client.arrivals.child(seed, i)`), so their merge is a Poisson stream at
+the total rate (`merged_send_times_ns`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,11 @@ from dataclasses import replace
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from client.engine import LoadLevel, LoadRun, Measurement
+import numpy as np
+from numpy.typing import NDArray
+
+from client.arrivals import child
+from client.engine import Distribution, LoadLevel, LoadRun, Measurement, send_times_ns
 from client.errors import PerfClientError
 from client.power import NoMeter
 from client.protocol import Connection, Prepared, Protocol
@@ -57,8 +63,25 @@ def shares(level: LoadLevel, processes: int) -> list[tuple[LoadLevel, float]]:
     assert level.request_rate is not None
     rate = level.request_rate / processes
     inflight = max(level.max_inflight // processes, 1)
-    return [(replace(level, request_rate=rate, max_inflight=inflight), i * 1e9 / level.request_rate)
-            for i in range(processes)]
+    # Independent Poisson streams need no phase: a shift would only delay the first few sends.
+    step_ns = 0.0 if level.distribution is Distribution.POISSON else 1e9 / level.request_rate
+    return [(replace(level, request_rate=rate, max_inflight=inflight), i * step_ns) for i in range(processes)]
+
+
+def merged_send_times_ns(level: LoadLevel, processes: int, seed: np.random.SeedSequence,
+                         until_ns: float) -> NDArray[np.float64]:
+    """The send times (ns after the start) of every worker's open-loop schedule before `until_ns`, merged
+    and sorted: what `processes` workers of a ProcessPool seeded `seed` send (with processes == 1, the one
+    loop of a LoadRun seeded `seed`; no server needed)."""
+    times: list[float] = []
+    plans = shares(level, processes) if processes > 1 else [(level, 0.0)]
+    for index, (worker_level, offset_ns) in enumerate(plans):
+        worker_seed = child(seed, index) if processes > 1 else seed
+        for at in send_times_ns(worker_level, worker_seed, offset_ns):
+            if at >= until_ns:
+                break
+            times.append(at)
+    return np.sort(np.asarray(times, dtype=np.float64))
 
 
 def merge_tallies(tallies: Sequence[Tally]) -> Tally:
@@ -79,21 +102,24 @@ class ProcessPool:
     """N worker processes for one level on one model (client.engine.WorkerPool)."""
 
     def __init__(self, processes: int, *, protocol: Protocol, url: str, timeout_s: float, model: str,
-                 payloads: Sequence[Prepared], batch: int) -> None:
+                 payloads: Sequence[Prepared], batch: int, seed: np.random.SeedSequence | None = None) -> None:
+        """`seed`: the level's arrivals; worker i draws from `child(seed, i)` (None: seed 0's children)."""
         self.processes = processes
+        self.seed = seed if seed is not None else np.random.SeedSequence(0)
         self._args = (str(protocol), url, timeout_s, model, list(payloads), batch)
         self._pipes: list[multiprocessing.connection.Connection] = []
         self._procs: list[BaseProcess] = []
 
     async def start(self, level: LoadLevel) -> None:
         context = multiprocessing.get_context("spawn")  # no fork of a process with threads and an event loop
-        for worker_level, offset_ns in shares(level, self.processes):
-            parent, child = context.Pipe()
-            proc = context.Process(target=_worker_main, args=(child, *self._args, worker_level, offset_ns),
+        for index, (worker_level, offset_ns) in enumerate(shares(level, self.processes)):
+            parent, end = context.Pipe()
+            proc = context.Process(target=_worker_main,
+                                   args=(end, *self._args, worker_level, offset_ns, child(self.seed, index)),
                                    name="perfclient-worker", daemon=True)
             with _signals_ignored():
                 proc.start()
-            child.close()
+            end.close()
             self._pipes.append(parent)
             self._procs.append(proc)
         replies = await self._ask("started", timeout_s=_START_TIMEOUT_S)
@@ -175,7 +201,8 @@ def _signals_ignored() -> Iterator[None]:
 
 
 def _worker_main(pipe: multiprocessing.connection.Connection, protocol: str, url: str, timeout_s: float,
-                 model: str, payloads: list[Prepared], batch: int, level: LoadLevel, offset_ns: float) -> None:
+                 model: str, payloads: list[Prepared], batch: int, level: LoadLevel, offset_ns: float,
+                 seed: np.random.SeedSequence) -> None:
     import uvloop
 
     # Ctrl-C in a terminal (and a SIGTERM sent to the process group) reaches the workers too: the parent
@@ -184,7 +211,8 @@ def _worker_main(pipe: multiprocessing.connection.Connection, protocol: str, url
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
-        uvloop.run(_serve(pipe, Protocol(protocol), url, timeout_s, model, payloads, batch, level, offset_ns))
+        uvloop.run(_serve(pipe, Protocol(protocol), url, timeout_s, model, payloads, batch, level, offset_ns,
+                          seed))
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which fails with it
         if not isinstance(exc, PerfClientError):  # the frames do not cross the pipe: their text does
             exc.add_note("in worker process:\n" + "".join(traceback.format_exception(exc)).rstrip())
@@ -193,7 +221,8 @@ def _worker_main(pipe: multiprocessing.connection.Connection, protocol: str, url
 
 
 async def _serve(pipe: multiprocessing.connection.Connection, protocol: Protocol, url: str, timeout_s: float,
-                 model: str, payloads: list[Prepared], batch: int, level: LoadLevel, offset_ns: float) -> None:
+                 model: str, payloads: list[Prepared], batch: int, level: LoadLevel, offset_ns: float,
+                 seed: np.random.SeedSequence) -> None:
     loop = asyncio.get_running_loop()
     commands: asyncio.Queue[str] = asyncio.Queue()
 
@@ -208,7 +237,7 @@ async def _serve(pipe: multiprocessing.connection.Connection, protocol: Protocol
     loop.add_reader(pipe.fileno(), receive)
     async with await Connection.open(protocol, url, timeout_s=timeout_s) as conn:
         run = LoadRun(conn, model=model, payloads=payloads, batch=batch, meter=NoMeter("worker process"),
-                      measurement=Measurement())
+                      measurement=Measurement(), seed=seed)
         drivers = run.start_drivers(level, offset_ns=offset_ns)
         try:
             while True:

@@ -70,8 +70,8 @@ def test_one_model_is_one_document_several_are_runs(tmp_path: Path) -> None:
     two = json.loads((tmp_path / "two.json").read_text())
     assert [d["model"] for d in two["runs"]] == ["a", "b"] and all(d["error"] == "stopped" for d in two["runs"])
     empty = documents(config, [], error="stopped")
-    assert empty == [{"model": "a", "protocol": "grpc", "url": "h:8001", "batch_size": 2, "results": [],
-                      "error": "stopped"}]
+    assert empty == [{"model": "a", "protocol": "grpc", "url": "h:8001", "batch_size": 2, "seed": config.seed,
+                      "results": [], "error": "stopped"}]
 
 
 def test_csv_has_perf_analyzers_verbose_columns(tmp_path: Path) -> None:
