@@ -24,6 +24,7 @@ from client.session import WHOLE_RUN, ModelResult, SessionConfig, measure, run
 from client.stats import Tally, Window
 from client.workers import merge_tallies, shares
 from tests.helpers.servers import Endpoints, PrivateServer
+from tests.helpers.waiting import wait_until_async
 
 
 def config(url: str, quick: Measurement, **changes: Any) -> SessionConfig:
@@ -242,6 +243,47 @@ def test_a_slow_metrics_endpoint_does_not_delay_requests(endpoints: Endpoints) -
     assert worst < 150_000
     assert abs(float(np.median(p50s["slow"])) - float(np.median(p50s["none"]))) < 1_000  # µs
     assert SlowMetrics.joules > 0
+
+
+def test_opening_the_meter_leaves_the_event_loop_serving(endpoints: Endpoints, quick: Measurement) -> None:
+    """The Triton meter's first read (a blocking HTTP GET) is answered only once another coroutine of the run's
+    event loop releases it: only a read off the loop gets its answer before its own 2 s timeout."""
+    asked, released = threading.Event(), threading.Event()
+
+    class HeldMetrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            asked.set()
+            released.wait(10)
+            body = b'nv_energy_consumption{gpu_uuid="GPU-test"} 1.0\n'
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), HeldMetrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
+
+    async def go() -> list[ModelResult]:
+        async def release_once_asked() -> None:
+            await wait_until_async(asked.is_set, what="the meter's first read", timeout_s=60)
+            released.set()
+
+        rows, _ = await asyncio.gather(
+            measure(config(endpoints.grpc, quick, levels=(LoadLevel(concurrency=1),),
+                           power_source=PowerSource.TRITON, metrics_url=url)),
+            release_once_asked())
+        return rows
+
+    try:
+        (row,) = asyncio.run(go())
+    finally:
+        released.set()
+        server.shutdown()
+    assert row.result.power.source is PowerSource.TRITON, row.result.power.reason
 
 
 @pytest.mark.parametrize(
