@@ -3,19 +3,23 @@ at a time, and another build's staging left alone."""
 
 from __future__ import annotations
 
+import fcntl
+import json
+import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
 from builder.errors import BuilderError
-from builder.repository.lock import repository_lock
+from builder.repository.lock import LOCK_FILE, repository_lock
 from builder.repository.staging import Staging, exchange
 from tests.helpers.tiny_models import mlp_onnx
+from tests.helpers.waiting import wait_until
 
 
 def _stage(repository: Path, name: str, content: str) -> Staging:
@@ -81,33 +85,6 @@ def test_an_unusable_repository_is_one_line(tmp_path: Path) -> None:
         pass
 
 
-HOLD = """
-import sys, time
-from pathlib import Path
-from builder.repository.lock import repository_lock
-with repository_lock(Path(sys.argv[1]), what="the build of holder"):
-    print("held", flush=True)
-    time.sleep(float(sys.argv[2]))
-"""
-
-
-def test_a_second_writer_fails_naming_the_holder_or_waits_for_it(tmp_path: Path) -> None:
-    repository = tmp_path / "repo"
-    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(repository), "2"], stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
-        busy = rf"being written by the build of holder \(pid {holder.pid}, "
-        with pytest.raises(BuilderError, match=busy), repository_lock(repository, what="test", wait=False):
-            pass
-        started = time.monotonic()
-        with repository_lock(repository, what="test", wait=True, timeout_s=30):
-            waited = time.monotonic() - started
-        assert waited > 1.0  # the holder kept it 2 s after saying so: this writer waited for it
-    finally:
-        holder.kill()
-        holder.wait()
-
-
 HOLD_UNTIL_TOLD = """
 import sys
 from pathlib import Path
@@ -116,6 +93,74 @@ with repository_lock(Path(sys.argv[1]), what="the build of holder"):
     print("held", flush=True)
     sys.stdin.readline()
 """
+
+
+def test_a_second_writer_fails_naming_the_holder_or_waits_for_it(tmp_path: Path,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    repository = tmp_path / "repo"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_UNTIL_TOLD, str(repository)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    told = threading.Event()  # set just before the holder is told to let go
+    took_it_after_told: list[bool] = []
+
+    def second_writer() -> None:
+        with repository_lock(repository, what="test", wait=True, timeout_s=120):
+            took_it_after_told.append(told.is_set())
+
+    waiter = threading.Thread(target=second_writer, daemon=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        busy = rf"being written by the build of holder \(pid {holder.pid}, "
+        with pytest.raises(BuilderError, match=busy), repository_lock(repository, what="test", wait=False):
+            pass
+        caplog.set_level(logging.WARNING, logger="builder")
+        waiter.start()
+        wait_until(lambda: any(f"waiting for the build of holder (pid {holder.pid}," in r.getMessage()
+                               for r in caplog.records), what="the second writer saying whom it waits for")
+        assert took_it_after_told == []  # waiting, not writing
+        told.set()
+        assert holder.stdin is not None
+        holder.stdin.write("go\n")
+        holder.stdin.flush()
+        waiter.join(timeout=120)
+        assert took_it_after_told == [True]  # it wrote only once the holder had let go
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def _read_lines(proc: subprocess.Popen[str], lines: list[str], event: threading.Event, text: str) -> threading.Thread:
+    """A thread collecting `proc`'s stderr into `lines`, setting `event` at the first line holding `text`."""
+    def read() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            lines.append(line)
+            if text in line:
+                event.set()
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    return thread
+
+
+def _lock_holder_pid(repository: Path) -> int | None:
+    """The pid the lock file names (written by each holder once it has the lock); None before any."""
+    try:
+        return int(json.loads((repository / LOCK_FILE).read_text() or "{}")["pid"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _locked(repository: Path) -> bool:
+    """Whether some process holds the repository's lock now (a probe that lets go at once if it got it)."""
+    fd = os.open(repository / LOCK_FILE, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
 
 
 def _build(onnx_path: Path, repository: Path, name: str) -> subprocess.Popen[str]:
@@ -131,18 +176,48 @@ def _assert_both_landed(repository: Path) -> None:
     assert not [p for p in repository.iterdir() if p.name.startswith((".staging-", ".trash-"))]
 
 
-@pytest.mark.parametrize("offset_s", [0.0, 0.3, 2.0])
-def test_two_builds_into_one_repository_at_once_both_land(tmp_path: Path, offset_s: float) -> None:
-    # Whether these two overlap depends on the machine's load (start-up takes longer than the build):
-    # the property is that both land, whatever the interleaving.
+def test_two_builds_started_at_once_both_land(tmp_path: Path) -> None:
+    # How these two interleave is up to the machine (start-up takes longer than the build): whatever it is,
+    # both land. The test below makes one of them find the other writing, for certain.
+    onnx_path = mlp_onnx(tmp_path / "mlp.onnx")
+    repository = tmp_path / "repo"
+    builds = [_build(onnx_path, repository, name) for name in ("first", "second")]
+    for proc in builds:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err
+    _assert_both_landed(repository)
+
+
+def test_a_build_started_while_another_writes_waits_for_it_and_both_land(tmp_path: Path) -> None:
+    # The first build is stopped (SIGSTOP) while it holds the lock, mid-build: the second must find the
+    # repository being written, say whom it waits for, and land after the first once that one goes on.
     onnx_path = mlp_onnx(tmp_path / "mlp.onnx")
     repository = tmp_path / "repo"
     first = _build(onnx_path, repository, "first")
-    time.sleep(offset_s)
-    second = _build(onnx_path, repository, "second")
-    for proc in (first, second):
-        _, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0, err
+    builds = [first]
+    try:
+        wait_until(lambda: _lock_holder_pid(repository) == first.pid, what="the first build holding the lock",
+                   timeout_s=120)
+        os.kill(first.pid, signal.SIGSTOP)
+        assert _locked(repository), "the premise: the first build, stopped, still holds the lock"
+        second = _build(onnx_path, repository, "second")
+        builds.append(second)
+        lines: list[str] = []
+        waiting = threading.Event()
+        reader = _read_lines(second, lines, waiting, f"waiting for the build of first (pid {first.pid},")
+        assert waiting.wait(timeout=120), lines
+        assert second.poll() is None and not (repository / "second_fp32").exists()
+        os.kill(first.pid, signal.SIGCONT)
+        _, err = first.communicate(timeout=300)
+        assert first.returncode == 0, err
+        assert second.wait(timeout=300) == 0, lines
+        reader.join(timeout=10)
+    finally:
+        for proc in builds:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGCONT)
+                proc.kill()
+            proc.wait()
     _assert_both_landed(repository)
 
 
@@ -157,18 +232,8 @@ def test_builds_that_find_the_repository_being_written_wait_say_so_and_land(tmp_
         builds = [_build(onnx_path, repository, name) for name in ("first", "second")]
         lines: list[list[str]] = [[], []]
         waiting = [threading.Event(), threading.Event()]
-
-        def read(index: int) -> None:
-            stream = builds[index].stderr
-            assert stream is not None
-            for line in stream:
-                lines[index].append(line)
-                if "waiting for the build of holder" in line:
-                    waiting[index].set()
-
-        readers = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(2)]
-        for reader in readers:
-            reader.start()
+        readers = [_read_lines(build, lines[i], waiting[i], "waiting for the build of holder")
+                   for i, build in enumerate(builds)]
         for index, event in enumerate(waiting):
             assert event.wait(timeout=120), lines[index]
         assert not any((repository / name).exists() for name in ("first_fp32", "second_fp32"))
