@@ -59,38 +59,50 @@ class VariantCheck:
     expected: Mapping[str, NDArray[Any]]
 
 
-def _infer(
-    protocol: Protocol, url: str, model: str, feed: dict[str, NDArray[Any]], outputs: list[str],
-    key: str | None = None,
-) -> dict[str, NDArray[Any]]:
-    client: Any
-    if protocol is Protocol.GRPC:
-        import tritonclient.grpc as tc
+class _Client:
+    """One tritonclient client of one protocol, for every request of a variant (a client per request costs a
+    connection each, and with gRPC a channel); closed on leaving the `with` block."""
 
-        client = tc.InferenceServerClient(url=url)
-        call_options: dict[str, Any] = {"client_timeout": REQUEST_TIMEOUT_S}
-    else:
-        import tritonclient.http as tc
+    def __init__(self, protocol: Protocol, url: str, key: str | None = None) -> None:
+        self.protocol, self.url = protocol, url
+        self.client: Any
+        self.options: dict[str, Any]
+        if protocol is Protocol.GRPC:
+            import tritonclient.grpc as grpc_tc
 
-        client = tc.InferenceServerClient(url=url, connection_timeout=REQUEST_TIMEOUT_S,
-                                          network_timeout=REQUEST_TIMEOUT_S)
-        call_options = {}
-    inputs = []
-    for name, array in feed.items():
-        array = array.reshape(1) if array.ndim == 0 else array  # config.pbtxt declares a scalar [1]
-        item = tc.InferInput(name, list(array.shape), triton_datatype(array.dtype))
-        item.set_data_from_numpy(array)
-        inputs.append(item)
-    requested = [tc.InferRequestedOutput(n) for n in outputs]
-    try:
+            self.tc: Any = grpc_tc
+            self.client = grpc_tc.InferenceServerClient(url=url)
+            self.options = {"client_timeout": REQUEST_TIMEOUT_S}
+        else:
+            import tritonclient.http as http_tc
+
+            self.tc = http_tc
+            self.client = http_tc.InferenceServerClient(url=url, connection_timeout=REQUEST_TIMEOUT_S,
+                                                        network_timeout=REQUEST_TIMEOUT_S)
+            self.options = {}
         if key:  # a server whose restricted APIs need the admin key (client.admin_key)
-            call_options["headers"] = {key_header(str(protocol)): key}
-        result = client.infer(model, inputs, outputs=requested, **call_options)
-        return {n: result.as_numpy(n) for n in outputs}
-    except (InferenceServerException, OSError) as exc:  # the server's answer, or no connection
-        raise ServerError(f"{model}: {protocol} request to {url} failed: {str(exc).strip()[:200]}") from exc
-    finally:
-        client.close()
+            self.options["headers"] = {key_header(str(protocol)): key}
+
+    def __enter__(self) -> _Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.client.close()
+
+    def infer(self, model: str, feed: dict[str, NDArray[Any]], outputs: list[str]) -> dict[str, NDArray[Any]]:
+        inputs = []
+        for name, array in feed.items():
+            array = array.reshape(1) if array.ndim == 0 else array  # config.pbtxt declares a scalar [1]
+            item = self.tc.InferInput(name, list(array.shape), triton_datatype(array.dtype))
+            item.set_data_from_numpy(array)
+            inputs.append(item)
+        requested = [self.tc.InferRequestedOutput(n) for n in outputs]
+        try:
+            result = self.client.infer(model, inputs, outputs=requested, **self.options)
+            return {n: result.as_numpy(n) for n in outputs}
+        except (InferenceServerException, OSError) as exc:  # the server's answer, or no connection
+            raise ServerError(f"{model}: {self.protocol} request to {self.url} failed: {str(exc).strip()[:200]}"
+                              ) from exc
 
 
 def check_variant(repository: Path, name: str, samples: dict[str, NDArray[Any]], urls: Mapping[Protocol, str],
@@ -110,14 +122,14 @@ def check_variant(repository: Path, name: str, samples: dict[str, NDArray[Any]],
     for protocol, url in urls.items():
         worst = 0.0
         ok = True
-        for index, feed in enumerate(samples_mod.feeds(samples, step)):
-            got = _infer(protocol, url, name, {k: np.ascontiguousarray(v) for k, v in feed.items()}, outputs,
-                         key)
-            for out in outputs:
-                want = expected[out][index * batch : (index + 1) * batch] if step else expected[out][index]
-                have = got[out].reshape(want.shape)  # a scalar output comes back as [1]
-                worst = max(worst, float(np.max(np.abs(have.astype(np.float64) - want), initial=0.0)))
-                ok = ok and bool(np.allclose(have, want, atol=ATOL, rtol=RTOL))
+        with _Client(protocol, url, key) as client:
+            for index, feed in enumerate(samples_mod.feeds(samples, step)):
+                got = client.infer(name, {k: np.ascontiguousarray(v) for k, v in feed.items()}, outputs)
+                for out in outputs:
+                    want = expected[out][index * batch : (index + 1) * batch] if step else expected[out][index]
+                    have = got[out].reshape(want.shape)  # a scalar output comes back as [1]
+                    worst = max(worst, float(np.max(np.abs(have.astype(np.float64) - want), initial=0.0)))
+                    ok = ok and bool(np.allclose(have, want, atol=ATOL, rtol=RTOL))
         results.append(VerifyResult(name, protocol, count, worst, ok, source))
     return VariantCheck(name, tuple(results), dict(samples), dict(expected))
 
