@@ -28,6 +28,7 @@ from builder.spec import (
     parse_precisions,
     variant_name,
 )
+from builder.spec.enums import GuardSensitivity
 from builder.spec.names import name_from_path
 from builder.spec.shapes import DEFAULT_BATCH, Shape, ShapeRange, combine, parse_shapes, parse_value_range
 from client import progress
@@ -64,6 +65,9 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--all-or-nothing", action="store_true",
                        help="write nothing unless every variant passes (default: write each variant that "
                             "passes, list those that fail, exit 1)")
+        p.add_argument("--guard-sensitivity", default=GuardSensitivity.ONE_PASS.value,
+                       help="how the accuracy guards rank nodes: one-pass (one run of the FP32 and the converted "
+                            "graph) or exhaustive (one conversion per node; slow); default: one-pass")
         p.add_argument("--log", type=Path, default=None, metavar="FILE",
                        help="build log: every library's output and our debug lines "
                             "(default: .logs/build-<UTC time>-<pid>.log)")
@@ -297,6 +301,8 @@ def _build(args: argparse.Namespace, specs: list[ModelSpec]) -> int:
     ).check()
     options = BuildOptions(repository=args.repository, force=args.force, wait=not args.no_wait,
                            all_or_nothing=args.all_or_nothing,
+                           guard_sensitivity=GuardSensitivity.parse(args.guard_sensitivity, "--guard-sensitivity",
+                                                                    error=ManifestError),
                            runtime=select(runtime_choice, serving_backend=serving_backend, trt_options=trt_options,
                                           cuda_options=CudaOptions(cudnn_conv_algo_search=args.cudnn_conv_algo_search,
                                                                    cuda_graphs=not args.no_cuda_graphs,

@@ -25,7 +25,7 @@ from builder.repository.lock import repository_lock
 from builder.repository.model_folder import read_record
 from builder.repository.staging import Staging
 from builder.runtimes.base import Runtime
-from builder.spec.enums import Precision
+from builder.spec.enums import GuardSensitivity, Precision
 from builder.spec.model import ModelSpec
 from builder.spec.names import variant_name
 from builder.spec.settings import default_cache_dir
@@ -54,6 +54,8 @@ class BuildOptions:
     # True: the first failure stops the build and nothing is written (for CI pipelines that want it);
     # False: every variant that passes is written, each on its own, and failures are listed.
     all_or_nothing: bool = False
+    # How the accuracy guards rank nodes: one pass over both graphs, or one conversion per node.
+    guard_sensitivity: GuardSensitivity = GuardSensitivity.ONE_PASS
 
 
 class ModelStatus(Choice):
@@ -259,6 +261,7 @@ def build_model(spec: ModelSpec, options: BuildOptions, staging: Staging) -> Mod
             reference=reference, build_key=key,
             inputs_record=inputs_record, work=work, cache_dir=options.cache_dir, repository=options.repository,
             shapes=shapes, other_levels=_other_levels(spec, sig, shapes, fp32_path, eval_batch, what),
+            guard_sensitivity=options.guard_sensitivity,
         )
         variants: list[VariantResult] = []
         failures: list[VariantFailure] = []

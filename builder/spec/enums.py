@@ -42,3 +42,12 @@ class RuntimeChoice(Choice):
     ONNXRUNTIME = "onnxruntime"
     ONNXRUNTIME_CUDA = "onnxruntime-cuda"  # ONNX Runtime's CUDA provider (onnxruntime-gpu)
     TENSORRT = "tensorrt"
+
+
+class GuardSensitivity(Choice):
+    """How the accuracy guards rank nodes before their search (steps/sensitivity.py)."""
+
+    # One run of the FP32 graph and one of the fully converted graph; nodes ranked by the error each adds.
+    ONE_PASS = "one-pass"
+    # One full conversion per node (quantized or converted alone), measured with the accuracy gate's figure.
+    EXHAUSTIVE = "exhaustive"

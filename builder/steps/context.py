@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from builder.runtimes.base import CompileTarget, Outputs, Runtime
-from builder.spec.enums import Precision
+from builder.spec.enums import GuardSensitivity, Precision
 from builder.spec.model import ModelSpec
 from builder.spec.names import variant_name
 from builder.spec.shapes import ModelShapes, for_model
@@ -20,6 +20,7 @@ from builder.steps.fp16_guard import Fp16GuardReport
 from builder.steps.guard import GuardReport
 from builder.steps.onnx_model import Signature
 from builder.steps.precision import CalibrationResult
+from builder.steps.resources import StepLog
 from builder.steps.samples import Samples
 
 # Batch used to run held-out samples through each variant during the accuracy check.
@@ -47,6 +48,8 @@ class ModelContext:
     # Without the user's data: synthetic samples at the min and max shapes too (the evaluation set is
     # at the opt shape), each with its FP32 reference; every variant is measured on all of them.
     other_levels: tuple[tuple[Samples, Outputs], ...] = ()
+    # How the accuracy guards rank nodes before their search (BuildOptions.guard_sensitivity).
+    guard_sensitivity: GuardSensitivity = GuardSensitivity.ONE_PASS
 
     @property
     def input_shapes(self) -> ModelShapes:
@@ -81,6 +84,7 @@ class VariantContext:
     metrics: Metrics | None = None
     guard: GuardReport | None = None
     fp16_guard: Fp16GuardReport | None = None
+    steps: StepLog = field(default_factory=StepLog)  # each step's time and peak RSS so far
 
     @property
     def name(self) -> str:

@@ -4,9 +4,12 @@ types, or the range thresholds) that must stay in FP32, modelled on the INT8 gua
 ModelOpt autocast's levers: `nodes_to_exclude`, `op_types_to_exclude`, and `data_max` / `init_max` (a
 node whose data or initializers exceed them on the calibration feeds stays in FP32).
 
-1. Sensitivity: convert each FP16 node *alone* to FP16 (every other one kept in FP32) and measure how
-   far that variant moves from FP32 on the held-out inputs. A large graph is narrowed first: each op
-   type alone, then the nodes of the most damaging types, at most NODE_BUDGET of them.
+1. Sensitivity, one of two ways (GuardSensitivity):
+   - one-pass (the default): run the FP32 graph and the plain FP16 graph once on the held-out inputs and
+     rank every FP16 node by the error it adds (steps/sensitivity.py); no extra conversion.
+   - exhaustive: convert each FP16 node *alone* to FP16 (every other one kept in FP32) and measure how
+     far that variant moves from FP32 on the held-out inputs. A large graph is narrowed first: each op
+     type alone, then the nodes of the most damaging types, at most NODE_BUDGET of them.
 2. Search: keep the most sensitive nodes in FP32, k = 1, 2, 4, ... (up to half of the FP16 nodes) until
    the variant meets its tolerance, then bisect to the smallest such k. Every candidate is a real
    conversion checked with the real tolerance.
@@ -31,12 +34,15 @@ import onnx
 from numpy.typing import NDArray
 
 from builder.errors import ToolError
-from builder.spec.enums import Precision
+from builder.spec.enums import GuardSensitivity, Precision
 from builder.spec.model import Tolerance
 from builder.steps import accuracy
 from builder.steps.accuracy import Metrics
-from builder.steps.onnx_model import copy_model, save
+from builder.steps.fp16_cache import cached_conversion, feeds_digest, fp16_key
+from builder.steps.onnx_model import copy_model, save, sha256_model
 from builder.steps.precision import Fp16Settings, to_fp16
+from builder.steps.resources import peak_rss_mib
+from builder.steps.sensitivity import FIGURES, SensitivityRecord, one_pass
 from client import progress
 
 log = logging.getLogger(__name__)
@@ -120,6 +126,8 @@ class Fp16GuardReport:
     most_sensitive: list[NodeSensitivity] = field(default_factory=list)
     op_type_damage: dict[str, float | None] = field(default_factory=dict)  # None: autocast refused
     seconds: float = 0.0
+    sensitivity: SensitivityRecord | None = None  # how the nodes were ranked, in what time and memory
+    cached_conversions: int = 0  # of `conversions`, how many came from the cache (steps/fp16_cache.py)
 
 
 @dataclass
@@ -165,9 +173,13 @@ def _rank(done: tuple[Metrics, Path, int] | ToolError) -> tuple[float, float]:
 
 
 def guard(convert: Convert, evaluate: Evaluate, *, plain: Path, tolerance: Tolerance, work: Path,
-          max_fp32_fraction: float = 0.5) -> tuple[Fp16GuardReport, Path | None]:
+          max_fp32_fraction: float = 0.5, method: GuardSensitivity = GuardSensitivity.EXHAUSTIVE,
+          fp32: Path | None = None, evaluation: Mapping[str, NDArray[Any]] | None = None,
+          batch_size: int | None = None) -> tuple[Fp16GuardReport, Path | None]:
     """Search settings under which the FP16 variant meets `tolerance`; return the report and the model's
-    path (None: nothing met it, fall back to FP32). `convert(settings, out)` writes one FP16 variant."""
+    path (None: nothing met it, fall back to FP32). `convert(settings, out)` writes one FP16 variant.
+    `method` ONE_PASS needs `fp32` (the graph `plain` was converted from, with the same node names) and the
+    held-out `evaluation` samples, run `batch_size` at a time (None: each sample whole)."""
     started = time.perf_counter()
     search = _Search(convert, evaluate, tolerance, work)
     before = evaluate(plain)
@@ -176,10 +188,17 @@ def guard(convert: Convert, evaluate: Evaluate, *, plain: Path, tolerance: Toler
     candidates = fp16_nodes(plain_model)
     log.debug("FP16 guard: %d nodes compute in FP16; measuring their sensitivity", len(candidates))
 
-    # 1. Sensitivity, narrowed by op type on a large graph.
+    # 1. Sensitivity: one pass, or one conversion per node (narrowed by op type on a large graph).
     type_damage: dict[str, float] = {}
     measured = candidates
-    if len(candidates) > NODE_BUDGET:
+    ranking_started = time.perf_counter()
+    sensitivity: dict[str, tuple[float, float]] = {}
+    if method is GuardSensitivity.ONE_PASS:
+        if fp32 is None or evaluation is None:
+            raise AssertionError("one-pass sensitivity needs the FP32 graph and the held-out samples")
+        added = one_pass(fp32, plain, candidates, evaluation, batch_size, what="FP16 guard")
+        sensitivity = {node: (added[node], 0.0) for node in candidates}
+    elif len(candidates) > NODE_BUDGET:
         op_types = sorted({op_of[n] for n in candidates})
         for index, op_type in enumerate(op_types):
             others = tuple(t for t in op_types if t != op_type)
@@ -191,16 +210,21 @@ def guard(convert: Convert, evaluate: Evaluate, *, plain: Path, tolerance: Toler
             if measured and len(measured) + len(of_type) > NODE_BUDGET:
                 break
             measured.extend(of_type[: NODE_BUDGET - len(measured)])
-    sensitivity: dict[str, tuple[float, float]] = {}
-    with progress.task("FP16 guard: sensitivity, one node in FP16 at a time", total=len(measured)) as bar:
-        for index, node in enumerate(measured):
-            others = tuple(n for n in candidates if n != node)
-            # data_max = inf skips autocast's reference run (the costly part on a large graph): every
-            # other node is excluded by name, and this one is within the thresholds (plain FP16 has it).
-            sensitivity[node] = _rank(search.run(Fp16Settings(nodes_to_exclude=others, data_max=math.inf),
-                                                 f"node_alone_{index}"))
-            bar.advance(status=node)
+    if method is GuardSensitivity.EXHAUSTIVE:
+        with progress.task("FP16 guard: sensitivity, one node in FP16 at a time", total=len(measured)) as bar:
+            for index, node in enumerate(measured):
+                others = tuple(n for n in candidates if n != node)
+                # data_max = inf skips autocast's reference run (the costly part on a large graph): every
+                # other node is excluded by name, and this one is within the thresholds (plain FP16 has it).
+                sensitivity[node] = _rank(search.run(Fp16Settings(nodes_to_exclude=others, data_max=math.inf),
+                                                     f"node_alone_{index}"))
+                bar.advance(status=node)
+    ranked_in, ranked_rss = round(time.perf_counter() - ranking_started, 2), peak_rss_mib()
     order = sorted(measured, key=lambda n: sensitivity[n], reverse=True)
+
+    def ranking(kept: int | None) -> SensitivityRecord:
+        return SensitivityRecord(method, FIGURES[method], len(measured), ranked_in, kept, ranked_rss)
+
     if not type_damage:
         for node in measured:
             type_damage[op_of[node]] = max(type_damage.get(op_of[node], 0.0), sensitivity[node][0])
@@ -263,34 +287,53 @@ def guard(convert: Convert, evaluate: Evaluate, *, plain: Path, tolerance: Toler
     if found is None:
         log.warning("FP16 guard: no FP16 mix meets the tolerance (%d conversions)", search.conversions)
         return Fp16GuardReport([], [], {}, Precision.FP32, before, None, len(candidates), 0, search.conversions,
-                               search.attempts, top, recorded_types, seconds), None
+                               search.attempts, top, recorded_types, seconds, ranking(None)), None
     settings, after, path, count = found
     log.info("FP16 guard: kept in FP32: %s; %d of %d nodes still in FP16",
              ", ".join(settings.nodes_to_exclude or settings.op_types_to_exclude)
              or f"nodes beyond data_max={settings.data_max:g}", count, len(candidates))
     return Fp16GuardReport(list(settings.nodes_to_exclude), list(settings.op_types_to_exclude), settings.record(),
                            None, before, after, len(candidates), count, search.conversions, search.attempts, top,
-                           recorded_types, seconds), path
+                           recorded_types, seconds, ranking(len(candidates) - count)), path
 
 
 def guard_fp16(*, fp32_path: Path, feeds: Sequence[Mapping[str, NDArray[Any]]], variant_onnx: Path,
-               evaluate: Evaluate, tolerance: Tolerance, what: str, work: Path) -> Fp16GuardReport:
-    """Replace variant_onnx by the guarded FP16 mix, or by the FP32 model when none meets the tolerance."""
+               evaluate: Evaluate, tolerance: Tolerance, what: str, work: Path,
+               evaluation: Mapping[str, NDArray[Any]] | None = None, batch_size: int | None = None,
+               method: GuardSensitivity = GuardSensitivity.ONE_PASS, cache_dir: Path | None = None) -> Fp16GuardReport:
+    """Replace variant_onnx by the guarded FP16 mix, or by the FP32 model when none meets the tolerance.
+    `evaluation` (held-out samples, run `batch_size` at a time) is what one-pass sensitivity runs on; with
+    `cache_dir`, each conversion is reused from an earlier run with the same inputs (steps/fp16_cache.py)."""
     folder = work / "fp16_guard"
     folder.mkdir(exist_ok=True)
     named = named_copy(fp32_path, folder / "fp32_named.onnx")
+    named_sha, feeds_sha = sha256_model(named), feeds_digest(feeds)
+    reused = 0
 
     # How long the search runs depends on where the tolerance is met: a count of conversions, no total.
     with progress.task(f"FP16 guard: {what}") as bar:
 
         def convert(settings: Fp16Settings, out: Path) -> None:
-            to_fp16(named, out, feeds=feeds, what=what, settings=settings)
+            nonlocal reused
+
+            def make(path: Path) -> dict[str, object]:
+                return to_fp16(named, path, feeds=feeds, what=what, settings=settings)
+
+            if cache_dir is None:
+                make(out)
+            else:
+                key = fp16_key(fp32_sha=named_sha, feeds=feeds_sha, what_made_it=settings.record())
+                reused += cached_conversion(cache_dir, key, out, make)[1]
             bar.advance(status="FP16 conversions")
 
         # The plain variant again, from the named graph, so its node names are the ones exclusions match.
         plain = folder / "fp16_plain.onnx"
         convert(Fp16Settings(), plain)
-        report, guarded = guard(convert, evaluate, plain=plain, tolerance=tolerance, work=folder)
+        if method is GuardSensitivity.ONE_PASS and evaluation is None:
+            raise AssertionError("one-pass sensitivity needs the held-out samples")
+        report, guarded = guard(convert, evaluate, plain=plain, tolerance=tolerance, work=folder, method=method,
+                                fp32=named, evaluation=evaluation, batch_size=batch_size)
+    report.cached_conversions = reused
     if guarded is not None:
         copy_model(guarded, variant_onnx)
     else:

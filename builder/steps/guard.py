@@ -1,9 +1,13 @@
 """Accuracy-guarded INT8: when a quantized variant misses its tolerance, find the few nodes to keep
 in higher precision.
 
-1. Sensitivity: quantize each quantizable node *alone* (same recipe, same calibration data) and
-   measure how far that variant moves from FP32 on the held-out inputs (damage = 1 - mean cosine,
-   plus the top-1 disagreement for classifiers).
+1. Sensitivity, one of two ways (GuardSensitivity):
+   - one-pass (the default): run the FP32 graph and the plain INT8 graph once on the held-out inputs
+     and rank the quantized nodes by the error each adds (steps/sensitivity.py); no extra quantization.
+     Where its search finds no mix, the exhaustive ranking runs before INT8 is given up (escalated).
+   - exhaustive: quantize each quantizable node *alone* (same recipe, same calibration data) and
+     measure how far that variant moves from FP32 on the held-out inputs (damage = 1 - mean cosine,
+     plus the top-1 disagreement for classifiers): one full quantization per node.
 2. Search: exclude the most sensitive nodes from quantization, k = 1, 2, 4, ... until the variant
    meets its tolerance, then bisect down to the smallest such k. Every candidate is a real
    re-quantization checked with the real tolerance.
@@ -25,10 +29,12 @@ import onnx
 from numpy.typing import NDArray
 
 from builder.runtimes.onnxruntime import ort_throughput, run_file
-from builder.spec.enums import Precision, Task
+from builder.spec.enums import GuardSensitivity, Precision, Task
 from builder.spec.model import CalibrationSpec, Tolerance
 from builder.steps import accuracy, onnx_model, precision, samples
 from builder.steps.accuracy import Metrics
+from builder.steps.resources import peak_rss_mib
+from builder.steps.sensitivity import FIGURES, SensitivityRecord, one_pass
 from client import progress
 
 log = logging.getLogger(__name__)
@@ -43,18 +49,20 @@ class Attempt:
     excluded: int
     passes: bool
     metrics: Metrics
+    ranking: GuardSensitivity = GuardSensitivity.EXHAUSTIVE  # whose order the k nodes were taken from
 
 
 @dataclass
 class GuardResult:
     met: bool
     excluded: list[str]
-    sensitivity: dict[str, float]  # node -> damage when quantized alone
+    sensitivity: dict[str, float]  # node -> damage when quantized alone, or error added (one pass)
     before: Metrics
     after: Metrics | None
     quantizations: int  # how many quantized variants the analysis and search built
     searched: list[Attempt] = field(default_factory=list)
     seconds: float = 0.0
+    ranking: SensitivityRecord | None = None
 
 
 def quantized_nodes(model: onnx.ModelProto) -> list[str]:
@@ -76,8 +84,13 @@ def guard(
     work: Path,
     max_excluded_fraction: float = 0.5,
     batch_size: int | None = 16,
+    method: GuardSensitivity = GuardSensitivity.EXHAUSTIVE,
+    fp32: Path | None = None,
+    escalate: bool = True,
 ) -> tuple[GuardResult, Path | None]:
-    """Return the search's result and the path of the guarded INT8 ONNX (None: fall back to FP16)."""
+    """Return the search's result and the path of the guarded INT8 ONNX (None: fall back to FP16).
+    `method` ONE_PASS needs `fp32`, the graph `plain` was quantized from; with `escalate`, a one-pass ranking
+    whose search finds no mix is followed by the exhaustive ranking and its search."""
     started = time.perf_counter()
 
     def evaluate(path: Path) -> Metrics:
@@ -85,61 +98,104 @@ def guard(
 
     before = evaluate(plain)
     nodes = quantized_nodes(onnx.load(str(plain)))
-    log.debug("INT8 guard: %d quantized nodes; measuring each one's sensitivity", len(nodes))
-    sensitivity: dict[str, float] = {}
+    log.debug("INT8 guard: %d quantized nodes; measuring their sensitivity (%s)", len(nodes), method)
     builds = 0
-    with progress.task("INT8 guard: sensitivity, one node quantized at a time", total=len(nodes)) as bar:
-        for index, node in enumerate(nodes):
-            out = work / f"alone_{index}.onnx"
-            quantize(replace(spec, nodes_to_quantize=(node,), nodes_to_exclude=()), out)
-            builds += 1
-            sensitivity[node] = evaluate(out).damage()
-            bar.advance(status=node)
-    order = sorted(nodes, key=lambda n: sensitivity[n], reverse=True)
     searched: list[Attempt] = []
-    cache: dict[int, tuple[bool, Metrics, Path]] = {}
 
-    def attempt(k: int) -> tuple[bool, Metrics, Path]:
+    def rank(how: GuardSensitivity) -> dict[str, float]:
         nonlocal builds
-        if k not in cache:
-            out = work / f"exclude_{k}.onnx"
-            excluded = tuple(dict.fromkeys((*spec.nodes_to_exclude, *order[:k])))
-            quantize(replace(spec, nodes_to_exclude=excluded), out)
-            builds += 1
-            metrics = evaluate(out)
-            cache[k] = (accuracy.violation(metrics, tolerance, "candidate") is None, metrics, out)
-            searched.append(Attempt(k, cache[k][0], metrics))
-            search_bar.advance(status=f"{k} excluded: {'meets' if cache[k][0] else 'misses'} the tolerance")
-        return cache[k]
+        if how is GuardSensitivity.ONE_PASS:
+            if fp32 is None:
+                raise AssertionError("one-pass sensitivity needs the FP32 graph")
+            return sensitivity_one_pass(fp32, plain, nodes, evaluation, batch_size)
+        figures: dict[str, float] = {}
+        with progress.task("INT8 guard: sensitivity, one node quantized at a time", total=len(nodes)) as bar:
+            for index, node in enumerate(nodes):
+                out = work / f"alone_{index}.onnx"
+                quantize(replace(spec, nodes_to_quantize=(node,), nodes_to_exclude=()), out)
+                builds += 1
+                figures[node] = evaluate(out).damage()
+                bar.advance(status=node)
+        return figures
 
-    limit = max(1, int(len(order) * max_excluded_fraction))
-    k, found = 1, None
-    # The search's length depends on where the tolerance is met: a count of candidates, no total.
-    with progress.task("INT8 guard: searching the fewest nodes to keep unquantized", loop=True) as search_bar:
-        while k <= limit:
-            if attempt(k)[0]:
-                found = k
-                break
-            k *= 2
-        if found is None and limit not in cache and attempt(limit)[0]:
-            found = limit
-        if found is not None:
-            low = found // 2 + 1 if found > 1 else 1  # the largest failing k is found // 2
-            high = found
-            while low < high:
-                mid = (low + high) // 2
-                if attempt(mid)[0]:
-                    high = mid
-                else:
-                    low = mid + 1
-            found = high
+    limit = max(1, int(len(nodes) * max_excluded_fraction))
+
+    def search(order: list[str], how: GuardSensitivity) -> tuple[int | None, dict[int, tuple[bool, Metrics, Path]]]:
+        """The fewest of `order`'s first nodes to exclude for the tolerance: k = 1, 2, 4, ... then bisection."""
+        cache: dict[int, tuple[bool, Metrics, Path]] = {}
+
+        def attempt(k: int) -> bool:
+            nonlocal builds
+            if k not in cache:
+                out = work / f"exclude_{how.name.lower()}_{k}.onnx"
+                excluded = tuple(dict.fromkeys((*spec.nodes_to_exclude, *order[:k])))
+                quantize(replace(spec, nodes_to_exclude=excluded), out)
+                builds += 1
+                metrics = evaluate(out)
+                cache[k] = (accuracy.violation(metrics, tolerance, "candidate") is None, metrics, out)
+                searched.append(Attempt(k, cache[k][0], metrics, how))
+                search_bar.advance(status=f"{k} excluded: {'meets' if cache[k][0] else 'misses'} the tolerance")
+            return cache[k][0]
+
+        k, found = 1, None
+        # The search's length depends on where the tolerance is met: a count of candidates, no total.
+        with progress.task("INT8 guard: searching the fewest nodes to keep unquantized", loop=True) as search_bar:
+            while k <= limit:
+                if attempt(k):
+                    found = k
+                    break
+                k *= 2
+            if found is None and limit not in cache and attempt(limit):
+                found = limit
+            if found is not None:
+                low = found // 2 + 1 if found > 1 else 1  # the largest failing k is found // 2
+                high = found
+                while low < high:
+                    mid = (low + high) // 2
+                    if attempt(mid):
+                        high = mid
+                    else:
+                        low = mid + 1
+                found = high
+        return found, cache
+
+    ranking_started = time.perf_counter()
+    sensitivity = rank(method)
+    ranked_in = time.perf_counter() - ranking_started
+    order = sorted(nodes, key=lambda n: sensitivity[n], reverse=True)
+    found, cache = search(order, method)
+    escalated = found is None and method is GuardSensitivity.ONE_PASS and escalate
+    if escalated:
+        # The one-pass figure is first-order: it misses damage that only shows downstream of a tensor whose
+        # relative error an outlier channel hides, and ONNX Runtime's recipe rounds a tensor where its
+        # producer writes it too (excluding the consumer alone keeps that rounding). Before giving up on
+        # INT8, the exhaustive ranking decides.
+        log.info("INT8 guard: no mix in the one-pass ranking's first %d nodes meets the tolerance; ranking each "
+                 "node by quantizing it alone", limit)
+        ranking_started = time.perf_counter()
+        sensitivity = rank(GuardSensitivity.EXHAUSTIVE)
+        ranked_in += time.perf_counter() - ranking_started
+        order = sorted(nodes, key=lambda n: sensitivity[n], reverse=True)
+        found, cache = search(order, GuardSensitivity.EXHAUSTIVE)
+    figure = FIGURES[GuardSensitivity.EXHAUSTIVE if escalated else method]
+
+    def ranking(kept: int | None) -> SensitivityRecord:
+        return SensitivityRecord(method, figure, len(nodes), round(ranked_in, 2), kept, peak_rss_mib(), escalated)
+
     seconds = time.perf_counter() - started
     if found is None:
         log.warning("INT8 guard: no mix with up to %d of %d nodes excluded meets the tolerance", limit, len(order))
-        return GuardResult(False, [], sensitivity, before, None, builds, searched, seconds), None
+        return GuardResult(False, [], sensitivity, before, None, builds, searched, seconds, ranking(None)), None
     _, after, path = cache[found]
     log.info("INT8 guard: %d node(s) kept in higher precision: %s", found, ", ".join(order[:found]))
-    return GuardResult(True, order[:found], sensitivity, before, after, builds, searched, seconds), path
+    return GuardResult(True, order[:found], sensitivity, before, after, builds, searched, seconds,
+                       ranking(found)), path
+
+
+def sensitivity_one_pass(fp32: Path, plain: Path, nodes: list[str], evaluation: Mapping[str, NDArray[Any]],
+                         batch_size: int | None) -> dict[str, float]:
+    """The error each quantized node adds, from one run of each graph (steps/sensitivity.py)."""
+    return one_pass(fp32, plain, nodes, evaluation, batch_size, what="INT8 guard")
 
 
 def throughput(path: Path, evaluation: Mapping[str, NDArray[Any]], seconds: float = 1.0, *,
@@ -186,13 +242,15 @@ class GuardReport:
     seconds: float
     size_bytes: VariantFigures
     throughput_b1_cpu: VariantFigures
+    sensitivity: SensitivityRecord | None = None  # how the nodes were ranked, in what time and memory
 
 
 def guard_int8(*, fp32_path: Path, fp32_sha: str, calibration: Mapping[str, NDArray[Any]], calibration_digest: str,
                spec: CalibrationSpec, variant_onnx: Path, evaluation: Mapping[str, NDArray[Any]],
                reference: Mapping[str, NDArray[Any]], task: Task, tolerance: Tolerance, cache_dir: Path,
                work: Path, fp16_feeds: Sequence[Mapping[str, NDArray[Any]]], what: str,
-               batch_size: int | None = 16) -> GuardReport:
+               batch_size: int | None = 16,
+               method: GuardSensitivity = GuardSensitivity.ONE_PASS) -> GuardReport:
     """Replace variant_onnx by the guarded INT8 mix, or by FP16 when none meets the tolerance."""
     plain = work / "int8_plain.onnx"
     onnx_model.copy_model(variant_onnx, plain)
@@ -200,7 +258,8 @@ def guard_int8(*, fp32_path: Path, fp32_sha: str, calibration: Mapping[str, NDAr
     search_dir.mkdir(exist_ok=True)
     quantize = make_quantizer(fp32_path, fp32_sha, calibration, calibration_digest, cache_dir)
     result, guarded = guard(quantize, spec=spec, plain=plain, evaluation=evaluation, reference=reference,
-                            task=task, tolerance=tolerance, work=search_dir, batch_size=batch_size)
+                            task=task, tolerance=tolerance, work=search_dir, batch_size=batch_size,
+                            method=method, fp32=fp32_path)
     fallback = None
     if guarded is not None:
         onnx_model.copy_model(guarded, variant_onnx)
@@ -216,4 +275,5 @@ def guard_int8(*, fp32_path: Path, fp32_sha: str, calibration: Mapping[str, NDAr
         size_bytes=VariantFigures(fp32_path.stat().st_size, plain.stat().st_size, variant_onnx.stat().st_size),
         throughput_b1_cpu=VariantFigures(*(throughput(path, evaluation, batching=batch_size is not None)
                                            for path in (fp32_path, plain, variant_onnx))),
+        sensitivity=result.ranking,
     )

@@ -15,6 +15,7 @@ from builder.steps.fp16_guard import Fp16GuardReport
 from builder.steps.guard import GuardReport
 from builder.steps.onnx_model import model_size, sha256_model
 from builder.steps.precision import CalibrationResult
+from builder.steps.resources import StepFigures
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,8 @@ class VariantResult:
     calibration: CalibrationResult | None = None
     guard: GuardReport | None = None
     fp16_guard: Fp16GuardReport | None = None
+    # Each step's wall time and this process's peak RSS so far when it ended (monotonic: steps/resources.py).
+    steps: tuple[StepFigures, ...] = ()
 
     @staticmethod
     def of(ctx: VariantContext) -> VariantResult:
@@ -48,6 +51,7 @@ class VariantResult:
             calibration=ctx.calibration,
             guard=ctx.guard,
             fp16_guard=ctx.fp16_guard,
+            steps=tuple(ctx.steps.steps),
         )
 
     def to_json(self) -> dict[str, Any]:

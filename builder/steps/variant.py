@@ -23,6 +23,7 @@ from builder.spec.enums import Precision
 from builder.steps import accuracy, onnx_model, precision, samples
 from builder.steps.accuracy import Metrics
 from builder.steps.context import ModelContext, VariantContext
+from builder.steps.fp16_cache import cached_conversion, feeds_digest, fp16_key
 from builder.steps.fp16_fallback import to_fp16_checked
 from builder.steps.fp16_guard import guard_fp16
 from builder.steps.guard import guard_int8
@@ -74,8 +75,17 @@ class MakePrecision:
                 onnx_model.check_runs_at_levels(path, model.signature.inputs, model.input_shapes, what(model),
                                                 graph=f"the FP16 graph ({path.name})")
 
-            ctx.settings = to_fp16_checked(model.fp32_path, ctx.variant_onnx, feeds=fp16_feeds(model),
-                                           what=what(model), check=check)
+            feeds = fp16_feeds(model)
+
+            def make(out: Path) -> dict[str, object]:
+                return to_fp16_checked(model.fp32_path, out, feeds=feeds, what=what(model), check=check)
+
+            # Reused from an earlier run with the same graph, feeds and shapes checked (steps/fp16_cache.py).
+            key = fp16_key(fp32_sha=model.fp32_sha, feeds=feeds_digest(feeds),
+                           what_made_it={"converter": "to_fp16_checked", "shapes": model.input_shapes.to_json()})
+            ctx.settings, cached = cached_conversion(model.cache_dir, key, ctx.variant_onnx, make)
+            if cached:
+                log.debug("%s: FP16 conversion reused from the cache", ctx.name)
         else:
             calibration_spec = model.spec.calibration
             if calibration_spec is None or model.calibration is None or model.calibration_digest is None:
@@ -138,7 +148,9 @@ class Gate:
         if not (fp16 or int8):
             raise AccuracyError(problem, violation=found)
         log.warning("%s; searching for nodes to keep in higher precision", problem)
-        (Fp16Guard() if fp16 else Guard()).run(ctx)
+        guard: Fp16Guard | Guard = Fp16Guard() if fp16 else Guard()
+        with ctx.steps.step(type(guard).__name__):  # inside the Gate's own figures, listed before them
+            guard.run(ctx)
         Compile().run(ctx)
         Measure().run(ctx)
         self.run(ctx)
@@ -158,6 +170,7 @@ class Guard:
             evaluation=model.evaluation, reference=model.reference, task=spec.task,
             tolerance=spec.tolerance(ctx.precision), cache_dir=model.cache_dir, work=model.work,
             fp16_feeds=fp16_feeds(model), what=what(model), batch_size=model.eval_batch,
+            method=model.guard_sensitivity,
         )
 
 
@@ -172,7 +185,9 @@ class Fp16Guard:
 
         ctx.fp16_guard = guard_fp16(
             fp32_path=model.fp32_path, feeds=fp16_feeds(model), variant_onnx=ctx.variant_onnx, evaluate=evaluate,
-            tolerance=model.spec.tolerance(ctx.precision), what=what(model), work=model.work)
+            tolerance=model.spec.tolerance(ctx.precision), what=what(model), work=model.work,
+            evaluation=model.evaluation, batch_size=model.eval_batch, method=model.guard_sensitivity,
+            cache_dir=model.cache_dir)
         ctx.settings = ctx.fp16_guard.settings or {"fallback": "fp32", "why": "no FP16 mix met the tolerance"}
 
 
@@ -229,7 +244,8 @@ def run_step(step: Step, ctx: VariantContext) -> None:
 def build_variant(ctx: VariantContext) -> VariantResult:
     with progress.task(f"{ctx.name}: building"):
         for step in STEPS:
-            run_step(step, ctx)
+            with ctx.steps.step(type(step).__name__):
+                run_step(step, ctx)
     result = VariantResult.of(ctx)
     WriteModelFolder(result).run(ctx)
     log.debug("%s built in %.1f s", ctx.name, result.build_seconds)

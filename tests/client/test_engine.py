@@ -107,17 +107,18 @@ def test_closed_loop_windows_and_summary_count_exactly_the_records(endpoints: En
 
 
 def test_request_count_windows_close_after_n_requests(endpoints: Endpoints) -> None:
+    concurrency = 2
     measurement = Measurement(request_count=40, stability_percentage=0.001, max_trials=3)  # 5 s windows otherwise
-    result, records = measure(endpoints.grpc, LoadLevel(concurrency=2), measurement)
+    result, records = measure(endpoints.grpc, LoadLevel(concurrency=concurrency), measurement)
     cols = Columns(records)
     assert len(result.windows) == 3
     for w in result.windows:
         inside = cols.completed(w.start_ns, w.end_ns)
         assert w.requests == np.count_nonzero(inside & cols.ok) >= 40
-        assert w.seconds < 5.0  # closed by the count, not by measurement_ms
-        # It closed right after its 40th completion (an event, not a poll), not at a later time.
-        fortieth = np.sort(cols.done[inside])[39]
-        assert (w.end_ns - fortieth) / 1e9 < 0.05
+        # It closed in the loop steps right after its 40th completion (an event, not a poll nor the 5 s
+        # measurement_ms), however slowly a loaded machine runs them: meanwhile each worker completes at most
+        # the request it had in flight and the one it sent next, not a poll interval's worth.
+        assert np.count_nonzero(inside) <= 40 + 2 * concurrency, np.count_nonzero(inside)
 
 
 def test_open_loop_keeps_its_schedule_at_the_rate(endpoints: Endpoints) -> None:
@@ -126,7 +127,11 @@ def test_open_loop_keeps_its_schedule_at_the_rate(endpoints: Endpoints) -> None:
     result, records = measure(endpoints.grpc, LoadLevel(request_rate=rate), measurement)
     cols = Columns(records)
     s = result.summary
-    assert s.errors == {} and s.requests == pytest.approx(rate * s.seconds, rel=0.25)
+    assert s.errors == {} and s.requests == np.count_nonzero(cols.completed(s.start_ns, s.end_ns) & cols.ok)
+    # As many completed in the span as were due in it, give or take the sends whose latency (counted from
+    # the scheduled time, so a loaded machine's late sends included) moved them across its edges.
+    assert s.latency_us is not None
+    assert abs(s.requests - rate * s.seconds) <= rate * s.latency_us.max / 1e6 + 2, (s.requests, s.seconds)
     # Sends are scheduled every 1/rate s from the start, whatever the server's pace (the last few
     # may have been in flight when the level ended, and are not recorded).
     np.testing.assert_allclose(schedule_gaps(cols), 1e9 / rate, atol=2)
@@ -188,19 +193,28 @@ def test_open_loop_caps_requests_in_flight_and_counts_the_dropped_sends(endpoint
     assert cols.in_flight_peak() <= 2
     s = result.summary
     assert s.dropped_sends > 0 and s.requests > 0
-    # Every scheduled send in the windows was either sent or dropped: none vanished.
-    scheduled = 2000.0 * s.seconds
-    sent = np.count_nonzero(cols.sent_in(s.start_ns, s.end_ns))
-    assert sent + s.dropped_sends == pytest.approx(scheduled, rel=0.1)
+    # Every scheduled send in the windows was either sent or dropped: none vanished. The schedule is a slot
+    # every 1/rate s; the slots between the span's first and last send that no send took were decided in
+    # the span (in order, after the first), so each is among its dropped sends, however late they were decided.
+    slots = np.round((np.sort(cols.scheduled[cols.sent_in(s.start_ns, s.end_ns)]) - cols.scheduled.min())
+                     / (1e9 / 2000.0)).astype(np.int64)
+    assert len(np.unique(slots)) == len(slots) > 1  # no slot sent twice
+    missing = int(slots[-1] - slots[0] + 1) - len(slots)
+    assert 0 < missing <= s.dropped_sends, (missing, s.dropped_sends)
 
 
 def test_a_rate_beyond_what_the_loop_can_schedule_still_ends_each_window_on_time(endpoints: Endpoints) -> None:
     # Ten million sends a second: the schedule is always behind, so the open loop must still give the
     # event loop back (the sends it made run, the windows close); it reports the sends as late instead.
-    started = time.monotonic()
     result, records = measure(endpoints.grpc, LoadLevel(request_rate=1e7),
                               Measurement(measurement_ms=300, stability_percentage=100, max_trials=2))
-    assert time.monotonic() - started < 30
-    assert len(result.windows) == 2 and all(0.29 <= w.seconds < 1.0 for w in result.windows)  # timer: ±1 ms
+    cols = Columns(records)
+    assert len(result.windows) == 2 and all(w.seconds >= 0.29 for w in result.windows)  # timer: ±1 ms
+    for w in result.windows:
+        # It closed in the loop steps right after it was due, however late a loaded machine ran them: the
+        # open loop made one send a step meanwhile, not the thousands of a loop that kept the CPU.
+        due = w.start_ns + 300_000_000
+        after_due = np.count_nonzero((cols.sent >= due) & (cols.sent < w.end_ns))
+        assert after_due <= 20, after_due
     assert result.summary.requests > 0 and result.summary.late_sends > 0
     assert result.summary.latency_us is not None and len(records) > 0

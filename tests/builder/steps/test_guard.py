@@ -18,6 +18,7 @@ from builder.spec import (
     CalibrationSpec,
     DataSpec,
     DimRange,
+    GuardSensitivity,
     Int8Recipe,
     ModelSpec,
     Precision,
@@ -45,8 +46,10 @@ def outlier_spec(tmp_path: Path, recipe: Int8Recipe, tolerance: Tolerance) -> Mo
     )
 
 
-def build(tmp_path: Path, spec: ModelSpec) -> dict[str, Any]:
-    options = BuildOptions(repository=tmp_path / "repo", runtime=OnnxRuntimeCPU(), cache_dir=tmp_path / "cache")
+def build(tmp_path: Path, spec: ModelSpec,
+          sensitivity: GuardSensitivity = GuardSensitivity.ONE_PASS) -> dict[str, Any]:
+    options = BuildOptions(repository=tmp_path / "repo", runtime=OnnxRuntimeCPU(), cache_dir=tmp_path / "cache",
+                           guard_sensitivity=sensitivity)
     build_all([spec], options, None, ["pytest"])
     return dict(json.loads((tmp_path / "repo" / "outlier_int8" / "build.json").read_text()))
 
@@ -55,8 +58,9 @@ def build(tmp_path: Path, spec: ModelSpec) -> dict[str, Any]:
 # (measured: 0.9930), so its recipe gets a tolerance that the outlier chain, not fc_in, decides.
 @pytest.mark.parametrize(("recipe", "tolerance"), [(Int8Recipe.MODELOPT, TOLERANCE),
                                                    (Int8Recipe.ONNXRUNTIME, Tolerance(cosine_min=0.99))])
+@pytest.mark.parametrize("sensitivity", list(GuardSensitivity))
 def test_plain_int8_misses_and_the_guarded_build_meets_it_with_a_small_exclusion(
-    tmp_path: Path, recipe: Int8Recipe, tolerance: Tolerance
+    tmp_path: Path, recipe: Int8Recipe, tolerance: Tolerance, sensitivity: GuardSensitivity
 ) -> None:
     spec = outlier_spec(tmp_path, recipe, tolerance)
     assert spec.calibration is not None and spec.onnx is not None
@@ -71,7 +75,7 @@ def test_plain_int8_misses_and_the_guarded_build_meets_it_with_a_small_exclusion
     with pytest.raises(AccuracyError, match="cosine_min"):
         accuracy.check(metrics, tolerance, "outlier_int8")
 
-    record = build(tmp_path, spec)
+    record = build(tmp_path, spec, sensitivity)
     guard = record["guard"]
     assert guard["before"]["cosine_min"] < tolerance.cosine_min
     assert guard["fallback"] is None
@@ -82,7 +86,19 @@ def test_plain_int8_misses_and_the_guarded_build_meets_it_with_a_small_exclusion
     assert guard["after"]["cosine_min"] >= tolerance.cosine_min
     assert record["accuracy"]["cosine_min"] >= tolerance.cosine_min
     assert guard["most_sensitive"][0]["node"] in guard["excluded"]
-    assert guard["quantizations"] == len(guard["most_sensitive"]) + len(guard["search"])
+    # Exhaustive: one quantization per node, then the search's; one pass: the search's alone.
+    # (ONNX Runtime's recipe rounds a tensor where its producer writes it: the one-pass ranking's search, which
+    # excludes consumers, finds no mix there, and the exhaustive ranking runs after it: escalated.)
+    ranking = guard["sensitivity"]
+    assert ranking["escalated"] == (sensitivity is GuardSensitivity.ONE_PASS and recipe is Int8Recipe.ONNXRUNTIME)
+    alone = len(guard["most_sensitive"]) if sensitivity is GuardSensitivity.EXHAUSTIVE or ranking["escalated"] else 0
+    assert guard["quantizations"] == alone + len(guard["search"])
+    assert ranking["method"] == sensitivity.value and ranking["kept"] == len(guard["excluded"])
+    assert ranking["nodes"] == len(guard["most_sensitive"]) and ranking["seconds"] >= 0
+    assert ranking["peak_rss_mib"] > 0
+    # The guard inside the gate (which also compiles and measures the guarded mix), listed before it.
+    assert [s["step"] for s in record["steps"]] == ["MakePrecision", "Compile", "Measure", "Guard", "Gate"]
+    assert all(s["peak_rss_mib"] > 0 and s["seconds"] >= 0 for s in record["steps"])
     assert set(guard["throughput_b1_cpu"]) == {"fp32", "int8_plain", "int8_guarded"}
     assert record["calibration"]["recipe"] == recipe.value
     served = onnx.load(str(tmp_path / "repo" / "outlier_int8" / "1" / "model.onnx"))

@@ -1,0 +1,224 @@
+"""One-pass sensitivity for the accuracy guards: which nodes of a converted graph (INT8 Q/DQ, or FP16 by
+autocast) add the most error, from one run of the FP32 graph and one of the converted graph on the held-out
+samples, with the tensors around each candidate node exposed as graph outputs.
+
+The figure: a node's *added error*, the relative L2 error (‖candidate − FP32‖ / ‖FP32‖ over all samples
+used) of its output minus the largest relative error already present at its non-constant inputs. Why this
+one: a node that only passes on upstream error scores about 0 however deep it sits, while a node whose own
+conversion hurts (its inputs and weights rounded to INT8, its arithmetic in FP16: the cancellation in
+x − 300.1 at FP16's spacing of 0.25) scores what it adds; the error is relative, so tensors of any scale
+compare. An input is measured where the FP32 graph has it, i.e. before the Quantize/Dequantize pair or the
+Cast the conversion put in front of the node: that rounding belongs to the node, which is what excluding
+it from the conversion removes. It is a first-order figure (errors of several nodes interact), which is why
+the guards' search still checks every candidate with a real conversion and the real tolerance.
+
+Memory: the samples stream through both graphs a batch at a time and only running sums are kept, so the
+cost is one batch of activations of each graph, whatever the number of samples. The exposed graphs are
+written beside their sources without loading weights stored outside the file, which they keep referring to.
+
+`onnxruntime.quantization.qdq_loss_debug` pairs float and Q/DQ activations by tensor name; this pairs them by
+node name and output index instead and looks through the Casts autocast adds as well as through Q/DQ pairs,
+so one function serves both guards.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from numpy.typing import NDArray
+
+from builder.runtimes.onnxruntime import ort_session
+from builder.spec.enums import GuardSensitivity
+from builder.steps import samples as sample_sets
+from client import progress
+
+log = logging.getLogger(__name__)
+
+# Nodes a conversion puts in front of (or after) a node: looked through when finding where an input comes from.
+_INSERTED = frozenset({"Cast", "QuantizeLinear", "DequantizeLinear"})
+# Held-out samples the pass uses at most, and the batch they run in (bounds one batch's activations).
+MAX_SAMPLES = 32
+MAX_BATCH = 8
+# A relative error at least this large is recorded as this (an FP16 overflow gives inf).
+ERROR_CAP = 1e6
+_FLOAT_KINDS = "fc"
+
+
+@dataclass(frozen=True)
+class SensitivityRecord:
+    """How a guard ranked the nodes, as build.json records it."""
+
+    method: GuardSensitivity
+    figure: str  # what the ranking's numbers (most_sensitive's damage) are
+    nodes: int  # nodes ranked
+    seconds: float  # the ranking alone
+    kept: int | None  # nodes the guard kept in higher precision; None: no mix met the tolerance
+    peak_rss_mib: float | None  # this process's peak RSS so far when the guard ended (monotonic)
+    # One pass asked for, but its search found no mix: the exhaustive ranking ran too, and its search decided.
+    escalated: bool = False
+
+
+FIGURES = {
+    GuardSensitivity.ONE_PASS: "error added: relative L2 error of the node's output minus its inputs' (one pass)",
+    GuardSensitivity.EXHAUSTIVE: "damage with the node alone converted: 1 - mean cosine (+ top-1 disagreement)",
+}
+
+
+@dataclass(frozen=True)
+class _Pair:
+    """One tensor as the FP32 graph and the converted graph name it (the same value, computed both ways)."""
+
+    fp32: str
+    candidate: str
+
+
+@dataclass(frozen=True)
+class NodeTensors:
+    outputs: tuple[_Pair, ...]
+    inputs: tuple[_Pair, ...]  # non-constant inputs, where the FP32 graph has them
+
+
+def _producers(graph: onnx.GraphProto) -> dict[str, tuple[onnx.NodeProto, int]]:
+    return {out: (node, index) for node in graph.node for index, out in enumerate(node.output) if out}
+
+
+def _constants(graph: onnx.GraphProto) -> set[str]:
+    found = {init.name for init in graph.initializer}
+    found.update(node.output[0] for node in graph.node if node.op_type == "Constant")
+    return found
+
+
+def node_tensors(fp32: onnx.ModelProto, candidate: onnx.ModelProto, nodes: Sequence[str]) -> dict[str, NodeTensors]:
+    """For each named node found in both graphs: its outputs and its non-constant inputs, paired across them."""
+    fp32_nodes = {n.name: n for n in fp32.graph.node if n.name}
+    cand_nodes = {n.name: n for n in candidate.graph.node if n.name}
+    produced = _producers(candidate.graph)
+    constant = _constants(candidate.graph)
+    graph_inputs = {i.name for i in fp32.graph.input} & {i.name for i in candidate.graph.input}
+
+    def source(tensor: str) -> _Pair | None:
+        """Where the FP32 graph has this input of a converted node: back through the nodes the conversion
+        added (named nowhere in the FP32 graph) to a graph input or an output of a node both graphs have."""
+        seen = 0
+        while tensor in produced and seen < 64:
+            node, index = produced[tensor]
+            if node.name in fp32_nodes:
+                original = fp32_nodes[node.name]
+                if index < len(original.output) and original.output[index]:
+                    return _Pair(original.output[index], tensor)
+                return None
+            if node.op_type not in _INSERTED or not node.input:
+                return None
+            tensor = node.input[0]
+            seen += 1
+        if tensor in constant or tensor not in graph_inputs:
+            return None
+        return _Pair(tensor, tensor)
+
+    found: dict[str, NodeTensors] = {}
+    for name in nodes:
+        if name not in fp32_nodes or name not in cand_nodes:
+            continue
+        original, converted = fp32_nodes[name], cand_nodes[name]
+        outputs = tuple(_Pair(a, b) for a, b in zip(original.output, converted.output, strict=False) if a and b)
+        inputs = tuple(pair for pair in (source(t) for t in converted.input if t and t not in constant) if pair)
+        found[name] = NodeTensors(outputs, tuple(dict.fromkeys(inputs)))
+    return found
+
+
+def _exposed(path: Path, model: onnx.ModelProto, names: set[str]) -> Path:
+    """`model` with `names` added as graph outputs, written beside `path` (weights stored outside the file
+    stay there: the copy refers to them by the same relative location)."""
+    present = {o.name for o in model.graph.output} | {i.name for i in model.graph.input}
+    exposed = onnx.ModelProto()
+    exposed.CopyFrom(model)
+    for name in sorted(names - present):
+        exposed.graph.output.append(onnx.ValueInfoProto(name=name))
+    out = path.with_name(f".{path.stem}.sensitivity.{os.getpid()}.onnx")
+    onnx.save(exposed, str(out))
+    return out
+
+
+class _Errors:
+    """Running sums per tensor pair: Σ(candidate − FP32)² and Σ FP32²."""
+
+    def __init__(self) -> None:
+        self.diff: dict[_Pair, float] = {}
+        self.ref: dict[_Pair, float] = {}
+        self.count: dict[_Pair, int] = {}
+
+    def add(self, pair: _Pair, reference: NDArray[Any], candidate: NDArray[Any]) -> None:
+        if reference.shape != candidate.shape or reference.dtype.kind not in _FLOAT_KINDS + "iub":
+            return
+        ref = reference.astype(np.float64)
+        with np.errstate(over="ignore", invalid="ignore"):
+            diff = float(np.sum(np.square(candidate.astype(np.float64) - ref)))
+        if math.isnan(diff):
+            diff = math.inf
+        self.diff[pair] = self.diff.get(pair, 0.0) + diff
+        self.ref[pair] = self.ref.get(pair, 0.0) + float(np.sum(np.square(ref)))
+        self.count[pair] = self.count.get(pair, 0) + ref.size
+
+    def relative(self, pair: _Pair) -> float | None:
+        if pair not in self.diff:
+            return None
+        diff, ref, count = self.diff[pair], self.ref[pair], max(1, self.count[pair])
+        if math.isinf(diff):
+            return ERROR_CAP
+        return min(ERROR_CAP, math.sqrt(diff / (ref + 1e-30 * count)))
+
+
+def one_pass(fp32_path: Path, candidate_path: Path, nodes: Sequence[str], evaluation: Mapping[str, NDArray[Any]],
+             batch_size: int | None, *, what: str = "guard") -> dict[str, float]:
+    """Each of `nodes` (named in both graphs) → the error it adds in the candidate (see the module's text);
+    a node whose tensors could not be paired gets 0."""
+    fp32 = onnx.load(str(fp32_path), load_external_data=False)
+    candidate = onnx.load(str(candidate_path), load_external_data=False)
+    pairs = node_tensors(fp32, candidate, nodes)
+    wanted = {p for t in pairs.values() for p in (*t.outputs, *t.inputs)}
+    count = len(next(iter(evaluation.values())))
+    used = {k: v[: min(count, MAX_SAMPLES)] for k, v in evaluation.items()}
+    batch = None if batch_size is None else min(batch_size, MAX_BATCH)
+    errors = _Errors()
+    exposed = [_exposed(fp32_path, fp32, {p.fp32 for p in wanted}),
+               _exposed(candidate_path, candidate, {p.candidate for p in wanted})]
+    del fp32, candidate
+    try:
+        sessions = [ort_session(path) for path in exposed]
+        names = [[o.name for o in s.get_outputs()] for s in sessions]
+        feeds = list(sample_sets.feeds(used, batch))
+        description = f"{what}: sensitivity, one pass over {len(feeds)} held-out batches"
+        with progress.task(description, total=len(feeds)) as bar:
+            for feed in feeds:
+                values = [dict(feed) | dict(zip(n, s.run(n, dict(feed)), strict=True))
+                          for n, s in zip(names, sessions, strict=True)]
+                for pair in wanted:
+                    if pair.fp32 in values[0] and pair.candidate in values[1]:
+                        errors.add(pair, np.asarray(values[0][pair.fp32]), np.asarray(values[1][pair.candidate]))
+                del values
+                bar.advance()
+        del sessions
+    finally:
+        for path in exposed:
+            path.unlink(missing_ok=True)
+    scores: dict[str, float] = {}
+    for name in nodes:
+        tensors = pairs.get(name)
+        if tensors is None:
+            scores[name] = 0.0
+            continue
+        out = [e for e in (errors.relative(p) for p in tensors.outputs) if e is not None]
+        inherited = [e for e in (errors.relative(p) for p in tensors.inputs) if e is not None]
+        added = (max(out) if out else 0.0) - (max(inherited) if inherited else 0.0)
+        scores[name] = 0.0 if math.isnan(added) else added
+    log.debug("one-pass sensitivity: %d nodes, %d tensor pairs, %d samples", len(nodes), len(wanted),
+              len(next(iter(used.values()))))
+    return scores
