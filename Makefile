@@ -78,6 +78,7 @@ lock: $(BIN)/uv
 	$(UV_COMPILE) --python-version 3.11 --extra dev -o $(LOCK) pyproject.toml $(LOCK_DIR)/build.in
 	$(UV_COMPILE) --python-version 3.12 --extra dev --extra gpu -o $(LOCK_GPU) pyproject.toml $(LOCK_DIR)/build.in
 	$(UV_COMPILE) --python-version 3.12 --no-deps -o $(LOCK_DIR)/onnxruntime-gpu.txt $(LOCK_DIR)/onnxruntime-gpu.in
+	$(UV_COMPILE) --python-version 3.11 -o $(LOCK_DIR)/checkov.txt $(LOCK_DIR)/checkov.in
 	$(BIN)/uv pip compile --quiet --generate-hashes --no-deps --python-version 3.11 \
 	  --python-platform x86_64-manylinux_2_35 -o $(LOCK_DIR)/triton.txt $(LOCK_DIR)/triton.in
 
@@ -124,12 +125,12 @@ demo: engines
 
 # checkov scans the deployment (tests/deploy/test_checkov.py) from a virtualenv of its own: installed
 # into .venv it would downgrade packaging, networkx and python-dateutil below the lock.
-CHECKOV_VERSION ?= 3.3.30
+# Locked like the rest (requirements/checkov.txt, from checkov.in by `make lock`).
 CHECKOV_STAMP := .tools/checkov/.installed
-$(CHECKOV_STAMP):
+$(CHECKOV_STAMP): $(LOCK_DIR)/checkov.txt
 	rm -rf .tools/checkov
 	$(PYTHON) -m venv .tools/checkov
-	.tools/checkov/bin/python -m pip install -q --disable-pip-version-check checkov==$(CHECKOV_VERSION)
+	.tools/checkov/bin/python -m pip install $(PIP_LOCKED) -r $(LOCK_DIR)/checkov.txt
 	touch $@
 
 scan-tools: $(CHECKOV_STAMP)
