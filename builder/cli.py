@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from builder.errors import BuilderError, ManifestError, VariantsFailed
@@ -62,6 +63,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="accuracy limits over models.toml's and the defaults, e.g. "
                             "fp16:cosine_min=0.998,int8:top1_agreement_min=0.9 (metrics: max_abs, max_rel, "
                             "cosine_min, cosine_mean_min, top1_agreement_min; repeatable)")
+        p.add_argument("--no-guard", action="store_true",
+                       help="no accuracy guard: an FP16 or INT8 variant that misses its tolerance is not written "
+                            "(default: search for the nodes to keep in higher precision, then check again)")
         p.add_argument("--all-or-nothing", action="store_true",
                        help="write nothing unless every variant passes (default: write each variant that "
                             "passes, list those that fail, exit 1)")
@@ -187,7 +191,9 @@ def _parser() -> argparse.ArgumentParser:
 
     verify = sub.add_parser("verify", parents=[verbosity],
                             help="compare the server's gRPC and HTTP answers with ONNX Runtime")
-    verify.add_argument("--manifest", type=Path, default=Path("models.toml"))
+    verify.add_argument("--manifest", type=Path, default=None,
+                        help="models.toml (default: ./models.toml where it exists; models it does not list, "
+                             "and every model without one, are read from their variants' build.json)")
     verify.add_argument("--repository", type=Path, default=Path("model_repository"))
     verify.add_argument("--http-url", default="localhost:8000")
     verify.add_argument("--grpc-url", default="localhost:8001")
@@ -290,6 +296,8 @@ def _build(args: argparse.Namespace, specs: list[ModelSpec]) -> int:
         raise ManifestError(f"--tolerance {unused[0]}: no model of this build makes an {unused[0]} variant "
                             f"(they make {', '.join(made)})")
     specs = [with_tolerances(spec, limits) for spec in specs]
+    if args.no_guard:
+        specs = [replace(spec, guard=False) for spec in specs]
     runtime_choice = RuntimeChoice.parse(args.runtime, "--runtime", error=ManifestError)
     serving_backend = ServingBackend.parse(args.serving_backend, "--serving-backend", error=ManifestError)
     trt_options = TrtBuildOptions(
@@ -301,6 +309,7 @@ def _build(args: argparse.Namespace, specs: list[ModelSpec]) -> int:
     ).check()
     options = BuildOptions(repository=args.repository, force=args.force, wait=not args.no_wait,
                            all_or_nothing=args.all_or_nothing,
+                           spec_origin="build flags" if args.command == "build" else "models.toml entry",
                            guard_sensitivity=GuardSensitivity.parse(args.guard_sensitivity, "--guard-sensitivity",
                                                                     error=ManifestError),
                            runtime=select(runtime_choice, serving_backend=serving_backend, trt_options=trt_options,
@@ -455,6 +464,11 @@ def _tune(args: argparse.Namespace) -> int:
         p99 = "-" if entry.p99_ms is None else f"{entry.p99_ms:.1f}"
         failure = f"  failed: {entry.failure}" if entry.failure else ""
         print(f"{entry.label:<58} {entry.throughput:>8.1f} {p99:>8} {'yes' if entry.feasible else 'no':>8}{failure}")
+    from builder.serving.tune import energy_gaps
+
+    # Ranked on the concurrencies whose energy is known; below every point with a figure when none is.
+    for m in energy_gaps(report):
+        print(f"{m.label:<58} {m.energy} (a window's energy read failed or did not advance)")
     failed = f", {report.failed} failed" if report.failed else ""
     hidden = f" ({len(report.points) - len(shown)} points off it not listed)" if len(shown) < len(report.points) else ""
     print(f"{report.search} search: {report.measurements} measurements{failed}; "
@@ -523,6 +537,27 @@ def _serve(args: argparse.Namespace) -> int:
         server.stop()  # also when it exited by itself: removes the record, cleans stubs it left
 
 
+def _verify_specs(manifest: Path | None, repository: Path, only: list[str]) -> list[ModelSpec]:
+    """The models to verify: models.toml's (the one given, else ./models.toml where it exists), and models
+    it does not list (every model where there is none: `build --onnx`) from their variants' build.json."""
+    from builder.serving.verify import specs_from_records
+
+    source = manifest if manifest is not None else Path("models.toml")
+    specs = load_manifest(source) if manifest is not None or source.is_file() else []
+    listed = {s.name for s in specs}
+    if not specs or set(only) - listed:
+        specs += [s for s in specs_from_records(repository) if s.name not in listed and (not specs or s.name in only)]
+    where = f"{source} or the build.json in {repository}" if listed else f"the build.json in {repository}"
+    if not specs:
+        raise ManifestError(f"{repository}: no model to verify: no models.toml and no build.json in the repository; "
+                            "expected `trtbuild build` (or `trtbuild engines`) first")
+    unknown = sorted(set(only) - {s.name for s in specs})
+    if unknown:
+        raise ManifestError(f"--only {', '.join(unknown)}: not in {where} "
+                            f"(models: {', '.join(s.name for s in specs)})")
+    return [s for s in specs if not only or s.name in only]
+
+
 def _verify(args: argparse.Namespace) -> int:
     from builder.serving.exposure import client_key
     from builder.serving.verify import check_models, expected_archive, npz_bytes, table_lines
@@ -531,11 +566,7 @@ def _verify(args: argparse.Namespace) -> int:
 
     if args.save is not None and args.save.suffix != ".npz":
         raise ManifestError(f"--save {args.save}: expected a path ending in .npz")
-    specs = load_manifest(args.manifest)
-    unknown = sorted(set(args.only) - {s.name for s in specs})
-    if unknown:
-        raise ManifestError(f"--only {', '.join(unknown)}: not in {args.manifest} "
-                            f"(models: {', '.join(s.name for s in specs)})")
+    specs = _verify_specs(args.manifest, args.repository, args.only)
     checks = check_models([s for s in specs if not args.only or s.name in args.only], args.repository,
                           {Protocol.GRPC: args.grpc_url, Protocol.HTTP: args.http_url}, args.samples,
                           key=client_key(args.admin_key_file))

@@ -77,9 +77,10 @@ class AccuracyError(BuilderError):
     """A variant is outside its accuracy tolerance; `violation` (steps.accuracy.Violation) says which
     metric, its value and the limit, where known."""
 
-    def __init__(self, message: str, *, violation: Violation | None = None) -> None:
+    def __init__(self, message: str, *, violation: Violation | None = None, guard: str | None = None) -> None:
         super().__init__(message)
         self.violation = violation
+        self.guard = guard  # whether a guard ran, for the failure line ("after the INT8 guard", "--no-guard")
 
 
 class ToolError(BuilderError):

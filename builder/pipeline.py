@@ -56,6 +56,8 @@ class BuildOptions:
     all_or_nothing: bool = False
     # How the accuracy guards rank nodes: one pass over both graphs, or one conversion per node.
     guard_sensitivity: GuardSensitivity = GuardSensitivity.ONE_PASS
+    # Where the specs came from, as rebuild reasons name it: "models.toml entry", or "build flags" (build --onnx).
+    spec_origin: str = "models.toml entry"
 
 
 class ModelStatus(Choice):
@@ -86,7 +88,9 @@ def _failure(variant: str, prec: Precision, exc: BuilderError, repository: Path)
     kept = (repository / variant / "config.pbtxt").is_file()
     found = exc.violation if isinstance(exc, AccuracyError) else None
     if found is not None:
-        return VariantFailure(variant, prec, found.text(), found.metric, found.value, found.limit, kept)
+        guard = exc.guard if isinstance(exc, AccuracyError) and exc.guard else None
+        reason = f"{found.text()} ({guard})" if guard else found.text()
+        return VariantFailure(variant, prec, reason, found.metric, found.value, found.limit, kept)
     return VariantFailure(variant, prec, str(exc).removeprefix(f"{variant}: "), kept_previous=kept)
 
 
@@ -100,6 +104,7 @@ class ModelResult:
     seconds: float = 0.0
     failures: list[VariantFailure] = field(default_factory=list)
     error: str | None = None  # status FAILED: why no variant was built
+    unchanged: list[str] = field(default_factory=list)  # status BUILT: variants whose inputs had not changed
 
 
 def tool_versions() -> dict[str, str]:
@@ -166,22 +171,63 @@ def _spec_fingerprint(spec: ModelSpec) -> dict[str, Any]:
     return raw
 
 
-def _up_to_date(spec: ModelSpec, repository: Path, key: str) -> bool:
+# Fields of a spec that are one precision's own (its tolerance, INT8's calibration settings): they are in
+# that variant's "settings", so that changing one rebuilds that variant only.
+_PER_PRECISION = ("precisions", "tolerances", "calibration", "guard")
+
+
+def spec_fields(spec: ModelSpec) -> dict[str, str]:
+    """The spec's fields every variant depends on, each by a short digest (a changed one is named)."""
+    raw = _spec_fingerprint(spec)
+    return {name: _digest(value)[:16] for name, value in sorted(raw.items()) if name not in _PER_PRECISION}
+
+
+def precision_settings(spec: ModelSpec, prec: Precision) -> dict[str, Any]:
+    """What only this precision's variant depends on: its tolerance and, for INT8, the calibration settings
+    (the data itself is in the inputs every variant shares: FP16 measures its ranges on it too)."""
+    settings: dict[str, Any] = {"tolerance": asdict(spec.tolerance(prec))}
+    if prec is not Precision.FP32:
+        settings["guard"] = spec.guard
+    if prec is Precision.INT8 and spec.calibration is not None:
+        settings["calibration"] = {k: v for k, v in asdict(spec.calibration).items() if k != "data"}
+    recorded: dict[str, Any] = json.loads(json.dumps(settings, sort_keys=True, default=str))  # as build.json holds it
+    return recorded
+
+
+def variant_inputs(spec: ModelSpec, shared: Mapping[str, Any]) -> dict[Precision, dict[str, Any]]:
+    """Each variant's inputs: what every variant shares and its own settings; its digest is its build key."""
+    return {prec: {**shared, "settings": precision_settings(spec, prec)} for prec in spec.precisions}
+
+
+def _stale(spec: ModelSpec, repository: Path, keys: Mapping[Precision, str]) -> list[Precision]:
+    """The precisions whose variant in the repository was not built from these inputs."""
+    found = []
     for prec in spec.precisions:
         record = read_record(repository / variant_name(spec.name, prec))
-        if record is None or record.build_key != key:
-            return False
-    return True
+        if record is None or record.build_key != keys[prec]:
+            found.append(prec)
+    return found
 
 
 _REASON_LABELS = {"onnx": "exported ONNX", "evaluation": "evaluation data", "calibration": "calibration data",
-                  "spec": "models.toml entry", "runtime": "runtime", "recipe": "build recipe",
-                  "tools": "tool versions"}
+                  "spec": "models.toml entry", "settings": "models.toml entry", "runtime": "runtime",
+                  "recipe": "build recipe", "tools": "tool versions"}
 
 
-def rebuild_reasons(spec: ModelSpec, repository: Path, wanted: dict[str, Any]) -> list[str]:
-    """Why a model's variants are rebuilt, from what their build records say they were built from.
-    Empty when the records match `wanted` (a forced rebuild)."""
+def _change(old: object, new: object) -> str:
+    if isinstance(old, dict) and isinstance(new, dict):
+        changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+        return ", ".join(f"{k} {old.get(k)} -> {new.get(k)}" for k in changed)
+    return f"{old} -> {new}"
+
+
+def rebuild_reasons(spec: ModelSpec, repository: Path, wanted: Mapping[str, Any], *,
+                    per_precision: Mapping[Precision, Mapping[str, Any]] | None = None,
+                    origin: str = "models.toml entry") -> list[str]:
+    """Why a model's variants are rebuilt, from what their build records say they were built from: `wanted`
+    (what every variant depends on) and `per_precision` (each variant's own, e.g. its "settings"). `origin`
+    names where the spec came from ("models.toml entry", "build flags"). Empty when the records match (a
+    forced rebuild)."""
     reasons: list[str] = []
     missing: list[str] = []
     for prec in spec.precisions:
@@ -190,14 +236,20 @@ def rebuild_reasons(spec: ModelSpec, repository: Path, wanted: dict[str, Any]) -
             missing.append(variant_name(spec.name, prec))
             continue
         present = record.inputs
-        for key in sorted(set(present) | set(wanted), key=lambda k: (k not in _REASON_LABELS, k)):
-            old, new = present.get(key), wanted.get(key)
+        want = {**wanted, **(per_precision or {}).get(prec, {})}
+        for key in sorted(set(present) | set(want), key=lambda k: (k not in _REASON_LABELS, k)):
+            old, new = present.get(key), want.get(key)
             if old == new:
                 continue
-            label = _REASON_LABELS.get(key, key)
-            if isinstance(old, dict) and isinstance(new, dict):
+            label = origin if key in ("spec", "settings") else _REASON_LABELS.get(key, key)
+            if key == "spec" and isinstance(old, dict) and isinstance(new, dict):
                 changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
-                reasons.append(f"{label} changed ({', '.join(f'{k} {old.get(k)} -> {new.get(k)}' for k in changed)})")
+                reasons.append(f"{label} changed: {', '.join(changed)}")
+            elif key == "settings" and isinstance(old, dict) and isinstance(new, dict):
+                for name in sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k)):
+                    reasons.append(f"{label} changed: {name} {prec.value} ({_change(old.get(name), new.get(name))})")
+            elif isinstance(old, dict) and isinstance(new, dict):
+                reasons.append(f"{label} changed ({_change(old, new)})")
             else:
                 reasons.append(f"{label} changed")
     return ([f"{', '.join(missing)} not built yet"] if missing else []) + sorted(set(reasons))
@@ -230,17 +282,22 @@ def build_model(spec: ModelSpec, options: BuildOptions, staging: Staging) -> Mod
                         spec.name, shapes.reason)
         evaluation, calibration = _load_samples(spec, sig, shapes)
         calibration_digest = samples.digest(calibration) if calibration is not None else None
-        # Everything a variant depends on; its digest is the build key, and a changed field names the reason.
+        # What every variant depends on, and each variant's own settings: the digest of both is that variant's
+        # build key, and a changed field names the reason. A variant whose key is unchanged is not rebuilt.
         inputs_record = {"onnx": onnx_model.sha256_model(fp32_path), "evaluation": samples.digest(evaluation),
-                         "calibration": calibration_digest, "spec": _digest(_spec_fingerprint(spec)),
+                         "calibration": calibration_digest, "spec": spec_fields(spec),
                          "runtime": {"name": options.runtime.name, **options.runtime.identity()},
                          "recipe": precision.RECIPE_VERSION, "tools": tool_versions()}
         key = _digest(inputs_record)
-        if not options.force and _up_to_date(spec, options.repository, key):
+        per_variant = variant_inputs(spec, inputs_record)
+        keys = {prec: _digest(record) for prec, record in per_variant.items()}
+        stale = list(spec.precisions) if options.force else _stale(spec, options.repository, keys)
+        if not stale:
             log.info("%s: inputs unchanged, nothing rebuilt", spec.name)
             _layer_tuned(spec, options.repository, options.tuned)
             return ModelResult(spec.name, ModelStatus.UNCHANGED, key, [], seconds=time.perf_counter() - started)
-        reasons = rebuild_reasons(spec, options.repository, inputs_record)
+        reasons = rebuild_reasons(spec, options.repository, inputs_record, origin=options.spec_origin,
+                                  per_precision={p: {"settings": r["settings"]} for p, r in per_variant.items()})
         log.info("%s: rebuilding: %s", spec.name, "; ".join(reasons or ["--force"]))  # one line per model
 
         eval_batch = EVAL_BATCH if shapes.batching else None
@@ -258,7 +315,7 @@ def build_model(spec: ModelSpec, options: BuildOptions, staging: Staging) -> Mod
             spec=spec, fp32_path=fp32_path, fp32_sha=onnx_model.sha256_model(fp32_path),
             signature=onnx_model.returned_outputs(declared, reference, batching=shapes.batching),
             evaluation=evaluation, calibration=calibration, calibration_digest=calibration_digest,
-            reference=reference, build_key=key,
+            reference=reference, build_key=key, variant_inputs={p: (keys[p], r) for p, r in per_variant.items()},
             inputs_record=inputs_record, work=work, cache_dir=options.cache_dir, repository=options.repository,
             shapes=shapes, other_levels=_other_levels(spec, sig, shapes, fp32_path, eval_batch, what),
             guard_sensitivity=options.guard_sensitivity,
@@ -267,6 +324,8 @@ def build_model(spec: ModelSpec, options: BuildOptions, staging: Staging) -> Mod
         failures: list[VariantFailure] = []
         for prec in spec.precisions:
             name = variant_name(spec.name, prec)
+            if prec not in stale:  # built from these very inputs: left as it is
+                continue
             try:
                 variants.append(build_variant(VariantContext(model, prec, options.runtime, staging.dir(name))))
             except BuilderError as exc:
@@ -283,7 +342,7 @@ def build_model(spec: ModelSpec, options: BuildOptions, staging: Staging) -> Mod
                 staging.commit_one(name)
         _layer_tuned(spec, staging.root, options.tuned)  # all-or-nothing: the staged variants
     return ModelResult(spec.name, ModelStatus.BUILT, key, variants, slim_report, time.perf_counter() - started,
-                       failures)
+                       failures, unchanged=[variant_name(spec.name, p) for p in spec.precisions if p not in stale])
 
 
 def _layer_tuned(spec: ModelSpec, root: Path, tuned: Mapping[str, TunedServing]) -> None:
@@ -302,6 +361,19 @@ def _model_failed(spec: ModelSpec, exc: BuilderError, repository: Path) -> Model
         failures.append(_failure(variant_name(spec.name, prec), prec, exc, repository))
     log.debug("%s: %s", spec.name, exc)  # the CLI prints it once, at the end
     return ModelResult(spec.name, ModelStatus.FAILED, "", [], failures=failures, error=str(exc))
+
+
+def _accumulated(report_path: Path, repository: Path, models: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """This build's models after those an earlier report of the same repository lists and this build did not
+    build (per model, the newest build's entry): one report for every model built into the repository."""
+    try:
+        earlier = json.loads(report_path.read_text(encoding="utf-8"))
+        kept = earlier["models"] if earlier.get("repository") == str(repository) else []
+        names = {m["name"] for m in models}
+        kept = [m for m in kept if isinstance(m, dict) and m.get("name") not in names]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # none yet, or not one of ours
+        kept = []
+    return [*kept, *models]
 
 
 def build_all(
@@ -330,16 +402,17 @@ def build_all(
                 staging.commit()
         finally:
             staging.discard()
-    if report_path is not None:
-        write_json(report_path, {
-            "command": command,
-            "started_unix": started,
-            "seconds": round(time.time() - started, 3),
-            "repository": str(options.repository),
-            "runtime": options.runtime.name,
-            "tools": tool_versions(),
-            "models": [asdict(r) for r in results],
-        })
+        if report_path is not None:  # under the lock: a build beside this one adds its models after
+            models = [{**asdict(r), "command": command, "started_unix": started} for r in results]
+            write_json(report_path, {
+                "command": command,
+                "started_unix": started,
+                "seconds": round(time.time() - started, 3),
+                "repository": str(options.repository),
+                "runtime": options.runtime.name,
+                "tools": tool_versions(),
+                "models": _accumulated(report_path, options.repository, models),
+            })
     if errors and len(errors) == len(specs):
         # Every model failed before building anything: no model was written; the report (above) says why.
         if len(errors) == 1:

@@ -166,14 +166,16 @@ def failed_row(failure: FailedVariant) -> SummaryRow:
 
 def next_commands(repository: Path, variants: Sequence[str], manifest: Path | None = None,
                   verify_models: Sequence[str] | None = None) -> tuple[str, ...]:
-    """Serve the repository, check its answers (models from a manifest only), load it. `verify_models`:
-    the models to verify (`--only`), every variant of each built; None: the whole manifest; empty: none."""
+    """Serve the repository, check its answers, load it. `verify_models`: the models to verify (`--only`),
+    every variant of each built; None: the whole manifest; empty: none. Without a manifest (build --onnx),
+    verify reads each model from its variants' build.json."""
     if not variants:
         return ()
     commands = [f"trtbuild serve --repository {repository} --background"]
-    if manifest is not None and (verify_models is None or verify_models):
+    if verify_models is None or verify_models:
         only = "".join(f" --only {m}" for m in verify_models or ())
-        commands.append(f"trtbuild verify --manifest {manifest} --repository {repository}{only}")
+        given = f" --manifest {manifest}" if manifest is not None else ""
+        commands.append(f"trtbuild verify{given} --repository {repository}{only}")
     commands.append(perf_command(repository, variants))
     return tuple(commands)
 
@@ -298,10 +300,11 @@ def summarize(results: Sequence[ModelResult], specs: Sequence[ModelSpec], *, rep
                 rows.append(failed_row(failed[name]))
             elif name in built:
                 rows.append(row_from_record(built[name].to_json(), state="rebuilt"))
-            elif result is not None and result.status is ModelStatus.UNCHANGED:
+            elif result is not None and (result.status is ModelStatus.UNCHANGED or name in result.unchanged):
                 rows.extend(unchanged_rows(repository, [name]))
     ready = [r.variant for r in rows if not r.failed]
     # `trtbuild verify` fails on a variant it does not find: it is proposed for the models built whole.
     whole = [spec.name for spec in specs if all(variant_name(spec.name, p) in ready for p in spec.precisions)]
-    verify = None if whole_manifest and len(whole) == len(specs) else whole
+    # Without a manifest (build --onnx) verify reads the models from their build.json: name them.
+    verify = None if manifest is not None and whole_manifest and len(whole) == len(specs) else whole
     return BuildSummary(tuple(rows), repository, report, log_file, next_commands(repository, ready, manifest, verify))

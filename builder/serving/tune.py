@@ -117,6 +117,17 @@ def _throughput(results: Sequence[Result]) -> float:
     return sum(r.throughput for r in results) / len(results) if results else 0.0
 
 
+def energy_note(results: Sequence[Result]) -> str | None:
+    """"energy unknown" (at which concurrencies, when only some) for results without inferences per joule
+    (a window whose energy read failed or did not advance); None when every one has its figure."""
+    missing = [r.concurrency for r in results if r.infer_per_joule is None]
+    if not missing:
+        return None
+    if len(missing) == len(results):
+        return "energy unknown"
+    return f"energy unknown at concurrency {', '.join(map(str, missing))}"
+
+
 @dataclass(frozen=True)
 class Objective:
     goal: Goal = Goal.THROUGHPUT
@@ -132,15 +143,15 @@ class Objective:
         )
 
     def value(self, results: Sequence[Result]) -> float:
-        """Higher is better; the mean over the measured concurrencies."""
+        """Higher is better; the mean over the measured concurrencies. Inferences per joule: the mean over
+        the concurrencies whose energy is known (energy_note says which are not), -inf when none is: such a
+        point ranks below every point with a figure, never aborts the run."""
         if self.goal is Goal.THROUGHPUT:
             return _throughput(results)
         if self.goal is Goal.P99:
             return -_mean_p99(results)
-        per_joule = [r.infer_per_joule for r in results]
-        if any(v is None for v in per_joule):
-            raise BuilderError("--objective infer_per_joule: no power source here (perfclient reports none)")
-        return sum(v for v in per_joule if v is not None) / len(per_joule)
+        per_joule = [r.infer_per_joule for r in results if r.infer_per_joule is not None]
+        return sum(per_joule) / len(per_joule) if per_joule else -math.inf
 
     def rank(self, results: Sequence[Result]) -> tuple[int, float]:
         """Feasible points first, then by value; infeasible ones by how far p99 is over budget."""
@@ -226,7 +237,7 @@ def score(objective: Objective, results: Sequence[Result]) -> float:
     one and ordered by how far p99 is over (a point that completed nothing lowest)."""
     feasible, value = objective.rank(results)
     if feasible:
-        return value
+        return value if math.isfinite(value) else -1e14  # energy unknown: below every figure, above infeasible
     over = -value  # the worst p99 in µs, infinite when a concurrency completed nothing
     return -1e15 - (min(over, 1e12) if math.isfinite(over) else 1e12)
 
@@ -267,7 +278,9 @@ def tpe(space: Space, start: Point, measure: Measure, objective: Objective, *, t
 
 def best(measured: dict[Point, list[Result]], objective: Objective) -> Point | None:
     feasible = [p for p, r in measured.items() if objective.feasible(r)]
-    return max(feasible, key=lambda p: objective.value(measured[p])) if feasible else None
+    # Ties (points whose energy is unknown) go to the higher throughput.
+    return (max(feasible, key=lambda p: (objective.value(measured[p]), _throughput(measured[p]))) if feasible
+            else None)
 
 
 def pareto(measured: dict[Point, list[Result]]) -> list[Point]:
@@ -640,6 +653,18 @@ class MeasuredPoint:
         p99 = _p99(self.results)
         return p99 / 1e3 if math.isfinite(p99) else None
 
+    @property
+    def infer_per_joule(self) -> float | None:
+        """The mean over the concurrencies whose energy is known; None when none is."""
+        known = [r.infer_per_joule for r in self.results if r.infer_per_joule is not None]
+        return sum(known) / len(known) if known else None
+
+    # "energy unknown" (where) when some concurrency has no inferences per joule (energy_note); set from `results`.
+    energy: str | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "energy", energy_note(self.results))
+
 
 class Contender(Choice):
     """The configurations re-measured side by side at the end of a tuning run."""
@@ -689,6 +714,13 @@ def explain(winner: Point, measured: dict[Point, list[Result]], objective: Objec
                      + ("" if objective.feasible(d) else " (infeasible)"))
     parts.append(f"winner: {_throughput(w):.1f}/s, p99 {_p99(w) / 1e3:.1f} ms")
     return "; ".join(parts)
+
+
+def energy_gaps(report: TuneReport) -> list[MeasuredPoint]:
+    """The points whose energy is unknown, where energy counts: the objective is inferences per joule, or
+    some point has its figure (without any power source every point lacks it, and that is no news)."""
+    counts = report.objective.goal is Goal.INFER_PER_JOULE or any(m.infer_per_joule is not None for m in report.points)
+    return [m for m in report.points if m.energy] if counts else []
 
 
 def report_points(measured: dict[Point, list[Result]], objective: Objective,
@@ -743,9 +775,15 @@ def html_report(report: TuneReport, png: bytes | None) -> str:
     if objective.min_throughput is not None:
         constraints.append(f"throughput ≥ {objective.min_throughput:g}/s")
     front = set(report.pareto)
+    gaps = {m.label for m in energy_gaps(report)}
+
+    def per_joule(m: MeasuredPoint) -> str:
+        figure = "-" if m.infer_per_joule is None else f"{m.infer_per_joule:.2f}"
+        return figure if m.label not in gaps else e(f"{figure}; {m.energy}" if m.infer_per_joule else str(m.energy))
+
     rows = "".join(
         f"<tr class='{'win' if report.winner == m.point else 'front' if m.label in front else ''}'>"
-        f"<td>{e(m.label)}</td><td>{m.throughput:.1f}</td><td>{ms(m.p99_ms)}</td>"
+        f"<td>{e(m.label)}</td><td>{m.throughput:.1f}</td><td>{ms(m.p99_ms)}</td><td>{per_joule(m)}</td>"
         f"<td>{'yes' if m.feasible else 'no'}</td><td>{'yes' if m.label in front else ''}</td>"
         f"<td>{e(m.failure or '')}</td></tr>" for m in report.points)
     compared = "".join(f"<tr><td>{e(str(c.config))}</td><td>{e(c.label)}</td><td>{c.throughput:.1f}</td>"
@@ -771,7 +809,8 @@ tr.win{{background:#fdd}}tr.front{{background:#def}}.partial{{color:#a00;font-we
  '<th>p99 ms</th><th>constraints</th></tr>' + compared + '</table>' if compared else ''}
 {image}
 <h2>Measured points</h2><p>Red: the pick; blue: on the Pareto front (throughput against worst p99).</p>
-<table><tr><th>point</th><th>infer/s</th><th>p99 ms</th><th>feasible</th><th>Pareto</th><th>failure</th></tr>
+<table><tr><th>point</th><th>infer/s</th><th>p99 ms</th><th>infer/J</th><th>feasible</th><th>Pareto</th>
+<th>failure</th></tr>
 {rows}</table>
 </body></html>
 """
@@ -1057,6 +1096,9 @@ def tune(repository: Path, space: Space, objective: Objective, *, search: Search
             raise
         except KeyboardInterrupt:
             partial = "interrupted"
+            raise
+        except Exception as exc:  # any other end before the search's: still a run cut short, said so
+            partial = str(exc) or type(exc).__name__
             raise
         finally:
             front = pareto(measured)

@@ -9,6 +9,7 @@ the same artifact run locally under the runtime that built it.
 from __future__ import annotations
 
 import io
+import json
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -20,12 +21,12 @@ from numpy.typing import NDArray
 from tritonclient.utils import InferenceServerException
 
 from builder.errors import BuilderError, ServerError
-from builder.repository.model_folder import read_record
+from builder.repository.model_folder import RECORD, read_record
 from builder.runtimes import select
-from builder.spec.enums import RuntimeChoice
-from builder.spec.model import ModelSpec, TensorSpec
+from builder.spec.enums import Precision, RuntimeChoice, Task
+from builder.spec.model import CalibrationSpec, DataSpec, DimRange, ModelSpec, TensorSpec
 from builder.spec.names import variant_name
-from builder.spec.shapes import for_model
+from builder.spec.shapes import ModelShapes, ValueRange, for_model
 from builder.steps import onnx_model
 from builder.steps import samples as samples_mod
 from client import progress
@@ -154,6 +155,42 @@ def npz_bytes(arrays: Mapping[str, NDArray[Any]]) -> bytes:
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)
     return buffer.getvalue()
+
+
+def specs_from_records(repository: Path) -> list[ModelSpec]:
+    """Every model in `repository` as its variants' build.json describe it (for `trtbuild verify` without a
+    models.toml: a `build --onnx` model): its variants, shapes, and where its samples came from."""
+    records: dict[str, dict[str, Any]] = {}
+    made: dict[str, set[Precision]] = {}
+    for path in sorted(repository.glob(f"*/{RECORD}")):
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            name, prec = data["model"], Precision(data["precision"])
+        except (OSError, ValueError, KeyError, TypeError):  # not a record of ours (or an older one)
+            continue
+        if not isinstance(name, str) or path.parent.name != variant_name(name, prec):
+            continue
+        records.setdefault(name, data)
+        made.setdefault(name, set()).add(prec)
+    specs = []
+    for name, data in records.items():
+        shapes = ModelShapes.from_json(data["shapes"]) if data.get("shapes") else None
+        found = data.get("samples") or {}
+
+        def data_spec(entry: Any) -> DataSpec | None:
+            return DataSpec(str(entry["source"]), int(entry["samples"]), int(entry.get("seed", 0))) if entry else None
+
+        evaluation, calibration = data_spec(found.get("evaluation")), data_spec(found.get("calibration"))
+        specs.append(ModelSpec(
+            name=name, batch=(shapes.batch if shapes is not None else None) or DimRange(1, 1, 1), batch_given=False,
+            precisions=tuple(p for p in Precision if p in made[name]),
+            task=Task.parse(found.get("task", Task.GENERIC.value), f"{name}: build.json task", error=BuilderError),
+            evaluation=evaluation, calibration=CalibrationSpec(calibration) if calibration is not None else None,
+            shapes=dict(shapes.inputs) if shapes is not None else {},
+            no_batch=shapes is not None and not shapes.batching,
+            input_ranges={k: ValueRange(int(lo), int(hi)) for k, (lo, hi) in found.get("input_ranges", {}).items()},
+        ))
+    return specs
 
 
 def _signature_inputs(spec: ModelSpec, repository: Path) -> tuple[TensorSpec, ...]:

@@ -102,6 +102,8 @@ class ModelSpec:
     input_ranges: Mapping[str, ValueRange] = field(default_factory=dict)  # values of synthetic samples
     no_batch: bool = False  # serve with max_batch_size 0 even where axis 0 could batch
     batch_given: bool = True  # False: `batch` is a default the shapes' axis 0 may replace
+    # An FP16 or INT8 variant missing its tolerance runs its accuracy guard (False: --no-guard).
+    guard: bool = True
 
     def __post_init__(self) -> None:
         # Library callers may pass plain strings; store the members (a wrong value fails here, named).

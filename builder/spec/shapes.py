@@ -256,6 +256,13 @@ def resolve(inputs: Sequence[TensorSpec], *, batch: DimRange, batch_given: bool 
     if unknown:
         raise ManifestError(f"{what}: {shapes[unknown[0]].where(unknown[0])}: the model has no input "
                             f"{unknown[0]!r}; its inputs: {', '.join(names)}")
+    named = list(dict.fromkeys(d for t in inputs for d in t.shape if isinstance(d, str)))
+    stray = [n for n in dims if n not in named]
+    if stray:
+        # The spec does not say whether the range came from the flag or models.toml: name both.
+        theirs = (f"its named dims: {', '.join(repr(n) for n in named)}" if named else "it has no named dims")
+        raise ManifestError(f"{what}: --dim {stray[0]} (dims.{stray[0]}): the model has no dim {stray[0]!r}; {theirs} "
+                            f"(inputs: {', '.join(f'{t.name} {_shape_text(t)}' for t in inputs)})")
     reason = _not_batching(inputs, no_batch)
     batching = reason is None
     given_batch = _given_batch(shapes, batching)

@@ -4,7 +4,7 @@ own progress. Steps read and fill these; nothing else passes between them."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,6 +50,13 @@ class ModelContext:
     other_levels: tuple[tuple[Samples, Outputs], ...] = ()
     # How the accuracy guards rank nodes before their search (BuildOptions.guard_sensitivity).
     guard_sensitivity: GuardSensitivity = GuardSensitivity.ONE_PASS
+    # Each variant's build key and inputs (inputs_record and the variant's own settings); a precision not in
+    # it is recorded with build_key and inputs_record.
+    variant_inputs: Mapping[Precision, tuple[str, Mapping[str, Any]]] = field(default_factory=dict)
+
+    def record_of(self, precision: Precision) -> tuple[str, Mapping[str, Any]]:
+        """The build key and inputs a variant's build.json records."""
+        return self.variant_inputs.get(precision, (self.build_key, self.inputs_record))
 
     @property
     def input_shapes(self) -> ModelShapes:

@@ -85,10 +85,12 @@ def test_a_failing_variant_keeps_its_previous_copy_and_all_or_nothing_writes_not
     assert any(k.startswith("outlier_int8/") for k in first)
     fp32_folder = (workdir / "repo" / "outlier_fp32").stat().st_ino
 
-    assert main([*command, "--force"]) == 1
+    # --no-guard: the default limit is missed, and no guard searches for a mix that meets it.
+    assert main([*command, "--force", "--no-guard"]) == 1
     lines = capfd.readouterr().err.splitlines()
     assert len(lines) == 1 and lines[0].startswith("trtbuild: error: outlier_int8 not written: cosine_min = 0.")
-    assert lines[0].endswith("is below the limit cosine_min = 0.97; the previous outlier_int8 stays in place")
+    assert lines[0].endswith("is below the limit cosine_min = 0.97 (no guard: --no-guard); the previous "
+                             "outlier_int8 stays in place")
     second = snapshot(workdir / "repo")
     int8 = {k: v for k, v in first.items() if k.startswith("outlier_int8/")}
     assert {k: v for k, v in second.items() if k.startswith("outlier_int8/")} == int8
@@ -97,7 +99,7 @@ def test_a_failing_variant_keeps_its_previous_copy_and_all_or_nothing_writes_not
     (failure,) = report["models"][0]["failures"]
     assert (failure["variant"], failure["metric"], failure["limit"]) == ("outlier_int8", "cosine_min", 0.97)
 
-    assert main([*command, "--force", "--all-or-nothing"]) == 1
+    assert main([*command, "--force", "--no-guard", "--all-or-nothing"]) == 1
     lines = capfd.readouterr().err.splitlines()
     assert len(lines) == 1 and lines[0].startswith("trtbuild: error: outlier_int8: cosine_min = 0.")
     assert {k: v for k, v in snapshot(workdir / "repo").items() if k != "build_report.json"} == \

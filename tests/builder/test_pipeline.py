@@ -122,6 +122,7 @@ def test_a_failing_variant_is_listed_while_the_others_are_written_and_its_previo
     assert [(f.variant, f.metric, f.limit, f.kept_previous) for f in failed] == [("mlp_int8", "max_abs", 1e-6, True)]
     assert failed[0].value is not None and failed[0].value > 1e-6
     assert "mlp_int8 not written: max_abs = " in failed[0].line() and "previous mlp_int8 stays" in failed[0].line()
+    assert "(after the INT8 guard)" in failed[0].line()  # the failure line says the guard ran
     after = snapshot(repo_copy)
     # The failing variant's previous copy is untouched; every passing variant was rewritten.
     assert {k: v for k, v in after.items() if k.startswith("mlp_int8/")} == \
@@ -200,14 +201,22 @@ def test_rebuild_reasons_name_what_changed(tiny_repository: tuple[Path, list[Mod
     _, specs = tiny_repository
     record_path = repo_copy / "mlp_int8" / "build.json"
     record = json.loads(record_path.read_text())
-    wanted = dict(record["inputs"])
-    assert rebuild_reasons(specs[0], repo_copy, wanted) == []  # nothing differs: only --force rebuilds
+    wanted = {k: v for k, v in record["inputs"].items() if k != "settings"}  # what every variant shares
+    own = {p: {"settings": json.loads((repo_copy / f"mlp_{p.value}" / "build.json").read_text())["inputs"]["settings"]}
+           for p in specs[0].precisions}  # each variant's own
+    assert rebuild_reasons(specs[0], repo_copy, wanted, per_precision=own) == []  # only --force rebuilds
     wanted["calibration"] = "0" * 64
     wanted["runtime"] = {"tensorrt": "10.13.0", "gpu": "NVIDIA H200"}
-    reasons = rebuild_reasons(specs[0], repo_copy, wanted)
+    reasons = rebuild_reasons(specs[0], repo_copy, wanted, per_precision=own)
     assert "calibration data changed" in reasons
     assert any(r.startswith("runtime changed (") and "gpu None -> NVIDIA H200" in r for r in reasons)
     # A key only one side has (an older record's, or a new kind of input) is named, not hidden.
     record["inputs"]["serving_backend"] = "python"
     record_path.write_text(json.dumps(record))
-    assert "serving_backend changed" in rebuild_reasons(specs[0], repo_copy, dict(wanted, calibration=None))
+    assert "serving_backend changed" in rebuild_reasons(specs[0], repo_copy, dict(wanted, calibration=None),
+                                                        per_precision=own)
+    # One precision's own settings: named with the precision, and where the spec came from.
+    own[Precision.INT8] = {"settings": {**own[Precision.INT8]["settings"], "tolerance": {"cosine_min": 0.5}}}
+    reasons = rebuild_reasons(specs[0], repo_copy, wanted, per_precision=own, origin="build flags")
+    assert [r for r in reasons if r.startswith("build flags changed: ")] == \
+        ["build flags changed: tolerance int8 (cosine_min 0.95 -> 0.5, top1_agreement_min 0.8 -> None)"]
