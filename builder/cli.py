@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from builder.errors import BuilderError, ManifestError, VariantsFailed
+from builder.errors import BuilderError, ManifestError, ServerError, VariantsFailed
 from builder.spec import (
     CalibrationMethod,
     CalibrationSpec,
@@ -204,6 +204,8 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("--save", type=Path, default=None, metavar="FILE.npz",
                         help="write the samples sent and the outputs expected, for perfclient --validate")
     verify.add_argument("--only", action="append", default=[], metavar="NAME", help="verify only NAME (repeatable)")
+    verify.add_argument("--state-dir", type=Path, default=Path(".run"),
+                        help="where `trtbuild serve` recorded the server: named with its log if it dies")
 
     sub.add_parser("schema", parents=[verbosity],
                    help="print models.toml's JSON Schema (for editors: trtbuild schema > models.schema.json)")
@@ -458,11 +460,12 @@ def _tune(args: argparse.Namespace) -> int:
     # A long search lists the Pareto front, the winner and failed points; the report and page hold every point.
     winner_label = report.winner.label() if report.winner else None
     shown = [e for e in report.points if len(report.points) <= _TUNE_ROWS or e.label in report.pareto
-             or e.failure or e.label == winner_label]
+             or e.failure or e.restarts or e.label == winner_label]
     print(f"{'point':<58} {'infer/s':>8} {'p99 ms':>8} {'feasible':>8}")
     for entry in shown:
         p99 = "-" if entry.p99_ms is None else f"{entry.p99_ms:.1f}"
         failure = f"  failed: {entry.failure}" if entry.failure else ""
+        failure += "".join(f"  re-measured: {note}" for note in entry.restarts)
         print(f"{entry.label:<58} {entry.throughput:>8.1f} {p99:>8} {'yes' if entry.feasible else 'no':>8}{failure}")
     from builder.serving.tune import energy_gaps
 
@@ -470,6 +473,8 @@ def _tune(args: argparse.Namespace) -> int:
     for m in energy_gaps(report):
         print(f"{m.label:<58} {m.energy} (a window's energy read failed or did not advance)")
     failed = f", {report.failed} failed" if report.failed else ""
+    if report.restarts:
+        failed += f", {report.restarts} server restart{'s' if report.restarts != 1 else ''} (see the points)"
     hidden = f" ({len(report.points) - len(shown)} points off it not listed)" if len(shown) < len(report.points) else ""
     print(f"{report.search} search: {report.measurements} measurements{failed}; "
           f"Pareto front: {len(report.pareto)} points{hidden}")
@@ -494,7 +499,7 @@ def _tune(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from builder.serving.exposure import KEY_HEADER, RESTRICTED, exposure
-    from builder.serving.triton_server import ModelControl, Ports, TritonServer
+    from builder.serving.triton_server import ModelControl, Ports, TritonServer, exit_text
 
     # start() records the server in STATE_DIR/tritonserver.json, refuses while the recorded one runs,
     # and cleans (with a warning line) the stubs and /dev/shm regions a dead one left behind.
@@ -530,7 +535,14 @@ def _serve(args: argparse.Namespace) -> int:
     if note:
         print(note, flush=True)
     try:
-        return server.process.wait()
+        code = server.process.wait()
+        if code != 0:  # it died (a crash inside tritonserver, the OOM killer): one line, then what it wrote last
+            print(f"trtbuild: error: tritonserver (pid {server.process.pid}) {exit_text(code)}; the last lines "
+                  f"it wrote ({server.log_file}):", file=sys.stderr)
+            for line in server.last_lines(12):
+                print(f"  {line}", file=sys.stderr)
+            return 1
+        return 0
     except KeyboardInterrupt:
         return 0
     finally:
@@ -560,6 +572,7 @@ def _verify_specs(manifest: Path | None, repository: Path, only: list[str]) -> l
 
 def _verify(args: argparse.Namespace) -> int:
     from builder.serving.exposure import client_key
+    from builder.serving.triton_server import dead_server_lines
     from builder.serving.verify import check_models, expected_archive, npz_bytes, table_lines
     from client.files import write_atomic
     from client.protocol import Protocol
@@ -567,9 +580,18 @@ def _verify(args: argparse.Namespace) -> int:
     if args.save is not None and args.save.suffix != ".npz":
         raise ManifestError(f"--save {args.save}: expected a path ending in .npz")
     specs = _verify_specs(args.manifest, args.repository, args.only)
-    checks = check_models([s for s in specs if not args.only or s.name in args.only], args.repository,
-                          {Protocol.GRPC: args.grpc_url, Protocol.HTTP: args.http_url}, args.samples,
-                          key=client_key(args.admin_key_file))
+    try:
+        checks = check_models([s for s in specs if not args.only or s.name in args.only], args.repository,
+                              {Protocol.GRPC: args.grpc_url, Protocol.HTTP: args.http_url}, args.samples,
+                              key=client_key(args.admin_key_file))
+    except ServerError as exc:
+        dead = dead_server_lines(args.state_dir)  # the server `trtbuild serve` started died: say so, and its log
+        if not dead:
+            raise
+        print(f"trtbuild: error: {exc}; {dead[0]}", file=sys.stderr)
+        for line in dead[1:]:
+            print(line, file=sys.stderr)
+        return 1
     results = [r for check in checks for r in check.results]
     for line in table_lines(checks):
         print(line)

@@ -57,6 +57,27 @@ STUB_TIMEOUT_S = 300  # seconds the python backend waits on a stub (its default,
 CUDA_POOL_BYTES = 1 << 30
 
 
+def exit_text(code: int) -> str:
+    """How a process ended, from its return code: 'exited (code 1)', or for a signal 'exited (code -11:
+    killed by signal 11, SIGSEGV)'."""
+    if code >= 0:
+        return f"exited (code {code})"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = "an unknown signal"
+    return f"exited (code {code}: killed by signal {-code}, {name})"
+
+
+def last_lines(paths: list[Path], count: int) -> list[str]:
+    """The last `count` non-blank lines of the files, in order (a missing file adds none)."""
+    lines: list[str] = []
+    for path in paths:
+        with contextlib.suppress(OSError):
+            lines += [ln for ln in path.read_text(encoding="utf-8", errors="replace").splitlines() if ln.strip()]
+    return lines[-count:]
+
+
 def gpu_ids() -> list[int]:
     """The NVIDIA GPUs NVML lists (none where NVML or nvidia-ml-py is missing)."""
     try:
@@ -585,6 +606,17 @@ class TritonServer:
         chosen = errors or text.splitlines()
         return " | ".join(chosen[-lines:]).strip() or "no log output"
 
+    def crash_lines(self, frames: int = 6) -> list[str]:
+        """Triton's own report of a fatal signal ('Signal (11) received.' and the first stack frames after
+        it, from its stdout), empty when it wrote none."""
+        lines = last_lines([self.state_dir / "tritonserver.out"], 400)
+        start = next((i for i in range(len(lines) - 1, -1, -1) if lines[i].startswith("Signal (")), None)
+        return [] if start is None else [" ".join(ln.split()) for ln in lines[start:start + 1 + frames]]
+
+    def last_lines(self, count: int = 12) -> list[str]:
+        """The log's last lines, then what the process wrote to stdout (a crash's stack goes there)."""
+        return last_lines([self.log_file, self.state_dir / "tritonserver.out"], count)
+
     def _forget(self) -> None:
         if self.record is not None:
             _forget(self.state_dir, self.record)
@@ -621,6 +653,17 @@ class Stopped:
     pid: int | None
     cleaned: Cleanup
     exited: int | None = None
+
+
+def dead_server_lines(state_dir: Path, count: int = 12) -> list[str]:
+    """When the server recorded in state_dir has exited (not by `trtbuild stop`, which removes the record):
+    a line saying so, then its log's last lines, indented. Empty while it runs or when none is recorded."""
+    record = read_record(state_dir)
+    if record is None or not _exited(record.pid, record.start_ticks):
+        return []
+    tail = last_lines([state_dir / "tritonserver.log", state_dir / "tritonserver.out"], count)
+    return [f"the tritonserver started from {state_dir} (pid {record.pid}) has exited; the last lines it wrote:",
+            *(f"  {line}" for line in tail)]
 
 
 def stop_recorded(state_dir: Path, timeout: float = 30.0) -> Stopped:

@@ -23,12 +23,13 @@ import logging
 import math
 import shutil
 import socket
+import subprocess
 import tempfile
 import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -42,7 +43,7 @@ from builder.repository.lock import repository_lock
 from builder.repository.model_folder import read_record
 from builder.repository.untrusted import MAX_CONFIG_BYTES, check_tree, read_text
 from builder.serving.exposure import KEY_HEADER
-from builder.serving.triton_server import ModelControl, Ports, TritonServer, free_ports
+from builder.serving.triton_server import ModelControl, Ports, TritonServer, exit_text, free_ports
 from builder.spec import tuned as tuned_file
 from builder.spec.tuned import TunedServing
 from client import power, progress, session
@@ -50,6 +51,7 @@ from client.choices import Choice
 from client.engine import LoadLevel, Measurement
 from client.errors import PerfClientError
 from client.files import write_atomic, write_json
+from client.session import ModelResult
 
 log = logging.getLogger(__name__)
 
@@ -311,6 +313,14 @@ class Rejected(ServerError):
     """The server answered a repository request with an error (a model that does not load)."""
 
 
+class ServerDied(ServerError):
+    """The private tuning server's process ended while a point was loading, measured or unloading."""
+
+    def __init__(self, label: str, *, how: str, stage: str, where: str) -> None:
+        self.label, self.how, self.stage = label, how, stage  # how: exit_text(); stage: loading, measuring...
+        super().__init__(f"tune: the tuning server {how} while {stage} {label}; see {where}")
+
+
 class Http:
     """Triton's HTTP API for control requests: every failure is one line naming the URL."""
 
@@ -389,6 +399,16 @@ class Target:
         """Where to look when the server misbehaves."""
         return f"the server at {self.endpoints.http}"
 
+    def died(self, wait_s: float = 0.0) -> str | None:
+        """How the server's process ended (exit_text) when this target runs it and it has, waiting up to
+        `wait_s` for it to finish dying; None while it runs, and always for a server this target does not
+        run (attach mode: it cannot tell)."""
+        return None
+
+    def restart(self) -> None:
+        """Start the server again after it died (only a target that runs its own server can)."""
+        raise ServerError(f"tune: cannot restart {self.where()}: it is not ours")
+
     def apply(self, point: Point) -> None:
         """Leave the server serving `point` (attach mode: the tuned config on the user's server)."""
 
@@ -440,10 +460,36 @@ class LocalTarget(Target):
         assert self.tmp is not None, "use LocalTarget as a context manager"
         write_atomic(self.tmp / "repository" / point.variant / "config.pbtxt",
                      apply(self.originals[point.variant], point))
-        self._while_running(point, lambda: self.http.request(f"/v2/repository/models/{point.variant}/load", {},
+        self._while_running(point.label(), lambda: self.http.request(f"/v2/repository/models/{point.variant}/load", {},
                                                              timeout=300.0))
 
-    def _while_running(self, point: Point, call: Callable[[], object]) -> None:
+    def unload(self, variant: str) -> None:
+        self._while_running(variant, lambda: Target.unload(self, variant), stage="unloading")
+
+    def died(self, wait_s: float = 0.0) -> str | None:
+        process = self.server.process if self.server is not None else None
+        if process is None:
+            return None
+        if wait_s > 0:  # Triton's handler of a fatal signal prints a stack (and the kernel may dump a core) first
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=wait_s)
+        code = process.poll()
+        return None if code is None else exit_text(code)
+
+    def restart(self) -> None:
+        """A fresh server over the same repository copy, on new ports (the dead one's stubs may still
+        hold its sockets until stop() has cleaned them)."""
+        assert self.server is not None and self.tmp is not None, "use LocalTarget as a context manager"
+        old = self.server
+        old.stop()  # reaps it, removes its record, stops the stubs it left and frees their /dev/shm regions
+        http, grpc, metrics = free_ports(3)
+        self.server = TritonServer(old.repository, old.state_dir, Ports(http, grpc, metrics),
+                                   model_control=ModelControl.EXPLICIT)
+        self.endpoints = Endpoints(f"127.0.0.1:{http}", f"127.0.0.1:{grpc}", f"http://127.0.0.1:{metrics}/metrics")
+        self.http = Http(self.endpoints.http)
+        self.server.start(timeout=120)
+
+    def _while_running(self, label: str, call: Callable[[], object], stage: str = "loading") -> None:
         """Run a repository request, but stop waiting when the server process exits. A server killed
         mid-load (a backend's crash, the OOM killer) does not close the request's connection: its
         python-backend stubs inherit the socket and keep it open, so the request would wait its whole
@@ -465,13 +511,16 @@ class LocalTarget(Target):
         while not outcome:
             worker.join(0.2)
             if not outcome and process.poll() is not None:
-                raise ServerError(f"tune: the tuning server exited (code {process.returncode}) while loading "
-                                  f"{point.label()}; see {self.where()}")
+                raise ServerDied(label, how=exit_text(process.returncode), stage=stage,
+                                 where=self.where())
         if outcome[0] is not None:
             raise outcome[0]
 
     def where(self) -> str:
         assert self.server is not None
+        crash = self.server.crash_lines() if self.died() is not None else []
+        if crash:  # Triton's report of the fatal signal, with its first stack frames
+            return f"what the tuning server wrote ({' | '.join(crash)})"
         return f"the tuning server's log ({self.server.log_tail(2)})"
 
 
@@ -551,6 +600,8 @@ class Tuner:
         self.failures: dict[Point, str] = {}
         self.measured: dict[Point, list[Result]] = {}  # what the search measured (a run cut short reports it)
         self.search_bar: progress.Task | None = None  # the search's progress: a step per point
+        # By point: a note for each time the private server died while measuring it and was restarted.
+        self.restarts: dict[Point, list[str]] = {}
 
     def measure(self, point: Point) -> list[Result]:
         self.measured[point] = self.remeasure(point)
@@ -558,17 +609,63 @@ class Tuner:
             self.search_bar.advance(status=point.label())
         return self.measured[point]
 
+    def _check_alive(self, point: Point, stage: str, wait_s: float = 0.0) -> None:
+        """Raise ServerDied when the target's own server has exited (asked of the process, not the network:
+        a dead server's stubs keep its sockets open, so a request would wait out its timeout)."""
+        how = self.target.died(wait_s)
+        if how is not None:
+            raise ServerDied(point.label(), how=how, stage=stage, where=self.target.where())
+
     def _failed(self, point: Point, reason: str) -> list[Result]:
-        self.failures[point] = reason
-        log.warning("tune: %s failed: %s", point.label(), reason)
+        # A failure because the server died (or is dying: it stopped answering) is no failure of the point.
+        self._check_alive(point, "measuring")
         if not self.target.http.live():
+            self._check_alive(point, "measuring", wait_s=10.0)
+            self.failures[point] = reason
+            log.warning("tune: %s failed: %s", point.label(), reason)
             raise ServerError(f"tune: the server stopped answering after {point.label()} ({reason}); "
                               f"see {self.target.where()}")
+        self.failures[point] = reason
+        log.warning("tune: %s failed: %s", point.label(), reason)
         return []
 
     def remeasure(self, point: Point) -> list[Result]:
-        """Measure `point` (again) without recording it as a point of the search."""
+        """Measure `point` (again) without recording it as a point of the search. When the private server
+        dies meanwhile (a crash inside tritonserver, any signal), it is started again and the point measured
+        once more; a second death ends the run (ServerDied)."""
         self.count += 1
+        try:
+            return self._measure_once(point)
+        except ServerDied as died:
+            if self.target.died() is None:  # attach mode never restarts (died() is None there)
+                raise
+            note = (f"the tuning server {died.how} while {died.stage} it; restarted the server and measured "
+                    "the point again")
+            log.warning("tune: %s: %s (%s)", point.label(), note, self.target.where())
+            self.restarts.setdefault(point, []).append(note)
+            self.failures.pop(point, None)
+            self.target.restart()
+        return self._measure_once(point)
+
+    async def _watched(self, point: Point, measurement: Coroutine[Any, Any, list[ModelResult]]
+                       ) -> list[ModelResult]:
+        """The measurement, cancelled when the target's server dies (its requests would hang on the sockets
+        the stubs keep open until the point's timeout) or when the point's time is up."""
+        task = asyncio.ensure_future(measurement)
+        deadline = time.monotonic() + self.point_timeout_s
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.2)
+            if task.done():
+                break
+            if self.target.died() is not None or time.monotonic() > deadline:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, PerfClientError):
+                    await task
+                self._check_alive(point, "measuring")
+                raise asyncio.TimeoutError
+        return task.result()
+
+    def _measure_once(self, point: Point) -> list[Result]:
         try:
             self.target.load(point)
         except Rejected as exc:
@@ -583,14 +680,16 @@ class Tuner:
         try:
             # perfclient's windows show inside it, one bar per concurrency.
             with progress.task(f"measuring {point.label()}"):
-                rows = asyncio.run(asyncio.wait_for(session.measure(config), self.point_timeout_s))
+                rows = asyncio.run(self._watched(point, session.measure(config)))
         except asyncio.TimeoutError:
             return self._failed(point, f"timed out after {self.point_timeout_s:.0f} s")
         except PerfClientError as exc:
             return self._failed(point, f"measurement failed: {exc}")
         finally:
-            with contextlib.suppress(Rejected):  # a model that is already gone needs no unloading
-                self.target.unload(point.variant)
+            if self.target.died() is None:  # a dead server has nothing to unload (and would not answer)
+                with contextlib.suppress(Rejected):  # a model that is already gone needs no unloading
+                    self.target.unload(point.variant)
+        self._check_alive(point, "measuring")  # requests that failed because it died are not the point's
         results = []
         for concurrency, row in zip(self.concurrencies, rows, strict=True):
             summary = row.result.summary
@@ -643,6 +742,7 @@ class MeasuredPoint:
     feasible: bool
     results: list[Result]
     failure: str | None = None  # why the point failed to load, timed out or completed nothing
+    restarts: list[str] = field(default_factory=list)  # each time the server died measuring it, and what was done
 
     @property
     def throughput(self) -> float:
@@ -700,6 +800,7 @@ class TuneReport:
     attached: str | None = None  # the server's HTTP address in attach mode
     changes: list[str] = field(default_factory=list)  # unified diffs of what was (or, dry run, would be) written
     partial: str | None = None  # why the run stopped early, when it did
+    restarts: int = 0  # times the private server died mid-point and was started again (each point's note says)
 
 
 def explain(winner: Point, measured: dict[Point, list[Result]], objective: Objective, default: Point) -> str:
@@ -724,8 +825,9 @@ def energy_gaps(report: TuneReport) -> list[MeasuredPoint]:
 
 
 def report_points(measured: dict[Point, list[Result]], objective: Objective,
-                  failures: dict[Point, str]) -> list[MeasuredPoint]:
-    return [MeasuredPoint(p, p.label(), objective.feasible(measured[p]), measured[p], failures.get(p))
+                  failures: dict[Point, str], restarts: Mapping[Point, list[str]] | None = None) -> list[MeasuredPoint]:
+    return [MeasuredPoint(p, p.label(), objective.feasible(measured[p]), measured[p], failures.get(p),
+                          list((restarts or {}).get(p, [])))
             for p in sorted(measured, key=Point.sort_key)]
 
 
@@ -785,7 +887,7 @@ def html_report(report: TuneReport, png: bytes | None) -> str:
         f"<tr class='{'win' if report.winner == m.point else 'front' if m.label in front else ''}'>"
         f"<td>{e(m.label)}</td><td>{m.throughput:.1f}</td><td>{ms(m.p99_ms)}</td><td>{per_joule(m)}</td>"
         f"<td>{'yes' if m.feasible else 'no'}</td><td>{'yes' if m.label in front else ''}</td>"
-        f"<td>{e(m.failure or '')}</td></tr>" for m in report.points)
+        f"<td>{e('; '.join(filter(None, [m.failure, *m.restarts])))}</td></tr>" for m in report.points)
     compared = "".join(f"<tr><td>{e(str(c.config))}</td><td>{e(c.label)}</td><td>{c.throughput:.1f}</td>"
                        f"<td>{ms(c.p99_ms)}</td><td>{'meets' if c.feasible else 'misses'}</td></tr>"
                        for c in report.comparison)
@@ -1104,13 +1206,14 @@ def tune(repository: Path, space: Space, objective: Objective, *, search: Search
             front = pareto(measured)
             report = TuneReport(
                 objective, space, search, tuner.count if count is None else count, winner, default,
-                report_points(measured, objective, tuner.failures), [p.label() for p in front],
+                report_points(measured, objective, tuner.failures, tuner.restarts), [p.label() for p in front],
                 explain(winner, measured, objective, default) if winner else
                 # A run cut short has no pick even where its measured points met the constraints.
                 f"no pick: the run stopped before the search ended ({partial})" if partial else
                 "no point met the constraints",
                 comparison, round(time.perf_counter() - started, 1), failed=len(tuner.failures),
-                attached=attach.http if attach else None, changes=changes, partial=partial)
+                attached=attach.http if attach else None, changes=changes, partial=partial,
+                restarts=sum(map(len, tuner.restarts.values())))
             unwritten = _write_outputs(report, report_path, plot_path, measured, front, html_path)
     if unwritten:
         raise BuilderError(unwritten)
