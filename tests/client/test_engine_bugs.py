@@ -11,6 +11,7 @@ import pytest
 from client.engine import LoadLevel, LoadRun, Measurement
 from client.power import NoMeter
 from client.protocol import Prepared
+from tests.helpers.waiting import wait_until_async
 
 
 class _BuggyConnection:
@@ -40,8 +41,9 @@ def test_a_bug_in_the_send_path_is_raised_at_stop_not_lost(level: LoadLevel) -> 
         run = LoadRun(conn, model="m", payloads=payloads, batch=1, meter=NoMeter("not measured here"),
                       measurement=Measurement())
         drivers = run.start_drivers(level)
-        await asyncio.sleep(0.1)  # the buggy payload has been sent by now (every other request, or all)
-        assert conn.sent >= 2
+        # The buggy payload is every other request: sent once two were (a loaded machine's loop may take a
+        # while to get there, an open loop that fell behind sending one per loop step).
+        await wait_until_async(lambda: conn.sent >= 2, what="the buggy payload sent")
         with pytest.raises(KeyError, match="a bug of ours"):
             await run.stop_drivers(drivers)
         assert "KeyError" not in run.swap().errors  # never counted as a request's error kind
