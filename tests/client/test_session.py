@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import http.server
+import json
 import multiprocessing
 import threading
 import time
+import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -132,8 +134,12 @@ def test_open_loop_holds_the_rate_and_reports_a_client_stall_as_late_sends(endpo
                         levels=(LoadLevel(request_rate=rate),)),
                  stall_after_the_first_window)
     summary, after_stall = row.result.summary, row.result.windows[1]
-    # The open loop catches up after the stall: the rate holds over the level.
-    assert summary.throughput == pytest.approx(rate, rel=0.35) and summary.errors == {}
+    # The open loop catches up after the stall: the rate holds over the level, give or take the sends whose
+    # latency (from the scheduled time: the stall's and a loaded machine's late sends included) moved them
+    # across the summary's edges.
+    assert summary.errors == {} and summary.latency_us is not None
+    due = rate * summary.seconds
+    assert abs(summary.requests - due) <= rate * summary.latency_us.max / 1e6 + 2, (summary.requests, due)
     # Every send scheduled during the stall left late, and its latency counts from its scheduled time.
     assert after_stall.late_sends >= 0.8 * rate * stall_s
     assert after_stall.latency_us is not None and after_stall.latency_us.max >= (stall_s - 0.05) * 1e6
@@ -171,8 +177,15 @@ def test_an_abort_keeps_the_completed_windows_and_drops_the_open_one(endpoints: 
         abort = Abort()
 
         def abort_in_window_three(model: str, level: LoadLevel, index: int, window: Window) -> None:
+            # Window 3 opened as window 2 closed (window.end_ns): abort it 0.1 s in, well before its 0.4 s
+            # end, or now if this callback itself came later than that (the readings at window 2's end
+            # are awaited first, which a loaded machine slows). Timed from the window, not from this call.
             if index == 2:
-                asyncio.get_running_loop().call_later(0.2, abort.set, "interrupted (test)")
+                at = window.end_ns / 1e9 + 0.1  # time.monotonic(), the clock of the loop's timers
+                if time.monotonic() >= at:
+                    abort.set("interrupted (test)")
+                else:
+                    asyncio.get_running_loop().call_at(at, abort.set, "interrupted (test)")
 
         return await measure(config(endpoints.grpc, measurement, levels=(LoadLevel(concurrency=2),)),
                              abort_in_window_three, abort)
@@ -197,15 +210,35 @@ def test_the_time_limit_ends_the_run_with_what_was_measured(endpoints: Endpoints
     assert row.result.level.concurrency == 1 and not row.result.complete and 1 <= len(row.result.windows) <= 3
 
 
-class SlowMetrics(http.server.BaseHTTPRequestHandler):
-    """Triton-like metrics with a GPU energy counter, each answer 200 ms late."""
+def _served(http_url: str, model: str) -> int:
+    """Requests for `model` that the server has answered successfully, by its own statistics."""
+    with urllib.request.urlopen(f"http://{http_url}/v2/models/{model}/stats", timeout=5) as response:
+        stats = json.load(response)
+    return sum(m["inference_stats"]["success"]["count"] for m in stats["model_stats"])
 
-    joules = 0.0
+
+class GatedMetrics(http.server.BaseHTTPRequestHandler):
+    """Triton-like metrics with a GPU energy counter. Its first read (the meter's open, before any load) is
+    answered at once; every later one only once the server has answered AHEAD more requests since it arrived,
+    or, failing that, after LIMIT_S (recorded in `held`): a read made on the run's event loop would stop the
+    requests it waits for, and hit the limit."""
+
+    AHEAD, LIMIT_S = 10, 1.5  # the meter's own HTTP timeout is 2 s
+    triton_http = ""
+    reads = 0
+    held: ClassVar[list[int]] = []
 
     def do_GET(self) -> None:
-        time.sleep(0.2)
-        SlowMetrics.joules += 10.0
-        body = f'nv_energy_consumption{{gpu_uuid="GPU-test"}} {SlowMetrics.joules}\n'.encode()
+        cls = GatedMetrics
+        cls.reads += 1
+        if cls.reads > 1:
+            start, deadline = _served(cls.triton_http, "mlp_fp32"), time.monotonic() + cls.LIMIT_S
+            while (done := _served(cls.triton_http, "mlp_fp32") - start) < cls.AHEAD:
+                if time.monotonic() >= deadline:
+                    cls.held.append(done)
+                    break
+                time.sleep(0.005)
+        body = f'nv_energy_consumption{{gpu_uuid="GPU-test"}} {10.0 * cls.reads}\n'.encode()
         self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -216,33 +249,25 @@ class SlowMetrics(http.server.BaseHTTPRequestHandler):
 
 
 def test_a_slow_metrics_endpoint_does_not_delay_requests(endpoints: Endpoints) -> None:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), SlowMetrics)
+    # Each meter read at a window boundary is answered only once the run has had ten more requests answered
+    # meanwhile: true of a read off the event loop, however slow the machine; a read on the loop would let
+    # at most the two in flight finish, and wait out the limit.
+    GatedMetrics.triton_http, GatedMetrics.reads, GatedMetrics.held = endpoints.http, 0, []
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), GatedMetrics)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    measurement = Measurement(measurement_ms=400, stability_percentage=0.001, max_trials=5, warmup_requests=5)
-    slow_url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
+    measurement = Measurement(measurement_ms=400, stability_percentage=0.001, max_trials=3, warmup_requests=5)
     try:
-        p50s: dict[str, list[float]] = {"none": [], "slow": []}
-        worst = 0.0
-        for _ in range(2):  # alternating, so a busy moment on the machine hits both alike
-            for kind in ("none", "slow"):
-                power = {"power_source": PowerSource.NONE} if kind == "none" else {
-                    "power_source": PowerSource.TRITON, "metrics_url": slow_url}
-                (row,) = run(config(endpoints.grpc, measurement, levels=(LoadLevel(concurrency=2),), **power))
-                lat = row.result.summary.latency_us
-                assert lat is not None
-                p50s[kind].append(lat.p50)
-                if kind == "slow":
-                    # The meter was read (energy per window) while requests kept going.
-                    assert row.result.power.source is PowerSource.TRITON and row.result.power.energy_j is not None
-                    assert all(w.power is not None and w.power.energy_j is not None for w in row.result.windows)
-                    worst = max(worst, max(w.latency_us.max for w in row.result.windows if w.latency_us))
+        (row,) = run(config(endpoints.grpc, measurement, levels=(LoadLevel(concurrency=2),),
+                            power_source=PowerSource.TRITON,
+                            metrics_url=f"http://127.0.0.1:{server.server_address[1]}/metrics"))
     finally:
         server.shutdown()
-    # A read on the event loop would hold every request in flight for 200 ms at each boundary.
-    assert worst < 150_000
-    assert abs(float(np.median(p50s["slow"])) - float(np.median(p50s["none"]))) < 1_000  # µs
-    assert SlowMetrics.joules > 0
+    # The meter was read (energy per window) while requests kept going.
+    assert row.result.power.source is PowerSource.TRITON and row.result.power.energy_j is not None
+    assert all(w.power is not None and w.power.energy_j is not None for w in row.result.windows)
+    assert GatedMetrics.reads >= 1 + len(row.result.windows) + 1  # the open, then one read per boundary
+    assert GatedMetrics.held == []
 
 
 def test_opening_the_meter_leaves_the_event_loop_serving(endpoints: Endpoints, quick: Measurement) -> None:
@@ -360,16 +385,21 @@ def test_simultaneous_needs_two_models_and_equal_sweeps() -> None:
         SessionConfig(models=("a", "b"), url="h:1", model_levels={"c": (LoadLevel(concurrency=4),)})
 
 
-class FastMetrics(SlowMetrics):
-    """The same counter, answered at once."""
+class FastMetrics(http.server.BaseHTTPRequestHandler):
+    """Triton-like metrics with a GPU energy counter, answered at once."""
+
+    joules = 0.0
 
     def do_GET(self) -> None:
-        SlowMetrics.joules += 10.0
-        body = f'nv_energy_consumption{{gpu_uuid="GPU-test"}} {SlowMetrics.joules}\n'.encode()
+        FastMetrics.joules += 10.0
+        body = f'nv_energy_consumption{{gpu_uuid="GPU-test"}} {FastMetrics.joules}\n'.encode()
         self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
 
 
 def test_worker_processes_drive_the_load_and_their_counts_add_up(endpoints: Endpoints) -> None:
