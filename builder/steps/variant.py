@@ -25,6 +25,7 @@ from builder.steps import accuracy, onnx_model, precision, samples
 from builder.steps.accuracy import Metrics
 from builder.steps.context import ModelContext, VariantContext
 from builder.steps.fp16_cache import cached_conversion, feeds_digest, fp16_key
+from builder.steps.fp16_fallback import TOOL as FALLBACK_TOOL
 from builder.steps.fp16_fallback import to_fp16_checked
 from builder.steps.fp16_guard import guard_fp16
 from builder.steps.guard import guard_int8
@@ -150,6 +151,10 @@ class Gate:
             note = ran or (None if ctx.precision is Precision.FP32 else "no guard: --no-guard")
             raise AccuracyError(f"{problem} ({note})" if note else problem, violation=found, guard=note)
         fp16 = ctx.precision is Precision.FP16
+        if fp16 and ctx.settings.get("tool") == FALLBACK_TOOL:
+            # The FP16 guard converts with autocast, which failed on this model: no search can run.
+            note = "no FP16 guard: it converts with ModelOpt autocast, which failed on this model"
+            raise AccuracyError(f"{problem} ({note})", violation=found, guard=note)
         log.warning("%s; searching for nodes to keep in higher precision", problem)
         guard: Fp16Guard | Guard = Fp16Guard() if fp16 else Guard()
         with ctx.steps.step(type(guard).__name__):  # inside the Gate's own figures, listed before them

@@ -99,6 +99,21 @@ def test_autocast_failing_on_if_subgraphs_falls_back_to_onnxconverter_common(
     assert any(n.op_type == "Cast" for n in served.graph.node)  # FP16 outside the If, FP32 inside
 
 
+def test_a_fallback_fp16_that_misses_its_tolerance_says_why_no_guard_ran(
+        workdir: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
+    """The FP16 guard converts with autocast, which failed on this model: one line saying so, not autocast's
+    failure again as if it were the step that failed."""
+    _sanity_check_fails_on_converted_graphs(monkeypatch)
+    model = control_flow(workdir)
+    code = main([*model.build_args(workdir / "repo"), "--precision", "fp32,fp16", "--tolerance", "fp16:max_abs=1e-9"])
+    lines = capfd.readouterr().err.splitlines()
+    assert code == 1
+    assert lines[-1].startswith("trtbuild: error: vad_if_fp16 not written: max_abs = "), lines
+    assert lines[-1].endswith("is above the limit max_abs = 1e-09 (no FP16 guard: it converts with ModelOpt "
+                              "autocast, which failed on this model)"), lines
+    assert (workdir / "repo" / "vad_if_fp32" / "config.pbtxt").is_file()
+
+
 def test_onnxconverter_common_keeps_if_subgraphs_in_fp32_and_feeds_them_fp32(tmp_path: Path) -> None:
     """Without the FP32 copies of the outer values the subgraphs read, ONNX Runtime refuses the graph
     ("Type parameter (T) of Optype (MatMul) bound to different types")."""
