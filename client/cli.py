@@ -17,7 +17,7 @@ from client.inputs import InputData, parse_shapes
 from client.intervals import load_intervals
 from client.logs import configure_logging
 from client.plot import plot
-from client.power import PowerSource
+from client.power import PowerSource, parse_gpus
 from client.protocol import REQUEST_TIMEOUT_S, Protocol
 from client.report import documents, table, write_csv, write_json
 from client.session import WHOLE_RUN, ModelResult, SessionConfig, run
@@ -65,6 +65,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="stop the whole run after this long, keeping the windows measured (exit 1, like Ctrl-C)")
     p.add_argument("--processes", type=int, default=1, metavar="N",
                    help="generate the load from N worker processes (their records merge exactly; default 1)")
+    p.add_argument("--gpus", default=None, metavar="LIST",
+                   help="meter these GPUs (indices or UUIDs: 0,3); default: those the models' instance groups "
+                        "name, else CUDA_VISIBLE_DEVICES, else every GPU")
     p.add_argument("--seed", type=int, default=None, metavar="N",
                    help="seed of the Poisson arrivals (one stream per model, level and process) and the random "
                         "inputs (default: drawn at random, recorded in --json)")
@@ -205,6 +208,15 @@ def _input_data(args: argparse.Namespace) -> InputData:
     return InputData.parse(args.input_data or "random")
 
 
+def _gpus(text: str | None) -> tuple[str, ...] | None:
+    if text is None:
+        return None
+    try:
+        return parse_gpus(text)
+    except ValueError as exc:
+        raise PerfClientError(str(exc)) from None
+
+
 def _validate_options(args: argparse.Namespace) -> ValidateOptions:
     # Given --input-data, the file's samples are sent among those payloads, not instead of them.
     return ValidateOptions(atol=args.validate_atol, rtol=args.validate_rtol, fraction=args.validate_fraction,
@@ -233,7 +245,7 @@ def parse_config(argv: Sequence[str] | None) -> CliConfig:
         shared_memory=SharedMemory(args.shared_memory, args.output_shared_memory_size,
                                    headers=request_headers(str(protocol), args.header)),
         request_timeout_ms=args.request_timeout_ms, time_limit_s=args.time_limit, processes=args.processes,
-        seed=args.seed,
+        seed=args.seed, gpus=_gpus(args.gpus),
     )
     return CliConfig(session=session, json_path=args.json, csv_path=args.csv, plot_path=args.plot, html_path=args.html,
                      progress=not args.no_progress and not args.quiet, verbose=args.verbose, quiet=args.quiet)

@@ -93,6 +93,22 @@ def _server(rows: Sequence[ModelResult]) -> str:
     return _table(["model", "load", *keys], body, text_columns=2)
 
 
+def _gpus(rows: Sequence[ModelResult]) -> str:
+    """Each metered GPU's W and J per row, and the total over them (what avg W and J/infer above use)."""
+    body = []
+    for row in rows:
+        power = result_dict(row.result).get("power") or {}
+        for gpu in power.get("gpus") or []:
+            body.append([_esc(row.model), _esc(row.result.level.label), _esc(gpu["gpu"]), _num(gpu["avg_w"], ".1f"),
+                         _num(gpu["energy_j"], ".2f")])
+        if power.get("gpus"):
+            body.append([_esc(row.model), _esc(row.result.level.label), "<b>total</b>", _num(power.get("avg_w"), ".1f"),
+                         _num(power.get("energy_j"), ".2f")])
+    selections = dict.fromkeys(str(r.result.power.gpu_selection) for r in rows if r.result.power.gpu_selection)
+    return (f"<p>Metered: {_esc('; '.join(selections))}.</p>\n" if selections else "") + _table(
+        ["model", "load", "GPU", "avg W", "J"], body, text_columns=3)
+
+
 def _figure(title: str, png: bytes) -> str:
     data = base64.b64encode(png).decode("ascii")
     return f'<h2>{_esc(title)}</h2>\n<img alt="{_esc(title)}" src="data:image/png;base64,{data}">'
@@ -146,6 +162,8 @@ def render(config: SessionConfig, rows: Sequence[ModelResult], error: str | None
         parts.append(_figure("Power over time", power) if power is not None else
                      "<h2>Power over time</h2><p>No power samples in this run (source: "
                      f"{_esc(', '.join(dict.fromkeys(str(r.result.power.source) for r in rows)))}).</p>")
+        if any(row.result.power.gpus for row in rows):
+            parts += ["<h2>Energy per GPU</h2>", _gpus(rows)]
         parts += ["<h2>Server time per request (µs)</h2>", _server(rows)]
     parts += ["<h2>Settings</h2>", _settings(config), "<h2>Tool versions</h2>",
               _table(["tool", "version"], [[_esc(k), _esc(v)] for k, v in tool_versions().items()], text_columns=2),

@@ -2,6 +2,11 @@
 
 The energy counter is the basis for joules per window; sampled power only draws the curve and
 cross-checks the counter. The chosen source is named in every result, or `none` with the reasons.
+
+GPU meters count the GPUs of a GpuSelection (--gpus, the measured models' instance groups, or
+CUDA_VISIBLE_DEVICES: client.session chooses), each GPU's energy kept apart in the reading; NVML and
+Triton's metric select the same devices: by UUID, or by index (NVML's index; in Triton's metrics text,
+the order of its `gpu_uuid` series, which Triton lists by device id).
 """
 
 from __future__ import annotations
@@ -36,7 +41,45 @@ class PowerSource(Choice):
 @dataclass(frozen=True)
 class Reading:
     t: float  # time.monotonic() when the counter was read (the call's start: what a window boundary aligns to)
-    energy_j: float | None  # cumulative, summed over devices
+    energy_j: float | None  # cumulative, summed over the devices metered
+    per_gpu: Mapping[str, float] = field(default_factory=dict)  # cumulative J by GPU (UUID), where metered apart
+
+
+_GPU_ID = re.compile(r"^(\d+|(GPU|MIG)-[0-9A-Za-z/-]+)$")
+
+
+def parse_gpus(text: str, flag: str = "--gpus") -> tuple[str, ...]:
+    """`0,3` or UUIDs (`GPU-…`, `MIG-…`), comma-separated; ValueError naming `flag` otherwise."""
+    ids = tuple(part.strip() for part in text.split(",") if part.strip())
+    bad = [i for i in ids if not _GPU_ID.match(i)]
+    if not ids or bad:
+        raise ValueError(f"{flag} {text!r}: expected GPU indices or UUIDs separated by commas (0,3 or GPU-…)")
+    return tuple(dict.fromkeys(ids))
+
+
+@dataclass(frozen=True)
+class GpuSelection:
+    """The GPUs a meter counts: `ids` are indices or UUIDs, None every GPU; `origin` says who chose them."""
+
+    ids: tuple[str, ...] | None = None
+    origin: str = "every GPU"
+
+    def pick(self, devices: Sequence[str]) -> list[int]:
+        """The positions in `devices` (UUIDs, in index order) that the selection names; RuntimeError naming
+        what is there when it names a device that is not."""
+        if self.ids is None:
+            return list(range(len(devices)))
+        chosen = []
+        for gpu in self.ids:
+            position = int(gpu) if gpu.isdigit() else (devices.index(gpu) if gpu in devices else len(devices))
+            if position >= len(devices):
+                there = ", ".join(f"{i} {uuid}" for i, uuid in enumerate(devices)) or "none"
+                raise RuntimeError(f"GPU {gpu} ({self.origin}) is not here (GPUs: {there})")
+            chosen.append(position)
+        return sorted(set(chosen))
+
+    def __str__(self) -> str:
+        return f"{','.join(self.ids)} ({self.origin})" if self.ids is not None else self.origin
 
 
 class Meter(Protocol):
@@ -74,7 +117,7 @@ class NvmlMeter:
     source = PowerSource.NVML
     reason = None
 
-    def __init__(self, sample_interval: float = 0.05) -> None:
+    def __init__(self, sample_interval: float = 0.05, gpus: GpuSelection | None = None) -> None:
         import pynvml
 
         self._nvml: Any = pynvml
@@ -83,7 +126,12 @@ class NvmlMeter:
             count = pynvml.nvmlDeviceGetCount()
             if count == 0:
                 raise RuntimeError("NVML found no GPU")
-            self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+            handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+            uuids = [self._uuid(h, i) for i, h in enumerate(handles)]
+            self.selection = gpus or GpuSelection()
+            chosen = self.selection.pick(uuids)
+            self.handles = [handles[i] for i in chosen]
+            self.gpus = [uuids[i] for i in chosen]  # the metered GPUs' UUIDs, as `handles`
             self.trace = PowerTrace()
             self._stop = threading.Event()
             self._interval = sample_interval
@@ -93,6 +141,13 @@ class NvmlMeter:
             pynvml.nvmlShutdown()  # every failed open releases NVML (the tuner probes before each run)
             raise
         self._thread.start()
+
+    def _uuid(self, handle: Any, index: int) -> str:
+        try:
+            uuid = self._nvml.nvmlDeviceGetUUID(handle)
+        except (AttributeError, self._nvml.NVMLError):  # an NVML without UUIDs: the index names the GPU
+            return f"GPU {index}"
+        return uuid.decode() if isinstance(uuid, bytes) else str(uuid)
 
     def instant_power_w(self) -> float:
         total = 0.0
@@ -117,8 +172,9 @@ class NvmlMeter:
 
     def read(self) -> Reading:
         t = time.monotonic()
-        energy = sum(self._nvml.nvmlDeviceGetTotalEnergyConsumption(h) for h in self.handles) / 1000.0
-        return Reading(t, energy)
+        per_gpu = {gpu: self._nvml.nvmlDeviceGetTotalEnergyConsumption(h) / 1000.0
+                   for gpu, h in zip(self.gpus, self.handles, strict=True)}
+        return Reading(t, sum(per_gpu.values()), per_gpu)
 
     def close(self) -> None:
         self._stop.set()
@@ -126,13 +182,24 @@ class NvmlMeter:
         self._nvml.nvmlShutdown()
 
 
-_ENERGY_LINE = re.compile(r"^nv_energy_consumption\{[^}]*\}\s+([0-9.eE+-]+)", re.M)
+_ENERGY_LINE = re.compile(r"^nv_energy_consumption\{([^}]*)\}\s+([0-9.eE+-]+)", re.M)
+_GPU_UUID = re.compile(r'gpu_uuid="([^"]*)"')
 
 
 def parse_triton_energy(text: str) -> float | None:
     """Joules summed over GPUs from Triton's Prometheus text; None without a GPU energy metric."""
     values = _ENERGY_LINE.findall(text)
-    return sum(float(v) for v in values) if values else None
+    return sum(float(v) for _, v in values) if values else None
+
+
+def parse_triton_energy_per_gpu(text: str) -> dict[str, float]:
+    """Joules by `gpu_uuid`, in the order Triton lists them (its device ids); empty without the metric."""
+    out: dict[str, float] = {}
+    for index, (labels, value) in enumerate(_ENERGY_LINE.findall(text)):
+        uuid = _GPU_UUID.search(labels)
+        gpu = uuid.group(1) if uuid else f"GPU {index}"
+        out[gpu] = out.get(gpu, 0.0) + float(value)
+    return out
 
 
 class TritonMetricsMeter:
@@ -142,20 +209,30 @@ class TritonMetricsMeter:
     trace = None
     reason = None
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, gpus: GpuSelection | None = None) -> None:
         self.url = url
-        if self.read().energy_j is None:
+        self.selection = gpus or GpuSelection()
+        every = parse_triton_energy_per_gpu(self._text())
+        if not every:
             raise RuntimeError(f"{url} has no nv_energy_consumption (no GPU metrics)")
+        devices = list(every)
+        self.gpus = [devices[i] for i in self.selection.pick(devices)]  # the metered GPUs' UUIDs
+
+    def _text(self) -> str:
+        try:
+            with urllib.request.urlopen(self.url, timeout=2) as response:
+                return str(response.read().decode("utf-8", "replace"))
+        except (urllib.error.URLError, OSError) as exc:
+            raise RuntimeError(f"cannot read {self.url}: {exc}") from exc
 
     def read(self) -> Reading:
         """Blocking HTTP: the load engine calls it from a worker thread, never on its event loop."""
         t = time.monotonic()
-        try:
-            with urllib.request.urlopen(self.url, timeout=2) as response:
-                text = response.read().decode("utf-8", "replace")
-        except (urllib.error.URLError, OSError) as exc:
-            raise RuntimeError(f"cannot read {self.url}: {exc}") from exc
-        return Reading(t, parse_triton_energy(text))
+        every = parse_triton_energy_per_gpu(self._text())
+        if any(gpu not in every for gpu in self.gpus):  # a GPU's series is gone: no reading, not a smaller sum
+            return Reading(t, None)
+        per_gpu = {gpu: every[gpu] for gpu in self.gpus}
+        return Reading(t, sum(per_gpu.values()), per_gpu)
 
     def close(self) -> None:
         pass
@@ -216,13 +293,15 @@ class NoMeter:
         pass
 
 
-def open_meter(source: PowerSource, metrics_url: str, *, rapl_root: Path = RAPL_ROOT) -> Meter:
+def open_meter(source: PowerSource, metrics_url: str, *, rapl_root: Path = RAPL_ROOT,
+               gpus: GpuSelection | None = None) -> Meter:
     """The first source that works, in order nvml → triton → rapl; `none` with every reason otherwise.
-    `rapl_root`: where the powercap tree is (another folder in tests)."""
+    `rapl_root`: where the powercap tree is (another folder in tests). `gpus`: the GPUs NVML and Triton's
+    metric count (every GPU by default)."""
     order = [PowerSource.NVML, PowerSource.TRITON, PowerSource.RAPL] if source is PowerSource.AUTO else [source]
     openers: dict[PowerSource, Callable[[], Meter]] = {
-        PowerSource.NVML: NvmlMeter, PowerSource.RAPL: lambda: RaplMeter(rapl_root),
-        PowerSource.TRITON: lambda: TritonMetricsMeter(metrics_url)}
+        PowerSource.NVML: lambda: NvmlMeter(gpus=gpus), PowerSource.RAPL: lambda: RaplMeter(rapl_root),
+        PowerSource.TRITON: lambda: TritonMetricsMeter(metrics_url, gpus)}
     reasons = []
     for name in order:
         if name is PowerSource.NONE:
@@ -237,12 +316,12 @@ def open_meter(source: PowerSource, metrics_url: str, *, rapl_root: Path = RAPL_
     return NoMeter("; ".join(reasons) or "disabled by --power-source none")
 
 
-def open_cross_checks(primary: Meter, metrics_url: str) -> list[Meter]:
-    """Second sources read at the same instants as the primary, to cross-check its energy."""
+def open_cross_checks(primary: Meter, metrics_url: str, gpus: GpuSelection | None = None) -> list[Meter]:
+    """Second sources read at the same instants as the primary, to cross-check its energy (the same GPUs)."""
     if primary.source is not PowerSource.NVML:
         return []
     try:
-        return [TritonMetricsMeter(metrics_url)]
+        return [TritonMetricsMeter(metrics_url, gpus)]
     except Exception as exc:  # noqa: BLE001 - a missing cross-check is only logged
         log.info("no Triton energy metric to cross-check NVML: %s", exc)
         return []
@@ -265,6 +344,17 @@ class PowerFigures:
     infer_per_j: float | None = None
     energy_j_from_samples: float | None = None
     cross_checks: Mapping[PowerSource, float | None] = field(default_factory=dict)
+    gpus: tuple[GpuEnergy, ...] = ()  # each metered GPU's figures; `energy_j` and `avg_w` are their total
+    gpu_selection: str | None = None  # which GPUs were metered and who chose them (GpuSelection's text)
+
+
+@dataclass(frozen=True)
+class GpuEnergy:
+    """One GPU's share of an interval."""
+
+    gpu: str  # its UUID
+    avg_w: float
+    energy_j: float
 
 
 def window_power(meter: Meter, before: Reading, after: Reading, inferences: int,
@@ -276,6 +366,9 @@ def window_power(meter: Meter, before: Reading, after: Reading, inferences: int,
     integrated = meter.trace.integrate(before.t, after.t) if meter.trace is not None else None
     checks = {source: (a.energy_j - b.energy_j if b.energy_j is not None and a.energy_j is not None else None)
               for source, b, a in cross}
+    gpus = tuple(GpuEnergy(gpu, (after.per_gpu[gpu] - joules) / seconds, after.per_gpu[gpu] - joules)
+                 for gpu, joules in before.per_gpu.items() if gpu in after.per_gpu)
+    selection = getattr(meter, "selection", None)
     return PowerFigures(
         source=meter.source,
         avg_w=energy / seconds,
@@ -284,4 +377,6 @@ def window_power(meter: Meter, before: Reading, after: Reading, inferences: int,
         infer_per_j=inferences / energy if energy > 0 else None,
         energy_j_from_samples=integrated,
         cross_checks=checks,
+        gpus=gpus,
+        gpu_selection=str(selection) if selection is not None else None,
     )

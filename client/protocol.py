@@ -198,6 +198,15 @@ class Connection:
 
         return ModelMeta(name, max_batch, tensors(meta.get("inputs", [])), tensors(meta.get("outputs", [])))
 
+    async def model_config(self, name: str) -> dict[str, Any]:
+        """The model's configuration as the server serves it (Triton's JSON form: `instance_group`, ...)."""
+        try:
+            if self.protocol is Protocol.GRPC:
+                return dict((await _bounded(self._control.get_model_config(name, as_json=True)))["config"])
+            return dict(await _bounded(self._control.get_model_config(name)))
+        except Exception as exc:
+            raise PerfClientError(f"-m {name}: no model configuration from {self.url} ({describe(exc)})") from exc
+
     async def prepare(self, model: str, arrays: Mapping[str, Any],
                       expected: Check | None = None) -> Prepared:
         """Serialize one payload (input name -> array, full shape) in this connection's wire format."""

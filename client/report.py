@@ -52,6 +52,10 @@ def power_dict(power: PowerFigures) -> dict[str, Any]:
     for source, energy in power.cross_checks.items():
         if energy is not None:
             out[f"energy_j_from_{source}"] = energy
+    if power.gpu_selection is not None:
+        out["gpu_selection"] = power.gpu_selection  # which GPUs `energy_j` totals, and who chose them
+    if power.gpus:
+        out["gpus"] = [{"gpu": g.gpu, "avg_w": g.avg_w, "energy_j": g.energy_j} for g in power.gpus]
     return out
 
 
@@ -188,4 +192,17 @@ def table(rows: Sequence[ModelResult]) -> str:
     sources = dict.fromkeys(str(row.result.power.source) for row in rows)
     reasons = sorted({row.result.power.reason for row in rows if row.result.power.reason})
     lines.append(f"power source: {', '.join(sources)}" + (f" ({'; '.join(reasons)})" if reasons else ""))
+    lines += gpu_lines(rows)
     return "\n".join(lines)
+
+
+def gpu_lines(rows: Sequence[ModelResult]) -> list[str]:
+    """Per row with GPUs metered apart: each GPU's W and J, then their total (what avg W and J/infer use)."""
+    selections = dict.fromkeys(r.result.power.gpu_selection for r in rows if r.result.power.gpu_selection)
+    lines = [f"GPUs metered: {s}" for s in selections]
+    for row in rows:
+        p = row.result.power
+        if p.gpus and p.avg_w is not None and p.energy_j is not None:
+            each = ", ".join(f"{g.gpu} {g.avg_w:.1f} W {g.energy_j:.1f} J" for g in p.gpus)
+            lines.append(f"  {row.model} {row.result.level.label}: {each}; total {p.avg_w:.1f} W {p.energy_j:.1f} J")
+    return lines

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import time
 from collections.abc import Callable, Mapping
@@ -39,7 +40,18 @@ from client.engine import (
 )
 from client.errors import PerfClientError, RunAborted
 from client.inputs import InputData, InputKind, build_payloads
-from client.power import Meter, NoMeter, PowerFigures, PowerSource, Reading, open_cross_checks, open_meter, window_power
+from client.power import (
+    GpuSelection,
+    Meter,
+    NoMeter,
+    PowerFigures,
+    PowerSource,
+    Reading,
+    open_cross_checks,
+    open_meter,
+    parse_gpus,
+    window_power,
+)
 from client.protocol import (
     REQUEST_TIMEOUT_S,
     TRANSPORT_ERRORS,
@@ -109,6 +121,7 @@ class SessionConfig:
     processes: int = 1
     shared_memory: SharedMemory = field(default_factory=SharedMemory)  # --shared-memory, its output size
     seed: int | None = None  # --seed; None: drawn at random once, here
+    gpus: tuple[str, ...] | None = None  # --gpus (indices or UUIDs) metered; None: chosen by choose_gpus
 
     def __post_init__(self) -> None:
         # Plain strings ("http", "nvml") and lists work too: stored as the enum members and tuples.
@@ -151,6 +164,11 @@ class SessionConfig:
                 level.check()
         if self.processes < 1:
             raise PerfClientError(f"--processes {self.processes}: expected a positive integer")
+        if self.gpus is not None:
+            try:
+                parse_gpus(",".join(self.gpus))
+            except ValueError as exc:
+                raise PerfClientError(str(exc)) from None
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise PerfClientError(f"--seed {self.seed}: expected an integer from 0 to 2**63 - 1")
         if self.processes > 1 and self.simultaneous:
@@ -214,9 +232,10 @@ async def measure(config: SessionConfig, progress: ProgressFn | None = None,
                                      shared_memory=config.shared_memory) as conn:
         plans = await _prepare(conn, config)
         # Off the event loop: opening a meter reads it (the Triton meter over blocking HTTP, up to its timeout).
-        meter = await asyncio.to_thread(open_meter, config.power_source, config.metrics_endpoint)
-        cross_checks = await asyncio.to_thread(open_cross_checks, meter, config.metrics_endpoint)
-        log.debug("power source %s; cross-checks: %s", meter.source, [m.source for m in cross_checks])
+        gpus = await _gpus(conn, config)
+        meter = await asyncio.to_thread(open_meter, config.power_source, config.metrics_endpoint, gpus=gpus)
+        cross_checks = await asyncio.to_thread(open_cross_checks, meter, config.metrics_endpoint, gpus)
+        log.debug("power source %s on %s; cross-checks: %s", meter.source, gpus, [m.source for m in cross_checks])
         timer = None
         if config.time_limit_s is not None:
             timer = asyncio.get_running_loop().call_later(
@@ -316,6 +335,40 @@ async def _measure_together_shown(conn: Connection, plans: list[tuple[str, list[
     if stopped is not None:
         raise RunAborted(str(stopped), [*done, *rows]) from stopped
     return rows
+
+
+def choose_gpus(explicit: tuple[str, ...] | None, configs: Mapping[str, Mapping[str, Any]],
+                environ: Mapping[str, str]) -> GpuSelection:
+    """The GPUs to meter: `explicit` (--gpus); else those the measured models' instance groups name
+    (KIND_GPU with `gpus`, from each model's served config); else CUDA_VISIBLE_DEVICES; else every GPU."""
+    if explicit:
+        return GpuSelection(tuple(explicit), "--gpus")
+    named: set[int] = set()
+    for config in configs.values():
+        for group in config.get("instance_group") or []:
+            if str(group.get("kind", "KIND_AUTO")) in ("KIND_GPU", "KIND_AUTO"):  # gpus listed: on those GPUs
+                named.update(int(gpu) for gpu in group.get("gpus") or [])
+    if named:
+        return GpuSelection(tuple(str(g) for g in sorted(named)), f"instance groups of {', '.join(configs)}")
+    visible = environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    if visible:
+        try:
+            return GpuSelection(parse_gpus(visible, "CUDA_VISIBLE_DEVICES"), "CUDA_VISIBLE_DEVICES")
+        except ValueError as exc:
+            log.info("every GPU metered: %s", exc)
+    return GpuSelection()
+
+
+async def _gpus(conn: Connection, config: SessionConfig) -> GpuSelection:
+    """choose_gpus for this run: the models' served configs are asked for only when --gpus is not given."""
+    configs: dict[str, Mapping[str, Any]] = {}
+    if not config.gpus and config.power_source is not PowerSource.NONE:
+        for model in config.models:
+            try:
+                configs[model] = await conn.model_config(model)
+            except PerfClientError as exc:  # checked already by _prepare: the server went away since
+                log.debug("%s", exc)
+    return choose_gpus(config.gpus, configs, os.environ)
 
 
 def _read(meter: Meter) -> Reading:
