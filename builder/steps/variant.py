@@ -15,7 +15,7 @@ from typing import Protocol
 
 import onnx
 
-from builder.errors import AccuracyError, ToolError, tool_cause
+from builder.errors import AccuracyError, BuilderError, ToolError, tool_cause
 from builder.repository import model_folder
 from builder.repository.triton_config import ConfigInputs
 from builder.runtimes.onnxruntime import ORT_ERRORS, run_file
@@ -260,11 +260,17 @@ _GRAPH_ERRORS: tuple[type[BaseException], ...] = (
 
 
 def run_step(step: Step, ctx: VariantContext) -> None:
-    """One step; a converted graph's failure inside it becomes a ToolError naming the model, the variant and
-    the step (the other variants go on), with the traceback in the build log."""
+    """One step; a converted graph's failure inside it, or any exception a tool raised (ONNX Runtime's Python
+    layer, onnx, ModelOpt: precision.raised_by_tool), becomes a ToolError naming the model, the variant and
+    the step (the other variants go on), with the traceback in the build log. Our own code's exceptions are
+    bugs and keep their traceback."""
     try:
         step.run(ctx)
-    except _GRAPH_ERRORS as exc:
+    except BuilderError:
+        raise
+    except Exception as exc:
+        if not (isinstance(exc, _GRAPH_ERRORS) or precision.raised_by_tool(exc)):
+            raise
         model = what(ctx.model)
         record = precision.failure_log(f"{ctx.name} {step.label} {model}", "", exc)
         raise ToolError(f"{model}: {ctx.name}: {step.label} failed: {tool_cause(exc)} (full output: {record})"

@@ -198,3 +198,34 @@ def test_a_converted_graph_onnx_runtime_cannot_run_is_one_line_naming_model_vari
     assert "Traceback" in log_file.read_text()
     assert (tmp_path / "repo" / "det_fp32" / "config.pbtxt").is_file()
     assert not (tmp_path / "repo" / "det_fp16").exists()
+
+
+class _RenamedFp16Input(OnnxRuntimeCPU):
+    """ONNX Runtime, except that the FP16 artifact's input is renamed (as a converter that renamed it would
+    leave it): ONNX Runtime's Python layer refuses the feed with a ValueError ("Required inputs ... are
+    missing from input feed"), raised inside onnxruntime, not by ONNX Runtime's engine."""
+
+    def compile(self, onnx_path: Path, out_path: Path, target: CompileTarget) -> None:
+        model = onnx.load(str(onnx_path))
+        if not any(n.op_type == "Cast" for n in model.graph.node):
+            super().compile(onnx_path, out_path, target)
+            return
+        old = model.graph.input[0].name
+        model.graph.input[0].name = f"{old}_renamed"
+        for node in model.graph.node:
+            node.input[:] = [f"{old}_renamed" if name == old else name for name in node.input]
+        onnx_model.save(model, out_path)
+
+
+def test_an_exception_onnx_runtime_raises_in_python_is_one_line_too(tmp_path: Path) -> None:
+    model = split_detector(tmp_path)
+    spec = ModelSpec(name="det", onnx=model.onnx, batch=DimRange(1, 2, 4), precisions=(Precision.FP32, Precision.FP16),
+                     evaluation=DataSpec(str(model.calibration), 16),
+                     shapes={"images": ShapeRange((1, 3, 32, 32), (2, 3, 64, 64), (4, 3, 128, 128))}).check()
+    options = BuildOptions(repository=tmp_path / "repo", runtime=_RenamedFp16Input(), cache_dir=tmp_path / "cache")
+    (result,) = build_all([spec], options, None, ["pytest"])
+    assert [v.name for v in result.variants] == ["det_fp32"]
+    (failure,) = result.failures
+    line = failure.line()
+    assert line.startswith("det_fp16 not written: model 'det': det_fp16: accuracy check (running the variant) "
+                           "failed: Required inputs (['images_renamed']) are missing"), line
