@@ -6,11 +6,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import http.server
-import json
 import multiprocessing
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -25,7 +23,7 @@ from client.protocol import Connection, Protocol
 from client.session import WHOLE_RUN, ModelResult, SessionConfig, measure, run
 from client.stats import Tally, Window
 from client.workers import merge_tallies, shares
-from tests.helpers.servers import Endpoints, PrivateServer
+from tests.helpers.servers import Endpoints, PrivateServer, served
 from tests.helpers.waiting import wait_until_async
 
 
@@ -210,13 +208,6 @@ def test_the_time_limit_ends_the_run_with_what_was_measured(endpoints: Endpoints
     assert row.result.level.concurrency == 1 and not row.result.complete and 1 <= len(row.result.windows) <= 3
 
 
-def _served(http_url: str, model: str) -> int:
-    """Requests for `model` that the server has answered successfully, by its own statistics."""
-    with urllib.request.urlopen(f"http://{http_url}/v2/models/{model}/stats", timeout=5) as response:
-        stats = json.load(response)
-    return sum(m["inference_stats"]["success"]["count"] for m in stats["model_stats"])
-
-
 class GatedMetrics(http.server.BaseHTTPRequestHandler):
     """Triton-like metrics with a GPU energy counter. Its first read (the meter's open, before any load) is
     answered at once; every later one only once the server has answered AHEAD more requests since it arrived,
@@ -232,8 +223,8 @@ class GatedMetrics(http.server.BaseHTTPRequestHandler):
         cls = GatedMetrics
         cls.reads += 1
         if cls.reads > 1:
-            start, deadline = _served(cls.triton_http, "mlp_fp32"), time.monotonic() + cls.LIMIT_S
-            while (done := _served(cls.triton_http, "mlp_fp32") - start) < cls.AHEAD:
+            start, deadline = served(cls.triton_http, "mlp_fp32"), time.monotonic() + cls.LIMIT_S
+            while (done := served(cls.triton_http, "mlp_fp32") - start) < cls.AHEAD:
                 if time.monotonic() >= deadline:
                     cls.held.append(done)
                     break

@@ -26,7 +26,8 @@ from client.http1 import request_bytes
 from client.protocol import Connection, Prepared, Protocol
 from client.shared_memory import PREFIX, SharedMemory, SharedMemoryPool
 from client.wire import grpc_infer_request, http_infer_request
-from tests.helpers.servers import Endpoints
+from tests.helpers.servers import Endpoints, served
+from tests.helpers.waiting import wait_until
 
 SHM = Path("/dev/shm")
 ROOT = Path(__file__).resolve().parents[2]
@@ -171,16 +172,16 @@ def _start_perfclient(url: str, log: Path, *extra: str) -> subprocess.Popen[byte
         return subprocess.Popen(argv, cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT)
 
 
-def _wait_for_regions(process: subprocess.Popen[bytes], log: Path, timeout: float = 60.0) -> list[str]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = leftovers(process.pid)
-        if found:
-            time.sleep(1.5)  # let the load run a while on them
-            return leftovers(process.pid)
+def _wait_for_regions(process: subprocess.Popen[bytes], log: Path, endpoints: Endpoints) -> list[str]:
+    """perfclient's regions once the load has run on them: they exist, and the server has answered 20 more
+    requests for the model since the run started (its tensors go through the regions only)."""
+    before = served(endpoints.http, "mlp_fp32")
+
+    def loaded() -> list[str]:
         assert process.poll() is None, log.read_text()
-        time.sleep(0.1)
-    raise AssertionError(f"perfclient created no region within {timeout} s: {log.read_text()}")
+        return leftovers(process.pid) if served(endpoints.http, "mlp_fp32") >= before + 20 else []
+
+    return wait_until(loaded, what="load running on perfclient's regions", timeout_s=120, interval_s=0.1)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
@@ -189,7 +190,7 @@ def test_ctrl_c_and_sigterm_unregister_and_unlink_every_region(signum: signal.Si
     log = tmp_path / "perfclient.log"
     process = _start_perfclient(endpoints.grpc, log, "--json", str(tmp_path / "r.json"))
     try:
-        regions = _wait_for_regions(process, log)
+        regions = _wait_for_regions(process, log, endpoints)
         assert set(regions) <= set(registered(endpoints))  # registered while the load runs
         process.send_signal(signum)
         assert process.wait(timeout=60) == 1, log.read_text()  # the run ends as cut short: partial results
@@ -214,7 +215,8 @@ def test_a_server_killed_mid_run_leaves_no_region_behind(
     process = None
     try:
         process = _start_perfclient(f"127.0.0.1:{server.ports.http}", log, "-i", "http")
-        _wait_for_regions(process, log)
+        _wait_for_regions(process, log, Endpoints(f"127.0.0.1:{server.ports.grpc}",
+                                                  f"127.0.0.1:{server.ports.http}", ""))
         assert server.process is not None
         server.process.kill()  # no goodbye: the server never unregisters or unmaps anything itself
         code = process.wait(timeout=120)

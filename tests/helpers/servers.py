@@ -5,6 +5,8 @@ Not a test module: test modules import these types, never each other.
 
 from __future__ import annotations
 
+import json
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -45,3 +47,11 @@ def revive(server: TritonServer) -> str | None:
     server.stop()  # forgets its record and stops the stubs it left
     server.start(timeout=120)
     return tail
+
+
+def served(http: str, model: str) -> int:
+    """Requests for `model` that the server at `http` (HOST:PORT) has answered successfully, by its own
+    statistics: what tests wait on to know that load has run, instead of sleeping for it."""
+    with urllib.request.urlopen(f"http://{http}/v2/models/{model}/stats", timeout=10) as response:
+        stats = json.load(response)
+    return sum(int(m["inference_stats"]["success"]["count"]) for m in stats["model_stats"])
