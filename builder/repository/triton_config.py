@@ -112,6 +112,15 @@ def preferred_batch_sizes(batch: DimRange, max_batch_size: int) -> list[int]:
     return sorted({b for b in (min(batch.opt, max_batch_size), max_batch_size) if b > 1})
 
 
+def _instance_group(serving: ServingSpec, kind: InstanceKind) -> dict[str, Any]:
+    """`instances` per GPU on `serving.gpus` (Triton counts per listed GPU) for a GPU variant; a CPU
+    variant runs on the CPU whatever the GPUs named."""
+    group: dict[str, Any] = {"count": serving.instances, "kind": kind.value}
+    if kind is InstanceKind.GPU and serving.gpus:
+        group["gpus"] = list(serving.gpus)
+    return group
+
+
 def build(cfg: ConfigInputs) -> model_config_pb2.ModelConfig:
     backend = cfg.backend
     max_batch = cfg.max_batch_size
@@ -120,7 +129,7 @@ def build(cfg: ConfigInputs) -> model_config_pb2.ModelConfig:
         "max_batch_size": max_batch,
         "input": [_tensor(t, cfg.input_dims(t), cfg.batching) for t in cfg.inputs],
         "output": [_tensor(t, cfg.output_dims(t), cfg.batching) for t in cfg.outputs],
-        "instance_group": [{"count": cfg.serving.instances, "kind": backend.instance_kind.value}],
+        "instance_group": [_instance_group(cfg.serving, backend.instance_kind)],
     }
     if backend.backend is TritonBackend.PYTHON:
         doc["backend"] = "python"

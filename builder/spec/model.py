@@ -80,6 +80,12 @@ class ServingSpec:
     dynamic_batching: bool = True
     max_queue_delay_us: int = 0
     ort_intra_op_threads: int = 0
+    # GPUs (device ids as Triton's process sees them) a GPU variant serves on: `instances` on each of them,
+    # one KIND_GPU instance group; empty: Triton's default (every GPU it sees).
+    gpus: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "gpus", tuple(dict.fromkeys(self.gpus)))  # a list from TOML, in order, once each
 
 
 @dataclass(frozen=True)

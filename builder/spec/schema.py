@@ -244,6 +244,8 @@ class ServingTable(_Table):
     dynamic_batching: bool = True
     max_queue_delay_us: NonNegative = 0
     ort_intra_op_threads: Annotated[NonNegative, Field(description="0: ONNX Runtime's default")] = 0
+    gpus: Annotated[list[NonNegative], Field(description="GPU variants: serve `instances` instances on each of "
+                                                         "these GPUs (device ids); empty: every GPU")] = []
 
 
 class ModelTable(_Table):
