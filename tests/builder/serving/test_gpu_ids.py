@@ -20,8 +20,8 @@ first = gpu_ids()
 t2 = time.perf_counter()
 again = gpu_ids()
 t3 = time.perf_counter()
-sys.stdout.write(json.dumps({{"ids": [first, again], "pool": cuda_pool_args(first), "call_s": t2 - t1,
-                             "again_s": t3 - t2}}))
+sys.stdout.write(json.dumps({{"ids": [first, again], "pool": cuda_pool_args(first), "import_s": t1 - t0,
+                             "call_s": t2 - t1, "again_s": t3 - t2}}))
 """
 
 
@@ -47,4 +47,6 @@ def test_no_gpu_answers_none_silently_and_fast(setup: str) -> None:
     got = json.loads(done.stdout)
     assert got["ids"] == [[], []] and got["pool"] == []
     # Measured here: 16 ms for the first call (importing pynvml, failing to load the library), 0.1 ms after.
-    assert got["call_s"] < 0.5 and got["again_s"] < 0.05, got
+    # Bounded by what the same process took to import the server module just before, plus a floor: a loaded
+    # machine slows both alike, while a wait on a driver or a timeout would stand out.
+    assert got["call_s"] < 0.5 + got["import_s"] and got["again_s"] < 0.05 + got["import_s"], got
