@@ -207,6 +207,17 @@ class Connection:
         except Exception as exc:
             raise PerfClientError(f"-m {name}: no model configuration from {self.url} ({describe(exc)})") from exc
 
+    async def loaded_models(self) -> list[str]:
+        """The models the server has loaded (READY in its repository index)."""
+        try:
+            if self.protocol is Protocol.GRPC:
+                index = (await _bounded(self._control.get_model_repository_index(as_json=True))).get("models", [])
+            else:
+                index = await _bounded(self._control.get_model_repository_index())
+        except Exception as exc:
+            raise PerfClientError(f"-u {self.url}: no repository index ({describe(exc)})") from exc
+        return list(dict.fromkeys(str(m["name"]) for m in index if m.get("state") == "READY"))
+
     async def prepare(self, model: str, arrays: Mapping[str, Any],
                       expected: Check | None = None) -> Prepared:
         """Serialize one payload (input name -> array, full shape) in this connection's wire format."""

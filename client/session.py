@@ -359,16 +359,41 @@ def choose_gpus(explicit: tuple[str, ...] | None, configs: Mapping[str, Mapping[
     return GpuSelection()
 
 
+def sharing(selection: GpuSelection, others: Mapping[str, Mapping[str, Any]]) -> str | None:
+    """One line naming the other loaded models whose GPU instances run on metered GPUs (their work is in
+    the energy figures); None when there is none. A KIND_GPU group that lists no GPU runs on every one."""
+    shared = []
+    for name, config in others.items():
+        for group in config.get("instance_group") or []:
+            if str(group.get("kind", "KIND_AUTO")) not in ("KIND_GPU", "KIND_AUTO"):
+                continue
+            listed = {str(gpu) for gpu in group.get("gpus") or []}
+            everywhere = not listed and str(group.get("kind")) == "KIND_GPU"
+            if everywhere or (listed and (selection.ids is None or listed & set(selection.ids))):
+                shared.append(name)
+                break
+    if not shared:
+        return None
+    return f"the GPUs metered ({selection}) also run {', '.join(shared)}: their work is in the energy figures"
+
+
 async def _gpus(conn: Connection, config: SessionConfig) -> GpuSelection:
-    """choose_gpus for this run: the models' served configs are asked for only when --gpus is not given."""
+    """choose_gpus for this run: the models' served configs are asked for only when --gpus is not given.
+    Other models loaded on the metered GPUs are said in one warning."""
     configs: dict[str, Mapping[str, Any]] = {}
-    if not config.gpus and config.power_source is not PowerSource.NONE:
-        for model in config.models:
-            try:
-                configs[model] = await conn.model_config(model)
-            except PerfClientError as exc:  # checked already by _prepare: the server went away since
-                log.debug("%s", exc)
-    return choose_gpus(config.gpus, configs, os.environ)
+    if config.power_source is PowerSource.NONE:
+        return choose_gpus(config.gpus, configs, os.environ)
+    others: dict[str, Mapping[str, Any]] = {}
+    try:
+        for model in dict.fromkeys([*config.models, *await conn.loaded_models()]):
+            (configs if model in config.models else others)[model] = await conn.model_config(model)
+    except PerfClientError as exc:  # checked already by _prepare: the server went away since
+        log.debug("%s", exc)
+    selection = choose_gpus(config.gpus, configs, os.environ)
+    note = sharing(selection, others)
+    if note is not None:
+        log.warning("%s", note)
+    return selection
 
 
 def _read(meter: Meter) -> Reading:

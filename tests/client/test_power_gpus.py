@@ -26,7 +26,7 @@ from client.power import (
     window_power,
 )
 from client.report import documents, table, write_json
-from client.session import ModelResult, SessionConfig, choose_gpus, run
+from client.session import ModelResult, SessionConfig, choose_gpus, run, sharing
 from tests.client.test_power import FakeNvml, MetricsServer, use_nvml
 from tests.client.test_report import level_result
 from tests.helpers.servers import Endpoints
@@ -173,3 +173,15 @@ def test_a_session_meters_the_chosen_gpus_of_tritons_metric(
     picked = [UUIDS[int(i)] for i in (gpus or (env,))]
     assert [g.gpu for g in power.gpus] == picked  # a counter that did not move: 0 J each, no J/infer
     assert power.energy_j == 0.0 and power.infer_per_j is None
+
+
+def test_other_models_on_the_metered_gpus_are_said_in_one_line() -> None:
+    chosen = GpuSelection(("1", "3"), "instance groups of a")
+    others = {"b": {"instance_group": [{"kind": "KIND_GPU", "count": 1, "gpus": [3]}]},
+              "c": {"instance_group": [{"kind": "KIND_GPU", "count": 1, "gpus": [0]}]},
+              "d": {"instance_group": [{"kind": "KIND_CPU", "count": 4}]},
+              "e": {"instance_group": [{"kind": "KIND_GPU", "count": 1}]}}  # every GPU
+    assert sharing(chosen, others) == ("the GPUs metered (1,3 (instance groups of a)) also run b, e: their work is "
+                                       "in the energy figures")
+    assert sharing(chosen, {k: others[k] for k in ("c", "d")}) is None
+    assert sharing(GpuSelection(), {"c": others["c"]}) is not None  # every GPU metered: c's GPU among them
