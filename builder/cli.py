@@ -149,6 +149,9 @@ def _parser() -> argparse.ArgumentParser:
                             "$TRITON_ADMIN_KEY, else a new key in STATE_DIR/admin-key)")
     serve.add_argument("--no-restrict", action="store_true",
                        help="with --listen: leave the restricted APIs open to anyone who reaches the server")
+    serve.add_argument("--gpus", default=None, metavar="LIST",
+                       help="serve the GPU variants on these GPUs (device ids: 0,3), each variant's instance count "
+                            "on every one of them (rewrites their config.pbtxt instance groups first)")
 
     tune = sub.add_parser("tune", parents=[verbosity],
                           help="measure serving configurations and write the best into the repository")
@@ -515,6 +518,12 @@ def _serve(args: argparse.Namespace) -> int:
     elif exposed.exposed:
         print(f"warning: listening on {exposed.address} with --no-restrict: anyone who reaches it can load and "
               "unload models, register shared memory and change logging and tracing")
+    if args.gpus is not None:
+        from builder.repository.gpus import parse_gpu_list, place_on_gpus
+
+        gpus = parse_gpu_list(args.gpus)
+        for path in place_on_gpus(args.repository, gpus):
+            print(f"{path.parent.name}: instances on GPUs {', '.join(map(str, gpus))}")
     server = TritonServer(args.repository, args.state_dir, ports, model_control=control, exposure=exposed)
     # Triton loads nothing by itself in explicit mode: say how to load, rather than leave an empty server.
     note = (f"model control explicit: no model is loaded at start; load one with POST "

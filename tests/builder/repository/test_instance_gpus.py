@@ -11,9 +11,20 @@ from typing import Any
 import pytest
 from google.protobuf import json_format
 
+from builder.cli import main
 from builder.errors import ManifestError
 from builder.repository import python_model
-from builder.repository.triton_config import BackendConfig, ConfigInputs, InstanceKind, TritonBackend, build, to_text
+from builder.repository.gpus import place_on_gpus
+from builder.repository.triton_config import (
+    BackendConfig,
+    ConfigInputs,
+    InstanceKind,
+    TritonBackend,
+    build,
+    parse,
+    to_text,
+)
+from builder.serving import triton_server
 from builder.spec import DimRange, ServingSpec, TensorSpec, load_manifest
 
 RUNNER: Any = python_model
@@ -72,3 +83,47 @@ def test_the_onnxruntime_runner_binds_each_gpu_instance_to_its_device(
             "model_config": json.dumps(config), "model_repository": str(tmp_path), "model_version": "1",
             "model_name": "m", "model_instance_kind": kind, "model_instance_device_id": str(device)})
     assert seen[0].get("device_id") == expected
+
+
+def repository(tmp_path: Path) -> Path:
+    """A generated repository: a TensorRT (GPU) variant and an ONNX Runtime CPU one."""
+    repo = tmp_path / "model_repository"
+    for cfg in (CFG, ConfigInputs(**{**CFG.__dict__, "name": "m_fp32",
+                                     "backend": BackendConfig(TritonBackend.PYTHON, "model.onnx")})):
+        (repo / cfg.name).mkdir(parents=True)
+        (repo / cfg.name / "config.pbtxt").write_text(to_text(build(ConfigInputs(
+            **{**cfg.__dict__, "serving": ServingSpec(instances=2)}))))
+    return repo
+
+
+def test_serve_gpus_places_the_gpu_variants_and_leaves_the_cpu_ones(tmp_path: Path) -> None:
+    repo = repository(tmp_path)
+    cpu_before = (repo / "m_fp32" / "config.pbtxt").read_bytes()
+    assert place_on_gpus(repo, (1, 2)) == [repo / "m_fp16" / "config.pbtxt"]
+    placed = json_format.MessageToDict(parse((repo / "m_fp16" / "config.pbtxt").read_text()),
+                                       preserving_proto_field_name=True)
+    assert placed["instance_group"] == [{"count": 2, "kind": "KIND_GPU", "gpus": [1, 2]}]
+    assert (repo / "m_fp32" / "config.pbtxt").read_bytes() == cpu_before
+    assert place_on_gpus(repo, (1, 2)) == []  # already so: nothing rewritten
+
+
+class Started(Exception):
+    pass
+
+
+def test_trtbuild_serve_gpus_rewrites_before_the_server_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    repo = repository(tmp_path)
+
+    class NoServer:
+        def __init__(self, repository: Path, *args: Any, **kwargs: Any) -> None:
+            text = (repository / "m_fp16" / "config.pbtxt").read_text()
+            assert "gpus: 0" in text and "gpus: 3" in text  # placed before Triton reads the repository
+            raise Started
+
+    monkeypatch.setattr(triton_server, "TritonServer", NoServer)
+    with pytest.raises(Started):
+        main(["serve", "--repository", str(repo), "--state-dir", str(tmp_path / "run"), "--gpus", "0,3"])
+    assert "m_fp16: instances on GPUs 0, 3" in capsys.readouterr().out
+    assert main(["serve", "--repository", str(repo), "--gpus", "0,x"]) == 1
+    assert "--gpus '0,x': expected GPU device ids separated by commas (0,3)" in capsys.readouterr().err
