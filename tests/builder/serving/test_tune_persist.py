@@ -10,7 +10,6 @@ import signal
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from builder.cli import main
 from builder.errors import ManifestError
 from builder.spec.tuned import Serving, TunedServing, layer, load_tuned, serving_of
 from tests.helpers.files import snapshot
+from tests.helpers.servers import served as served_requests
 from tests.helpers.tiny_models import mlp_onnx
 
 MANIFEST = '''# the user's own comment stays theirs
@@ -166,18 +166,14 @@ def test_tuned_settings_on_a_model_rebuilt_without_batching_turn_batching_off(re
     assert (folder / "build.json").stat().st_mtime_ns == stamp
 
 
-def _served_requests(tmp: Path) -> bool:
+def _private_server_answered(tmp: Path) -> bool:
     """Whether tune's private server (its state folder under `tmp`) has answered requests for mlp_fp32: its
     own statistics say so; False while it has no record or does not answer yet."""
     for record in tmp.glob("trtbuild-tune-*/state/tritonserver.json"):
         try:
-            port = json.loads(record.read_text())["ports"]["http"]
-            url = f"http://127.0.0.1:{port}/v2/models/mlp_fp32/stats"
-            with urllib.request.urlopen(url, timeout=5) as response:
-                stats = json.load(response)
+            return served_requests(f"127.0.0.1:{json.loads(record.read_text())['ports']['http']}", "mlp_fp32") > 0
         except (OSError, ValueError, KeyError):  # the record half written, the server starting or loading
             return False
-        return any(model.get("inference_count", 0) > 0 for model in stats.get("model_stats", []))
     return False
 
 
@@ -185,7 +181,7 @@ def _terminate_once_measuring(tmp: Path, stop: threading.Event) -> None:
     """SIGTERM to this process once the private server has answered the first point's requests."""
     deadline = time.monotonic() + 120
     while not stop.is_set() and time.monotonic() < deadline:
-        if _served_requests(tmp):
+        if _private_server_answered(tmp):
             os.kill(os.getpid(), signal.SIGTERM)
             return
         stop.wait(0.1)
