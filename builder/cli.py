@@ -179,6 +179,9 @@ def _parser() -> argparse.ArgumentParser:
     tune.add_argument("--search", default="hill", help="hill | exhaustive | tpe (optuna, --trials points)")
     tune.add_argument("--trials", type=int, default=12, help="with --search tpe: points measured at most")
     tune.add_argument("--seed", type=int, default=0, help="with --search tpe: the sampler's seed")
+    tune.add_argument("--gpus", default=None, metavar="LIST",
+                      help="meter these GPUs (indices or UUIDs: 0,3); default: those the variant's instance groups "
+                           "name, else CUDA_VISIBLE_DEVICES, else every GPU")
     tune.add_argument("--measurement-interval", type=int, default=3000, help="ms per window")
     tune.add_argument("--max-trials", type=int, default=6, help="windows per measurement at most")
     tune.add_argument("--report", type=Path, default=None, help="JSON (default: reports/tune_NAME.json)")
@@ -413,6 +416,7 @@ def _tune(args: argparse.Namespace) -> int:
     axes = (_int_list(args.max_batch, "--max-batch"), _delays(args.queue_delay_us, "--queue-delay-us"),
             _int_list(args.instances, "--instances"))
     concurrencies = _int_list(args.concurrency, "--concurrency")
+    gpus = _metered_gpus(args.gpus)
     budget = _positive(args.p99_budget_ms, "--p99-budget-ms") * 1000 if args.p99_budget_ms is not None else None
     floor = _positive(args.min_throughput, "--min-throughput") if args.min_throughput is not None else None
     if args.measurement_interval < 1 or args.max_trials < 1:
@@ -457,7 +461,7 @@ def _tune(args: argparse.Namespace) -> int:
                       default_variant=variants[0], report_path=report_path, plot_path=plot_path,
                       write=not args.dry_run, compare=not args.no_compare, max_trials=args.max_trials,
                       wait=not args.no_wait, attach=attach, model=name, tuned_toml=tuned_toml,
-                      trials=args.trials, seed=args.seed, html_path=html_path)
+                      trials=args.trials, seed=args.seed, html_path=html_path, gpus=gpus)
     finally:
         signal.signal(signal.SIGTERM, previous)
     # A long search lists the Pareto front, the winner and failed points; the report and page hold every point.
@@ -498,6 +502,15 @@ def _tune(args: argparse.Namespace) -> int:
     label = report.winner.label() if report.winner else "-"
     print(f"winner: {label} {written}; report {report_path}, plot {plot_path}, page {html_path}")
     return 0
+
+
+def _metered_gpus(text: str | None) -> tuple[str, ...] | None:
+    from client.power import parse_gpus
+
+    try:
+        return parse_gpus(text) if text is not None else None
+    except ValueError as exc:
+        raise ManifestError(str(exc)) from None
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -586,8 +586,12 @@ class Tuner:
 
     def __init__(self, target: Target, concurrencies: Sequence[int], *, measurement_ms: int = 3000,
                  max_trials: int = 6, point_timeout_s: float | None = None,
-                 shapes: Mapping[str, Mapping[str, tuple[int, ...]]] | None = None) -> None:
+                 shapes: Mapping[str, Mapping[str, tuple[int, ...]]] | None = None,
+                 gpus: tuple[str, ...] | None = None) -> None:
+        """`gpus`: the GPUs whose energy counts (--gpus); None: perfclient's choice (the variant's instance
+        groups, else CUDA_VISIBLE_DEVICES, else every GPU)."""
         self.target = target
+        self.gpus = gpus
         # By variant: the shapes its requests take where config.pbtxt leaves dims free (load_shapes).
         self.shapes = dict(shapes or {})
         self.concurrencies = list(concurrencies)
@@ -675,7 +679,7 @@ class Tuner:
             models=(point.variant,), url=endpoints.grpc,
             levels=tuple(LoadLevel(concurrency=c) for c in self.concurrencies), measurement=self.measurement,
             metrics_url=endpoints.metrics, power_source=self.power_source,
-            shapes=self.shapes.get(point.variant, {}),
+            shapes=self.shapes.get(point.variant, {}), gpus=self.gpus,
         )
         try:
             # perfclient's windows show inside it, one bar per concurrency.
@@ -1136,7 +1140,7 @@ def tune(repository: Path, space: Space, objective: Objective, *, search: Search
          write: bool = True, compare: bool = True, max_trials: int = 6, wait: bool = True,
          attach: Endpoints | None = None, model: str | None = None, tuned_toml: Path | None = None,
          trials: int = 12, seed: int = 0, point_timeout_s: float | None = None,
-         html_path: Path | None = None) -> TuneReport:
+         html_path: Path | None = None, gpus: tuple[str, ...] | None = None) -> TuneReport:
     """Search `space` for `objective`; write the winner (config.pbtxt, build.json, and `tuned_toml`'s
     entry for `model`) unless `write` is False. With `attach`, measure on that running server and leave
     it serving the winner."""
@@ -1163,7 +1167,7 @@ def tune(repository: Path, space: Space, objective: Objective, *, search: Search
     changes: list[str] = []
     with target:
         tuner = Tuner(target, concurrencies, measurement_ms=measurement_ms, max_trials=max_trials,
-                      point_timeout_s=point_timeout_s,
+                      point_timeout_s=point_timeout_s, gpus=gpus,
                       shapes={v: load_shapes(repository / v) for v in space.variants})
         measured = tuner.measured
         try:
