@@ -35,6 +35,11 @@ _BACKOFF_MAX_S = 0.5
 # Limits on waits that would otherwise hang on a stalled server.
 _WARMUP_LIMIT_S = 60.0
 _REQUEST_COUNT_LIMIT_S = 600.0
+# When a level ends, the requests in flight are left this long to finish before they are cancelled. A
+# request cancelled in flight (gRPC: RST_STREAM) just as the server completes it crashes Triton 2.51's
+# gRPC front end (SIGSEGV in ModelInferHandler::Process; upstream issues 7368/8034, fixed after 2.51):
+# ending every level with cancellations brought the bundled server down mid-tune (docs/triton-crash.md).
+DRAIN_S = 2.0
 # Open loop: at most this many requests in flight unless --max-inflight says otherwise; a send due
 # while the cap is reached is dropped and counted.
 DEFAULT_MAX_INFLIGHT = 1024
@@ -241,6 +246,9 @@ class LoadRun:
         self._target = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self._failed: asyncio.Task[None] | None = None  # the first open-loop send that died of a bug
+        self._in_flight = 0  # requests sent and not yet answered (stop_drivers lets them finish)
+        self._idle = asyncio.Event()  # set while none is in flight
+        self._idle.set()
         self._count = 0
         self.together = together
         self.pool = pool
@@ -267,6 +275,16 @@ class LoadRun:
 
     async def _request(self, request: Prepared) -> str | None:
         """Send one request; its error kind, or None when it succeeded."""
+        self._in_flight += 1
+        self._idle.clear()
+        try:
+            return await self._send(request)
+        finally:
+            self._in_flight -= 1
+            if not self._in_flight:
+                self._idle.set()
+
+    async def _send(self, request: Prepared) -> str | None:
         try:
             check = request.expected  # --validate: compare this answer (or not: --validate-fraction)
             if check is None or not check.due():
@@ -346,8 +364,17 @@ class LoadRun:
         tally, self._tally = self._tally, Tally()
         return tally
 
-    async def stop_drivers(self, drivers: list[asyncio.Task[None]]) -> None:
+    async def stop_drivers(self, drivers: list[asyncio.Task[None]], drain_s: float | None = None) -> None:
+        """Stop the load: no request is sent after this; those in flight are left up to `drain_s` (DRAIN_S)
+        to be answered (their outcomes fall in no window: the last one was taken), and only then cancelled."""
         self._stop.set()
+        drain_s = DRAIN_S if drain_s is None else drain_s
+        if self._in_flight and drain_s > 0:
+            try:
+                await asyncio.wait_for(self._idle.wait(), drain_s)
+            except asyncio.TimeoutError:
+                log.debug("%s: %d requests still in flight %.1f s after the level ended: cancelled", self.model,
+                          self._in_flight, drain_s)
         for task in [*drivers, *self._tasks]:
             task.cancel()
         outcomes = await asyncio.gather(*drivers, *self._tasks, return_exceptions=True)
