@@ -231,6 +231,7 @@ class LoadRun:
         only sets the window boundaries, reads the server and the meters, and merges their tallies.
         `seed`: this loop's Poisson arrivals (client.arrivals; None: seed 0)."""
         self.conn = conn
+        self._retries_seen = getattr(conn, "retries", 0)
         self.model = model
         self.payloads = list(payloads)
         self.batch = batch
@@ -362,6 +363,9 @@ class LoadRun:
     def swap(self) -> Tally:
         """The open window's tally, replaced by a fresh one (synchronous: no completion slips in between)."""
         tally, self._tally = self._tally, Tally()
+        # The transport's retries since the last swap (fakes in tests may have none to count).
+        retries = getattr(self.conn, "retries", 0)
+        tally.retries, self._retries_seen = retries - self._retries_seen, retries
         return tally
 
     async def stop_drivers(self, drivers: list[asyncio.Task[None]], drain_s: float | None = None) -> None:

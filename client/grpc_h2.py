@@ -23,6 +23,10 @@ What it does of HTTP/2 (RFC 9113) and gRPC's HTTP/2 mapping:
 - each request has a deadline (also sent as `grpc-timeout`); on expiry the stream is reset (CANCEL)
   and the call raises TimeoutError; losing the connection fails every stream on it with ConnectionError.
 
+Streams the server refused unprocessed (above a GOAWAY's last stream id, RST_STREAM REFUSED_STREAM), and a
+stream sent on an idle connection as the server closed it, go once more, transparently, within their deadline
+(counted in `Channel.retries`), as grpc-core retries them; `aclose()` lets draining connections finish.
+
 Errors: GrpcError (a grpc.RpcError with `code()` and `details()`, so client.protocol.error_kind labels it
 by status), TimeoutError, ConnectionError/OSError. Not supported: TLS, compression, streaming calls.
 """
@@ -119,6 +123,21 @@ class ConnectionLostError(ConnectionResetError):
     """The connection closed (or the channel was closed) before the stream's answer was complete."""
 
 
+class RefusedStreamError(GrpcError):
+    """The server refused the stream before processing it (a GOAWAY whose last stream id is below it, or
+    RST_STREAM REFUSED_STREAM): safe to send again. The channel does, once, as grpc-core's transparent retry
+    does; a second refusal is the call's outcome, UNAVAILABLE."""
+
+    def __init__(self, details: str) -> None:
+        super().__init__(grpc.StatusCode.UNAVAILABLE, details)
+
+
+class IdleClosedError(ConnectionLostError):
+    """The stream went out on a connection that was idle (no other stream open, one answered before), and
+    the connection closed before any byte of its answer: the server's idle timeout racing our request, which
+    the channel sends once more on a new connection, as client.http1 does."""
+
+
 class _ProtocolError(Exception):
     """The server broke HTTP/2: the connection is torn down (GOAWAY with `code`)."""
 
@@ -166,8 +185,8 @@ def request_header_block(path: str, authority: str, timeout_s: float | None) -> 
 
 
 class _Stream:
-    __slots__ = ("deadline", "future", "http_status", "id", "message", "pending", "recv", "response_started",
-                 "want", "window")
+    __slots__ = ("deadline", "future", "http_status", "id", "message", "on_idle", "pending", "recv",
+                 "response_started", "want", "window")
 
     def __init__(self, stream_id: int, future: asyncio.Future[bytes | None], want: bool, window: int,
                  deadline: float) -> None:
@@ -181,6 +200,7 @@ class _Stream:
         self.recv = 0  # DATA bytes received since our last WINDOW_UPDATE for this stream
         self.response_started = False
         self.http_status = 0
+        self.on_idle = False  # opened on a connection that was idle: see IdleClosedError
 
 
 class H2Connection(asyncio.Protocol):
@@ -189,6 +209,8 @@ class H2Connection(asyncio.Protocol):
     def __init__(self, *, path: str, authority: str, timeout_s: float | None) -> None:
         self.transport: asyncio.Transport | None = None
         self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()  # the server's SETTINGS
+        self.lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()  # set by connection_lost
+        self.answered = 0  # streams the server answered (a status, OK or not) on this connection
         self.closed = False
         self.draining = False  # GOAWAY received (or ids ran out): no new streams here
         self.streams: dict[int, _Stream] = {}
@@ -292,7 +314,13 @@ class H2Connection(asyncio.Protocol):
             self._timer.cancel()
             self._timer = None
         reason = f": {exc}" if exc is not None else ""
+        for stream in self.streams.values():
+            if stream.on_idle and not stream.response_started and not stream.future.done():
+                stream.future.set_exception(IdleClosedError(
+                    f"HTTP/2 connection closed, idle, as the request went out{reason}"))
         self._fail_all(lambda: ConnectionLostError(f"HTTP/2 connection closed before the answer{reason}"))
+        if not self.lost.done():
+            self.lost.set_result(None)
         if not self.ready.done():
             self.ready.set_exception(ConnectionLostError(f"HTTP/2 connection closed during its set-up{reason}"))
             self.ready.exception()  # retrieved: nobody may be waiting on it any more
@@ -311,6 +339,7 @@ class H2Connection(asyncio.Protocol):
             self.draining = True  # the channel opens another connection for the next request
         future: asyncio.Future[bytes | None] = self._loop.create_future()
         stream = _Stream(sid, future, want, self._peer_window, deadline)
+        stream.on_idle = not self.streams and self.answered > 0
         self.streams[sid] = stream
         if self._timer is None or deadline < self._timer_at:
             self._arm(deadline)
@@ -521,9 +550,13 @@ class H2Connection(asyncio.Protocol):
             return
         # A server may reset with NO_ERROR after its whole answer (§8.1); such a stream is already finished
         # and not found above. Before the answer is complete, any reset fails the call.
-        status = _RST_CODES.get(code, grpc.StatusCode.INTERNAL)
-        self._end(stream, GrpcError(status, f"stream reset by the server (HTTP/2 error code {code})"), reset=False,
-                  gone=True)
+        error: GrpcError
+        if code == REFUSED_STREAM and not stream.response_started:
+            error = RefusedStreamError("stream refused by the server (RST_STREAM REFUSED_STREAM)")
+        else:
+            error = GrpcError(_RST_CODES.get(code, grpc.StatusCode.INTERNAL),
+                              f"stream reset by the server (HTTP/2 error code {code})")
+        self._end(stream, error, reset=False, gone=True)
 
     def _on_goaway(self, buf: bytes | bytearray, start: int, stop: int) -> None:
         if stop - start < 8:
@@ -533,10 +566,9 @@ class H2Connection(asyncio.Protocol):
         debug = bytes(buf[start + 8:stop])[:200].decode("utf-8", "replace")
         self.draining = True
         log.debug("GOAWAY (code %d, last stream %d): %s", code, last, debug)
-        # Streams above `last` were never processed: they fail as UNAVAILABLE (safe to send again).
+        # Streams above `last` were never processed: refused, safe to send again (the channel does, once).
         for stream in [s for sid, s in self.streams.items() if sid > last]:
-            self._end(stream, GrpcError(grpc.StatusCode.UNAVAILABLE,
-                                        f"server going away (code {code}{': ' + debug if debug else ''})"),
+            self._end(stream, RefusedStreamError(f"server going away (code {code}{': ' + debug if debug else ''})"),
                       reset=False, gone=True)
         self._wake_all_slots()  # callers waiting for a stream slot here go to a new connection
         if not self.streams and self.transport is not None:
@@ -569,6 +601,7 @@ class H2Connection(asyncio.Protocol):
 
     def _finish(self, stream: _Stream, trailers: dict[bytes, bytes] | None) -> None:
         """The server ended the stream: its status (trailers), else the HTTP status's mapping."""
+        self.answered += 1
         if trailers is None or b"grpc-status" not in trailers:
             if stream.http_status != 200:
                 self._end(stream, _http_error(stream.http_status), reset=False)
@@ -753,6 +786,8 @@ class Channel:
         self._connecting: list[asyncio.Future[H2Connection] | None] = [None] * connections
         self._turn = 0
         self._closed = False
+        self._replaced: set[H2Connection] = set()  # draining connections a new one replaced, until they close
+        self.retries = 0  # calls sent again: refused unprocessed (GOAWAY, REFUSED_STREAM) or the idle-close race
 
     async def send(self, body: bytes) -> None:
         """One call with `body` as the request message; raise on any failure, the answer is not kept."""
@@ -769,15 +804,24 @@ class Channel:
         deadline = loop.time() + self.timeout_s
         index = self._turn
         self._turn = index + 1 if index + 1 < len(self._conns) else 0
-        conn = self._conns[index]
-        if conn is None or not conn.usable():
-            conn = await self._usable(index, deadline)
-        stream = conn.start(body, want, deadline)
-        try:
-            return await stream.future
-        except asyncio.CancelledError:
-            conn.cancel(stream, None)
-            raise
+        retried = False
+        while True:
+            conn = self._conns[index]
+            if conn is None or not conn.usable():
+                conn = await self._usable(index, deadline)
+            stream = conn.start(body, want, deadline)
+            try:
+                return await stream.future
+            except (RefusedStreamError, IdleClosedError):
+                # Never processed by the server: sent once more (on a new connection when this one is going),
+                # within the same deadline, as grpc-core's transparent retry does; a second failure is the outcome.
+                if retried or self._closed or loop.time() >= deadline:
+                    raise
+                retried = True
+                self.retries += 1
+            except asyncio.CancelledError:
+                conn.cancel(stream, None)
+                raise
 
     async def _usable(self, index: int, deadline: float) -> H2Connection:
         """Connection `index` once it may open a stream: connect (shared by concurrent callers) or wait
@@ -827,8 +871,12 @@ class Channel:
         finally:
             self._connecting[index] = None
         old = self._conns[index]
-        if old is not None and old.draining and not old.closed and not old.streams:
-            old.abort()
+        if old is not None and old.draining and not old.closed:
+            if old.streams:  # still answering what it took: close() waits for it
+                self._replaced.add(old)
+                old.lost.add_done_callback(lambda _: self._replaced.discard(old))
+            else:
+                old.abort()
         if self._closed:
             conn.abort()
             raise ConnectionLostError("the channel is closed")
@@ -836,14 +884,27 @@ class Channel:
         return conn
 
     def close(self) -> None:
-        """Drop every connection; calls in flight fail with ConnectionLostError."""
+        """Drop every connection, draining ones included; calls in flight fail with ConnectionLostError."""
         self._closed = True
-        for conn in self._conns:
+        for conn in [*self._conns, *self._replaced]:
             if conn is not None:
                 conn.abort()
         for pending in self._connecting:
             if pending is not None:
                 pending.cancel()
+
+    async def aclose(self, drain_s: float = 5.0) -> None:
+        """Close, but first let the draining (replaced) connections finish the streams they took, at most
+        `drain_s`; then drop everything (as close()) and wait until every connection has closed."""
+        self._closed = True
+        draining = [conn for conn in self._replaced if not conn.closed]
+        if draining:
+            await asyncio.wait([asyncio.ensure_future(asyncio.shield(conn.lost)) for conn in draining],
+                               timeout=drain_s)
+        every = [conn for conn in [*self._conns, *draining] if conn is not None]
+        self.close()
+        if every:
+            await asyncio.wait([asyncio.ensure_future(asyncio.shield(conn.lost)) for conn in every], timeout=drain_s)
 
 
 def _retrieve(future: asyncio.Future[H2Connection]) -> None:

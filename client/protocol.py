@@ -154,9 +154,14 @@ class Connection:
             await asyncio.to_thread(self._shm.close)
         await self._control.close()
         if self.protocol is Protocol.GRPC:
-            self._h2.close()
+            await self._h2.aclose()  # draining connections finish the streams they took first
         else:
             self._pool.close()
+
+    @property
+    def retries(self) -> int:
+        """Requests the transport sent once more (refused unprocessed, or the idle-close race), so far."""
+        return self._h2.retries if self.protocol is Protocol.GRPC else self._pool.retries
 
     async def live(self) -> bool:
         try:

@@ -79,6 +79,7 @@ def result_dict(result: LevelResult) -> dict[str, Any]:
         "latency_us": latency_dict(s.latency_us),
         "requests": s.requests,
         "errors": dict(s.errors),
+        "retries": s.retries,  # sent once more by the transport (GOAWAY, REFUSED_STREAM, idle close): not errors
         "stable": result.stable,
         "partial": not result.complete,
         "windows": len(result.windows),

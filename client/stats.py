@@ -48,7 +48,7 @@ class Records:
 class Tally:
     """One window's outcomes as they arrive: successful latencies, errors by kind, send lag."""
 
-    __slots__ = ("dropped", "errors", "late", "latencies", "max_lag_ns")
+    __slots__ = ("dropped", "errors", "late", "latencies", "max_lag_ns", "retries")
 
     def __init__(self) -> None:
         self.latencies = array("q")  # ns, successful requests only
@@ -56,6 +56,7 @@ class Tally:
         self.late = 0
         self.dropped = 0
         self.max_lag_ns: int | None = None  # open loop only
+        self.retries = 0  # requests the transport sent once more (client.protocol.Connection.retries)
 
     def ok(self, latency_ns: int) -> None:
         self.latencies.append(latency_ns)
@@ -108,6 +109,7 @@ class Window:
     power: PowerFigures | None = None
     dropped_sends: int = 0
     max_send_lag_us: float | None = None
+    retries: int = 0  # requests sent again by the transport: refused unprocessed (GOAWAY, REFUSED_STREAM), idle close
     # Sorted successful latencies (ns): what summaries over several windows merge.
     latencies_ns: NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64), repr=False, compare=False)
 
@@ -139,7 +141,7 @@ def close(tally: Tally, start_ns: int, end_ns: int, batch: int) -> Window:
     return Window(
         start_ns=start_ns, end_ns=end_ns, requests=requests, inferences=requests * batch,
         throughput=requests * batch / seconds, latency_us=latency_summary(latencies), errors=dict(tally.errors),
-        late_sends=tally.late, dropped_sends=tally.dropped,
+        late_sends=tally.late, dropped_sends=tally.dropped, retries=tally.retries,
         max_send_lag_us=tally.max_lag_ns / 1e3 if tally.max_lag_ns is not None else None, latencies_ns=latencies,
     )
 
@@ -160,6 +162,7 @@ def merge(windows: Sequence[Window], batch: int) -> Window:
         start_ns=windows[0].start_ns, end_ns=windows[-1].end_ns, requests=requests, inferences=requests * batch,
         throughput=requests * batch / seconds, latency_us=latency_summary(latencies), errors=dict(errors),
         late_sends=sum(w.late_sends for w in windows), dropped_sends=sum(w.dropped_sends for w in windows),
+        retries=sum(w.retries for w in windows),
         max_send_lag_us=max(lags) if lags else None, latencies_ns=latencies,
     )
 

@@ -92,6 +92,7 @@ def merge_tallies(tallies: Sequence[Tally]) -> Tally:
         errors.update(tally.errors)
         merged.late += tally.late
         merged.dropped += tally.dropped
+        merged.retries += tally.retries
         if tally.max_lag_ns is not None and (merged.max_lag_ns is None or tally.max_lag_ns > merged.max_lag_ns):
             merged.max_lag_ns = tally.max_lag_ns
     merged.errors = errors

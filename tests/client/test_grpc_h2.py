@@ -339,8 +339,9 @@ def test_error_statuses_map_to_error_kinds() -> None:
                      end_stream=True)
         request = await peer.request()  # an HTTP error without any gRPC status (a proxy's)
         peer.headers(request.sid, [(":status", "503")], end_stream=True)
-        request = await peer.request()
-        peer.send(RST_STREAM, 0, request.sid, struct.pack(">I", REFUSED_STREAM))
+        for _ in range(2):  # refused, and refused again when sent once more: the call's outcome is UNAVAILABLE
+            request = await peer.request()
+            peer.send(RST_STREAM, 0, request.sid, struct.pack(">I", REFUSED_STREAM))
         request = await peer.request()
         peer.respond(request.sid, b"", status=4, details="deadline")
         await peer.writer.drain()
@@ -354,6 +355,7 @@ def test_error_statuses_map_to_error_kinds() -> None:
             except TRANSPORT_ERRORS as exc:
                 errors.append(exc)
         assert [error_kind(e) for e in errors] == ["unknown_model", "unavailable", "unavailable", "timeout"]
+        assert channel.retries == 1
         assert isinstance(errors[0], GrpcError)
         assert errors[0].code() is grpc.StatusCode.NOT_FOUND
         assert errors[0].details() == "Request for unknown model: 'nope' is not found"
@@ -361,7 +363,7 @@ def test_error_statuses_map_to_error_kinds() -> None:
     asyncio.run(_serve(script, test))
 
 
-def test_goaway_fails_the_streams_it_did_not_take_and_the_next_call_reconnects() -> None:
+def test_goaway_streams_it_did_not_take_go_again_on_a_new_connection_counted_as_retries() -> None:
     async def script(peer: Peer, state: dict[str, Any]) -> None:
         if state["connections"] == 1:
             await peer.handshake()
@@ -376,8 +378,8 @@ def test_goaway_fails_the_streams_it_did_not_take_and_the_next_call_reconnects()
 
     async def test(channel: Channel, state: dict[str, Any]) -> None:
         results = await asyncio.gather(channel.infer(b"1"), channel.infer(b"2"), return_exceptions=True)
-        assert results[0] == b"low"
-        assert isinstance(results[1], GrpcError) and error_kind(results[1]) == "unavailable"
+        assert results == [b"low", b"echo:2"]  # before issue 27: GrpcError UNAVAILABLE for the second
+        assert channel.retries == 1
         assert await channel.infer(b"3") == b"echo:3"
         assert state["connections"] == 2
 
@@ -827,12 +829,14 @@ def test_a_reset_from_the_server_is_not_answered_with_a_reset() -> None:
     # RFC 9113 §5.4.2: never RST_STREAM in response to RST_STREAM, even when part of our request is unsent.
     async def script(peer: Peer, state: dict[str, Any]) -> None:
         await peer.handshake()
-        while (frame := await peer.frame()).kind != DATA:
-            pass
-        refused = frame.sid  # a request larger than the window: most of it still waits for credit
-        peer.send(RST_STREAM, 0, refused, struct.pack(">I", REFUSED_STREAM))
-        peer.grant(0, 1 << 20)  # the connection's credit back, for the next call
-        await peer.writer.drain()
+        refused: list[int] = []
+        for _ in range(2):  # the request, then the channel's one transparent retry of it
+            while (frame := await peer.frame()).kind != DATA or frame.sid in refused:
+                pass
+            refused.append(frame.sid)  # a request larger than the window: most of it still waits for credit
+            peer.send(RST_STREAM, 0, frame.sid, struct.pack(">I", REFUSED_STREAM))
+            peer.grant(0, 1 << 20)  # the connection's credit back, for the next call
+            await peer.writer.drain()
         request = await peer.request()  # the next call, sent after the client read the reset
         state["rst_sids"] = [f.sid for f in peer.seen if f.kind == RST_STREAM]
         state["refused"] = refused
@@ -847,7 +851,7 @@ def test_a_reset_from_the_server_is_not_answered_with_a_reset() -> None:
         assert await channel.infer(b"n") == b"next"
 
     state = asyncio.run(_serve(script, test))
-    assert state["refused"] not in state["rst_sids"]
+    assert not set(state["refused"]) & set(state["rst_sids"])
 
 
 @pytest.mark.parametrize(("increment", "code"), [(2**31 - 1, 0x3), (0, PROTOCOL_ERROR)],
@@ -1030,3 +1034,83 @@ def test_a_table_size_update_empties_the_memo_of_indexed_only_blocks() -> None:
 
     state = asyncio.run(_serve(script, test))
     assert state["goaway"][1] == 0x9  # COMPRESSION_ERROR
+
+
+# --- transparent retries and draining (issue 27) -----------------------------------------------------------
+def test_a_refused_stream_is_sent_again_once_and_counted() -> None:
+    async def script(peer: Peer, state: dict[str, Any]) -> None:
+        await peer.handshake()
+        request = await peer.request()
+        peer.send(RST_STREAM, 0, request.sid, struct.pack(">I", REFUSED_STREAM))  # e.g. over its stream limit
+        await peer.writer.drain()
+        again = await peer.request()
+        state["messages"] = [request.message, again.message]
+        peer.respond(again.sid, b"answered")
+        await peer.writer.drain()
+        await peer.frame()
+
+    async def test(channel: Channel, state: dict[str, Any]) -> None:
+        assert await channel.infer(b"q") == b"answered"  # before: GrpcError UNAVAILABLE
+        assert channel.retries == 1 and state["connections"] == 1
+
+    state = asyncio.run(_serve(script, test))
+    assert state["messages"] == [b"q", b"q"]
+
+
+def test_a_request_sent_as_an_idle_connection_closes_is_sent_once_more_on_a_new_one() -> None:
+    # The server answers the first call, then closes the connection as the second arrives, unanswered (its
+    # idle timeout racing our request): the second goes again on a new connection, once, as http1 does.
+    async def script(peer: Peer, state: dict[str, Any]) -> None:
+        if state["connections"] == 1:
+            await peer.handshake()
+            request = await peer.request()
+            peer.respond(request.sid, b"first")
+            await peer.writer.drain()
+            await peer.request()
+            state["dropped"] = True
+            return  # closes the connection without an answer
+        await _echo(peer, state)
+
+    async def test(channel: Channel, state: dict[str, Any]) -> None:
+        assert await channel.infer(b"1") == b"first"
+        assert await channel.infer(b"2") == b"echo:2"  # before: ConnectionLostError (unavailable)
+        assert state["connections"] == 2 and state["dropped"] and channel.retries == 1
+
+    asyncio.run(_serve(script, test))
+
+
+def test_close_lets_a_replaced_draining_connection_finish_its_streams() -> None:
+    # A GOAWAY that took stream A; the next call opens a new connection, the old one drains. aclose() waits for
+    # A's answer (the server promised it) before dropping everything; before, close() left that connection open.
+    async def script(peer: Peer, state: dict[str, Any]) -> None:
+        if state["connections"] == 1:
+            await peer.handshake()
+            request = await peer.request()
+            peer.send(GOAWAY, 0, 0, struct.pack(">II", request.sid, 0))
+            await peer.writer.drain()
+            await state["release"].wait()
+            peer.respond(request.sid, b"drained")
+            await peer.writer.drain()
+            await peer.reader.read()  # until the client closes it
+            state["old_closed"] = True
+            return
+        await _echo(peer, state)
+
+    async def test(channel: Channel, state: dict[str, Any]) -> None:
+        state["release"] = asyncio.Event()
+        first_call = asyncio.create_task(channel.infer(b"A"))
+        await wait_until_async(lambda: channel._conns[0] is not None and channel._conns[0].draining,
+                               what="the GOAWAY read")
+        old = channel._conns[0]
+        assert await channel.infer(b"B") == b"echo:B"  # on a new connection
+        assert channel._conns[0] is not old and old is not None and not old.closed
+        closing = asyncio.create_task(channel.aclose())
+        await asyncio.sleep(0)  # aclose runs up to its wait for the draining connection
+        assert not closing.done()
+        state["release"].set()
+        await closing
+        assert await first_call == b"drained"
+        assert old.closed and all(conn is None or conn.closed for conn in channel._conns)
+        await wait_until_async(lambda: state.get("old_closed", False), what="the server to see the old one close")
+
+    asyncio.run(_serve(script, test))

@@ -445,6 +445,7 @@ def test_a_keep_alive_connection_closed_as_we_write_is_retried_once_on_a_new_one
         assert (await pool.request(_req(b"one"))).body == b"one"
         assert (await pool.request(_req(b"two"))).body == b"echo:two"
         assert state["connections"] == 2 and "dropped" in state["requests"]
+        assert pool.retries == 1  # counted: the results report it (issue 27)
 
     asyncio.run(_serve(idle_close, test))
 

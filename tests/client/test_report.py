@@ -33,8 +33,8 @@ def level_result(level: LoadLevel, power: PowerFigures = NVML, server: ServerBre
 
 def test_closed_loop_json_keeps_the_documented_keys() -> None:
     doc = result_dict(level_result(LoadLevel(concurrency=8)))
-    assert list(doc) == ["concurrency", "throughput", "latency_us", "requests", "errors", "stable", "partial",
-                         "windows", "window_seconds", "server", "power"]
+    assert list(doc) == ["concurrency", "throughput", "latency_us", "requests", "errors", "retries", "stable",
+                         "partial", "windows", "window_seconds", "server", "power"]
     assert doc["partial"] is False
     assert doc["latency_us"] == {"avg": 1100.0, "p50": 1000.0, "p90": 1500.0, "p95": 1700.0, "p99": 2500.0,
                                  "max": 4000.0}
