@@ -329,6 +329,7 @@ def guard_fp16(*, fp32_path: Path, feeds: Sequence[Mapping[str, NDArray[Any]]], 
         # The plain variant again, from the named graph, so its node names are the ones exclusions match.
         plain = folder / "fp16_plain.onnx"
         convert(Fp16Settings(), plain)
+        reused = 0  # counted for the guard's own conversions (the report's), not this one
         if method is GuardSensitivity.ONE_PASS and evaluation is None:
             raise AssertionError("one-pass sensitivity needs the held-out samples")
         report, guarded = guard(convert, evaluate, plain=plain, tolerance=tolerance, work=folder, method=method,

@@ -3,7 +3,9 @@
 `resource.getrusage(RUSAGE_SELF).ru_maxrss` is the process's high-water mark (KiB on Linux, bytes on macOS):
 it never goes down, so read after a step it is the peak *so far*, and a step that raised it is the one that
 needed more than every step before it. The quantizer subprocess (ONNX Runtime's recipe) is counted apart,
-through RUSAGE_CHILDREN (the largest child that has ended). A figure the platform does not give is None.
+through RUSAGE_CHILDREN (the largest child that has ended); Linux counts in a child the memory it had between
+fork and exec, i.e. this process's RSS at the time, so that figure is at least the parent's RSS when it started
+the child and says something of its own only where it is larger. A figure the platform does not give is None.
 """
 
 from __future__ import annotations

@@ -1,0 +1,103 @@
+"""One-pass sensitivity (steps/sensitivity.py): on models built so that one node's conversion is catastrophic,
+that node ranks first; the guards reach their tolerance with either ranking; FP16 conversions are reused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper
+
+from builder.pipeline import BuildOptions, build_all
+from builder.runtimes.onnxruntime import OnnxRuntimeCPU
+from builder.spec import CalibrationMethod, CalibrationSpec, DataSpec, GuardSensitivity, Int8Recipe
+from builder.steps import precision
+from builder.steps.fp16_guard import fp16_nodes
+from builder.steps.guard import quantized_nodes
+from builder.steps.onnx_model import sha256_file
+from builder.steps.sensitivity import one_pass
+from tests.builder.steps.test_fp16_guard import offset_model, offset_samples, spec_for
+from tests.helpers.tiny_models import mlp_samples, offset_graph, outlier_mlp_onnx
+
+
+def test_one_pass_ranks_the_layer_fed_the_outlier_channel_first(tmp_path: Path) -> None:
+    # fc2's input carries one channel 400x the others: one per-tensor INT8 scale wipes the others out.
+    model = outlier_mlp_onnx(tmp_path / "outlier.onnx")
+    plain = tmp_path / "int8.onnx"
+    spec = CalibrationSpec(DataSpec("unused.npz", 64), method=CalibrationMethod.MAX, recipe=Int8Recipe.MODELOPT)
+    precision.to_int8(model, fp32_sha=sha256_file(model), calibration=mlp_samples(64, seed=0), data_digest="t",
+                      spec=spec, out_path=plain, cache_dir=tmp_path / "cache")
+    nodes = quantized_nodes(onnx.load(str(plain)))
+    scores = one_pass(model, plain, nodes, mlp_samples(32, seed=1), 8)
+    ranked = sorted(nodes, key=lambda n: scores[n], reverse=True)
+    assert ranked[0] == "fc2", scores
+    assert scores["fc2"] > 0.5 > max(scores[n] for n in ranked[1:]), scores
+    assert not list(tmp_path.glob(".*sensitivity*"))  # the exposed copies are removed
+
+
+def test_one_pass_ranks_the_subtraction_fp16_cannot_hold_first(tmp_path: Path) -> None:
+    # x − (300 + u): FP16's spacing at 300 is 0.25, so the subtraction loses u; the nodes after it only pass
+    # the error on, and score about nothing however large the error they carry.
+    model = offset_model(tmp_path / "offset.onnx")
+    evaluation = offset_samples(32, seed=1)
+    plain = tmp_path / "fp16.onnx"
+    precision.to_fp16(model, plain, feeds=precision.autocast_feeds([evaluation], 8), what="offset")
+    nodes = fp16_nodes(onnx.load(str(plain)))
+    scores = one_pass(model, plain, nodes, evaluation, 8)
+    assert max(scores, key=lambda n: scores[n]) == "centre", scores
+    assert scores["centre"] > 0.1 and abs(scores["scale"]) < 1e-3, scores
+
+
+def test_one_pass_reads_a_model_whose_weights_are_in_an_external_file(tmp_path: Path) -> None:
+    graph = offset_graph(np.random.default_rng(0))
+    folder = tmp_path / "external"
+    folder.mkdir()
+    model = folder / "model.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(model),
+              save_as_external_data=True, all_tensors_to_one_file=True, location="model.weights", size_threshold=0)
+    evaluation = offset_samples(16, seed=1)
+    plain = tmp_path / "fp16.onnx"
+    precision.to_fp16(model, plain, feeds=precision.autocast_feeds([evaluation], 8), what="offset")
+    scores = one_pass(model, plain, fp16_nodes(onnx.load(str(plain))), evaluation, 8)
+    assert max(scores, key=lambda n: scores[n]) == "centre", scores
+    assert sorted(p.name for p in folder.iterdir()) == ["model.onnx", "model.weights"]
+
+
+def _fp16_build(tmp_path: Path, sensitivity: GuardSensitivity, cache: Path) -> dict[str, object]:
+    spec = spec_for(tmp_path)
+    options = BuildOptions(repository=tmp_path / f"repo-{sensitivity.value}", runtime=OnnxRuntimeCPU(),
+                           cache_dir=cache, guard_sensitivity=sensitivity)
+    build_all([spec], options, None, ["pytest"])
+    return dict(json.loads((options.repository / "offset_fp16" / "build.json").read_text()))
+
+
+@pytest.mark.parametrize("sensitivity", list(GuardSensitivity))
+def test_the_fp16_guard_meets_the_tolerance_keeping_the_subtraction_with_either_ranking(
+        tmp_path: Path, sensitivity: GuardSensitivity) -> None:
+    record = _fp16_build(tmp_path, sensitivity, tmp_path / "cache")
+    guard = record["fp16_guard"]
+    assert isinstance(guard, dict)
+    assert guard["kept_fp32_nodes"] == ["centre"] and guard["fallback"] is None
+    assert guard["after"]["cosine_min"] >= 0.999
+    ranking = guard["sensitivity"]
+    assert ranking["method"] == sensitivity.value and ranking["kept"] == 1 and ranking["nodes"] == 5
+    # The search's conversions, plus (exhaustive) one per node.
+    alone = 5 if sensitivity is GuardSensitivity.EXHAUSTIVE else 0
+    assert guard["conversions"] == alone + len(guard["search"])
+
+
+def test_fp16_conversions_are_reused_when_their_inputs_are_unchanged(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    first = _fp16_build(tmp_path, GuardSensitivity.ONE_PASS, cache)
+    stored = sorted(p.name for p in (cache / "fp16").iterdir())
+    assert stored and first["fp16_guard"]["cached_conversions"] == 0  # type: ignore[index]
+    (tmp_path / "again").mkdir()  # the same model and samples, written again elsewhere
+    second = _fp16_build(tmp_path / "again", GuardSensitivity.ONE_PASS, cache)
+    guard = second["fp16_guard"]
+    assert isinstance(guard, dict)
+    assert guard["cached_conversions"] == guard["conversions"]
+    assert sorted(p.name for p in (cache / "fp16").iterdir()) == stored  # nothing new was converted
+    assert second["variant_onnx_sha256"] == first["variant_onnx_sha256"]
