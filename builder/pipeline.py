@@ -306,7 +306,8 @@ def build_model(spec: ModelSpec, options: BuildOptions, staging: Staging) -> Mod
         onnx_model.run_fp32(fp32_path, samples.take(evaluation, 0, 4), eval_batch, what)
         declared = onnx_model.signature(onnx_model.load(fp32_path), what)  # as the user's graph declares them
         slim_report = cleanup.slim(fp32_path, samples.take(evaluation, 0, 4), batch_size=eval_batch)
-        onnx_model.check_runs_at_levels(fp32_path, sig.inputs, shapes, what)
+        onnx_model.check_runs_at_levels(fp32_path, sig.inputs, shapes, what, value_ranges=spec.input_ranges,
+                                        examples=evaluation)
         reference = onnx_model.run_fp32(fp32_path, evaluation, eval_batch, what)
         # Outputs as ONNX Runtime returns them: a declared shape the graph contradicts is one warning line.
         for note in onnx_model.output_shape_notes(declared, reference, batching=shapes.batching):

@@ -17,7 +17,7 @@ from google.protobuf.message import DecodeError
 from builder.errors import ManifestError, OnnxModelError
 from builder.spec.dtypes import from_onnx
 from builder.spec.model import TensorSpec
-from builder.spec.shapes import Level, ModelShapes, format_shape
+from builder.spec.shapes import Level, ModelShapes, ValueRange, format_shape
 from client.files import copy_atomic
 
 if TYPE_CHECKING:
@@ -173,19 +173,36 @@ def check_manifest_inputs(sig: Signature, declared: tuple[TensorSpec, ...], what
 
 
 def check_runs_at_levels(path: Path, inputs: tuple[TensorSpec, ...], shapes: ModelShapes, what: str, *,
-                         graph: str = "the FP32 model") -> None:
+                         graph: str = "the FP32 model", value_ranges: Mapping[str, ValueRange] | None = None,
+                         examples: Mapping[str, NDArray[Any]] | None = None) -> None:
     """Run the FP32 graph (or a converted one: `graph` names it) at the min, opt and max shapes (batch
     included) on synthetic data, so a range the graph cannot take (a stride that does not divide, a Concat
     of mismatched maps, a converted graph's stale shape annotations) fails here, in one line naming the
-    shapes, instead of inside a later tool."""
+    shapes, instead of inside a later tool.
+
+    Integer inputs take their values from `value_ranges` (--input-range), else from the values the user's
+    `examples` hold for them (a sample rate of 16000, real token ids), else 0s and 1s: a control input
+    such as a VAD's `sr` selects an If branch, and 0 or 1 would run a branch the user never feeds."""
+    import numpy as np
+
     from builder.errors import tool_cause
     from builder.runtimes.onnxruntime import ORT_ERRORS, run_file
     from builder.steps.samples import synthetic
 
+    ranges = value_ranges or {}
+    rng = np.random.default_rng(7)
     for level in Level:
         at = {name: r.at(level) for name, r in shapes.inputs.items()}
         batch = at[inputs[0].name][0] if shapes.batching else None
-        feed = synthetic(inputs, shapes, batch or 1, seed=7, level=level, integers=True, what=what)
+        feed = synthetic(inputs, shapes, batch or 1, seed=7, level=level, value_ranges=ranges, integers=True,
+                         what=what)
+        for tensor in inputs:
+            seen = None if examples is None else examples.get(tensor.name)
+            if tensor.name in ranges or seen is None or not np.issubdtype(feed[tensor.name].dtype, np.integer):
+                continue
+            values = np.unique(np.asarray(seen))
+            if values.size:
+                feed[tensor.name] = rng.choice(values, size=feed[tensor.name].shape).astype(feed[tensor.name].dtype)
         try:
             run_file(path, feed, batch)
         except ORT_ERRORS as exc:

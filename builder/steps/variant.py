@@ -75,7 +75,8 @@ class MakePrecision:
         elif ctx.precision is Precision.FP16:
             def check(path: Path) -> None:
                 onnx_model.check_runs_at_levels(path, model.signature.inputs, model.input_shapes, what(model),
-                                                graph=f"the FP16 graph ({path.name})")
+                                                graph=f"the FP16 graph ({path.name})",
+                                                value_ranges=model.spec.input_ranges, examples=model.evaluation)
 
             feeds = fp16_feeds(model)
 

@@ -391,3 +391,37 @@ def split_detector(folder: Path) -> ForeignModel:
         ("--min-shapes", "images:1x3x32x32", "--opt-shapes", "images:2x3x64x64", "--max-shapes",
          "images:4x3x128x128"),
         '[model.shapes]\nimages = { min = [1, 3, 32, 32], opt = [2, 3, 64, 64], max = [4, 3, 128, 128] }\n', True)
+
+
+def rate_gated(folder: Path) -> ForeignModel:
+    """Silero-VAD-like: x[batch, 32], sr (int64 scalar) → If (sr == 16000): the then branch is the model; the
+    else branch (8 kHz windows) reshapes x into rows of 7 and cannot run on a 16 kHz window of 32 values, as
+    silero's 8 kHz branch fails on a 512-sample window (`LSTM ... Input X must have 3 dimensions only`).
+    The scalar `sr` makes it a max_batch_size 0 model."""
+    rng = np.random.default_rng(11)
+    then_branch = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w16"], ["y16"], name="fc16")], "khz16", [],
+        [helper.make_tensor_value_info("y16", TensorProto.FLOAT, ["batch", 8])],
+        initializer=[_init(rng, "w16", 32, 8, scale=0.2)])
+    else_branch = helper.make_graph(
+        [helper.make_node("Reshape", ["x", "rows7"], ["x7"], name="rows7"),
+         helper.make_node("MatMul", ["x7", "w8"], ["y8"], name="fc8")], "khz8", [],
+        [helper.make_tensor_value_info("y8", TensorProto.FLOAT, ["rows", 8])],
+        initializer=[numpy_helper.from_array(np.array([-1, 7], np.int64), "rows7"), _init(rng, "w8", 7, 8)])
+    graph = helper.make_graph(
+        [helper.make_node("Equal", ["sr", "khz16"], ["cond"], name="is16"),
+         helper.make_node("If", ["cond"], ["y"], then_branch=then_branch, else_branch=else_branch, name="rate")],
+        "rate_gated",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 32]),
+         helper.make_tensor_value_info("sr", TensorProto.INT64, [])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 8])],
+        initializer=[numpy_helper.from_array(np.array(16000, np.int64), "khz16")],
+    )
+    path = _save(graph, folder / "rate_gated.onnx")
+    data = _npz(folder / "rate_gated.npz", {
+        "x": rng.standard_normal((SAMPLES, 1, 32)).astype(np.float32),
+        "sr": np.full((SAMPLES,), 16000, np.int64),
+    })
+    return ForeignModel(
+        "rate_gated", "If on an int64 scalar sample rate; the other rate's branch cannot run this window", path,
+        data, ("--shapes", "x:1x32,sr:[]"), '[model.shapes]\nx = [1, 32]\nsr = []\n', False)
