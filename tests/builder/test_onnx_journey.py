@@ -81,6 +81,15 @@ def test_the_build_report_lists_every_model_built_into_the_repository(workdir: P
     assert models[1]["started_unix"] > first[0]["started_unix"]
 
 
+def test_the_build_report_accumulates_however_the_repository_is_spelled(workdir: Path) -> None:
+    # `--repository repo` then `--repository /abs/repo`: one repository, one report listing both models.
+    for make, repository in ((ocr_classifier, Path("repo")), (split_detector, workdir / "repo")):
+        args = make(workdir).build_args(repository)
+        assert main([*args, "--precision", "fp32"]) == 0
+    models = json.loads((workdir / "repo" / "build_report.json").read_text())["models"]
+    assert [m["name"] for m in models] == ["ocr_cls", "split_detector"]
+
+
 def _outlier(workdir: Path, precisions: str = "fp32,fp16,int8") -> list[str]:
     outlier_mlp_onnx(workdir / "outlier.onnx")
     np.savez(workdir / "cal.npz", **mlp_samples(64, seed=0))
