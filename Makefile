@@ -17,7 +17,7 @@ CONCURRENCY ?= 32
 VARIANTS := efficientnet_lite0_fp32 efficientnet_lite0_fp16 efficientnet_lite0_int8 \
             minilm_l6_v2_fp32 minilm_l6_v2_fp16 minilm_l6_v2_int8
 
-.PHONY: install install-gpu lock test-latest test-fast scan scan-tools demo test test-gpu engines serve serve-bg stop verify perf lint bench bench-gpu bench-gpu-ort perf-compare k8s-render tune clean
+.PHONY: install install-gpu lock test-latest test-fast scan scan-tools demo test test-gpu engines serve serve-bg stop verify perf lint bench bench-gpu bench-gpu-ort perf-compare k8s-render tune corpus clean
 
 # GPU hosts: onnxruntime-gpu (ONNX Runtime's CUDA provider) instead of the CPU wheel. Set by itself
 # where nvidia-smi lists a GPU; `make install GPU=1` / `GPU=0` forces either way (only 1, yes or true
@@ -154,6 +154,14 @@ lint: $(STAMP) .typestubs/.installed
 
 bench: $(STAMP)
 	$(BIN)/python bench/variants.py --manifest $(MANIFEST) --repository $(REPOSITORY)
+
+# The real-model corpus (bench/corpus/corpus.toml: ONNX files from other projects' wheels, pinned by sha256):
+# build each at fp32/fp16/int8 with its flags into reports/corpus/repository, serve it, verify, a short
+# perfclient run per variant, stop; table in reports/corpus/corpus.md and .json. CORPUS_ONLY="a b" for a subset.
+CORPUS_ONLY ?=
+CORPUS_TIMEOUT ?= 480
+corpus: $(STAMP)
+	$(BIN)/python bench/corpus/corpus.py run $(addprefix --only ,$(CORPUS_ONLY)) --timeout $(CORPUS_TIMEOUT) --out reports/corpus
 
 # perfclient vs perf_analyzer (the binary in the tritonclient 2.50 wheel) on the same server and load.
 perf-compare: $(STAMP)
