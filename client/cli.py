@@ -22,6 +22,7 @@ from client.protocol import REQUEST_TIMEOUT_S, Protocol
 from client.report import documents, table, write_csv, write_json
 from client.session import WHOLE_RUN, ModelResult, SessionConfig, run
 from client.shared_memory import DEFAULT_OUTPUT_SIZE, SharedMemory, SharedMemoryKind
+from client.tls import Tls
 from client.validate import ATOL as VALIDATE_ATOL
 from client.validate import RTOL as VALIDATE_RTOL
 from client.validate import ValidateOptions
@@ -114,7 +115,47 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="count", default=0,
                    help="-v: our debug messages; -vv: third-party libraries' too")
     p.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only, no progress")
+    _add_tls_flags(p)
     return p
+
+
+# perf_analyzer's TLS flags (those it has); --ssl-server-name is ours (SNI and the name checked).
+_GRPC_TLS = ("--ssl-grpc-root-certifications-file", "--ssl-grpc-certificate-chain-file", "--ssl-grpc-private-key-file")
+_HTTPS_TLS = ("--ssl-https-ca-certificates-file", "--ssl-https-client-certificate-file",
+              "--ssl-https-private-key-file")
+
+
+def _add_tls_flags(p: argparse.ArgumentParser) -> None:
+    tls = p.add_argument_group("TLS (perf_analyzer's flags; -i grpc: --ssl-grpc-*, -i http: --ssl-https-*)")
+    tls.add_argument("--ssl-grpc-use-ssl", action="store_true", help="gRPC over TLS (implied by the files below)")
+    for flag, what in zip(_GRPC_TLS + _HTTPS_TLS, ("server CA (PEM)", "client certificate (PEM)",
+                                                   "client private key (PEM)") * 2, strict=True):
+        tls.add_argument(flag, type=Path, default=None, metavar="FILE", help=what)
+    tls.add_argument("--ssl-https-verify-peer", type=int, choices=(0, 1), default=1,
+                     help="0: accept any server certificate (HTTP)")
+    tls.add_argument("--ssl-server-name", default=None, metavar="NAME",
+                     help="SNI and the name the server's certificate must carry (default: -u's host)")
+
+
+def _tls(args: argparse.Namespace, protocol: Protocol) -> Tls | None:
+    """The TLS settings of the protocol in use; None without any TLS flag. The other protocol's flags refused."""
+    grpc_files = [getattr(args, f[2:].replace("-", "_")) for f in _GRPC_TLS]
+    https_files = [getattr(args, f[2:].replace("-", "_")) for f in _HTTPS_TLS]
+    grpc_on = args.ssl_grpc_use_ssl or any(grpc_files)
+    https_on = any(https_files) or args.ssl_https_verify_peer == 0
+    if (protocol is Protocol.GRPC and https_on) or (protocol is Protocol.HTTP and grpc_on):
+        other, own = ("https", "grpc") if protocol is Protocol.GRPC else ("grpc", "https")
+        raise PerfClientError(f"--ssl-{other}-*: not with -i {protocol} (use --ssl-{own}-*)")
+    if protocol is Protocol.GRPC and grpc_on:
+        ca, cert, key = grpc_files
+        return Tls(ca_file=ca, cert_file=cert, key_file=key, server_name=args.ssl_server_name, flags=_GRPC_TLS)
+    if protocol is Protocol.HTTP and https_on:
+        ca, cert, key = https_files
+        return Tls(ca_file=ca, cert_file=cert, key_file=key, server_name=args.ssl_server_name,
+                   verify=args.ssl_https_verify_peer == 1, flags=_HTTPS_TLS)
+    if args.ssl_server_name is not None:
+        raise PerfClientError("--ssl-server-name: only with TLS (--ssl-grpc-use-ssl or the --ssl-* files)")
+    return None
 
 
 def _levels(args: argparse.Namespace) -> tuple[LoadLevel, ...]:
@@ -245,7 +286,7 @@ def parse_config(argv: Sequence[str] | None) -> CliConfig:
         shared_memory=SharedMemory(args.shared_memory, args.output_shared_memory_size,
                                    headers=request_headers(str(protocol), args.header)),
         request_timeout_ms=args.request_timeout_ms, time_limit_s=args.time_limit, processes=args.processes,
-        seed=args.seed, gpus=_gpus(args.gpus),
+        seed=args.seed, gpus=_gpus(args.gpus), tls=_tls(args, protocol),
     )
     return CliConfig(session=session, json_path=args.json, csv_path=args.csv, plot_path=args.plot, html_path=args.html,
                      progress=not args.no_progress and not args.quiet, verbose=args.verbose, quiet=args.quiet)

@@ -1,4 +1,5 @@
-"""A lean gRPC unary client over HTTP/2 (cleartext, prior knowledge) for perfclient's load path.
+"""A lean gRPC unary client over HTTP/2 (cleartext with prior knowledge, or TLS with ALPN h2) for perfclient's
+load path.
 
 Request bytes in (a serialized ModelInferRequest, client.wire), status out; `infer` also returns the
 response message's bytes for decoding. Written on asyncio.Protocol like client.http1, for the same
@@ -28,7 +29,8 @@ stream sent on an idle connection as the server closed it, go once more, transpa
 (counted in `Channel.retries`), as grpc-core retries them; `aclose()` lets draining connections finish.
 
 Errors: GrpcError (a grpc.RpcError with `code()` and `details()`, so client.protocol.error_kind labels it
-by status), TimeoutError, ConnectionError/OSError. Not supported: TLS, compression, streaming calls.
+by status), TimeoutError, ConnectionError/OSError. TLS with `ssl` (ALPN h2). Not supported: compression,
+streaming calls.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import collections
 import logging
 import struct
 from collections.abc import Callable
+from ssl import SSLContext
 from typing import cast
 from urllib.parse import unquote
 
@@ -174,9 +177,9 @@ def grpc_timeout(seconds: float) -> str:
     return "99999999H"
 
 
-def request_header_block(path: str, authority: str, timeout_s: float | None) -> bytes:
+def request_header_block(path: str, authority: str, timeout_s: float | None, scheme: str = "http") -> bytes:
     """The HPACK block of every request's HEADERS: literals only, so it never depends on table state."""
-    fields = [(b":method", b"POST"), (b":scheme", b"http"), (b":path", path.encode("ascii")),
+    fields = [(b":method", b"POST"), (b":scheme", scheme.encode("ascii")), (b":path", path.encode("ascii")),
               (b":authority", authority.encode("ascii")), (b"content-type", b"application/grpc"),
               (b"te", b"trailers"), (b"user-agent", b"perfclient-grpc-h2")]
     if timeout_s is not None:
@@ -206,7 +209,7 @@ class _Stream:
 class H2Connection(asyncio.Protocol):
     """One HTTP/2 connection: many concurrent unary gRPC streams, frames parsed as bytes arrive."""
 
-    def __init__(self, *, path: str, authority: str, timeout_s: float | None) -> None:
+    def __init__(self, *, path: str, authority: str, timeout_s: float | None, scheme: str = "http") -> None:
         self.transport: asyncio.Transport | None = None
         self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()  # the server's SETTINGS
         self.lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()  # set by connection_lost
@@ -219,7 +222,7 @@ class H2Connection(asyncio.Protocol):
         self._out: list[bytes | memoryview] = []
         self._decoder = Decoder(max_header_list_size=MAX_HEADER_LIST)
         self._decoded: dict[bytes, dict[bytes, bytes]] = {}  # indexed-only blocks, while the table is unchanged
-        block = request_header_block(path, authority, timeout_s)
+        block = request_header_block(path, authority, timeout_s, scheme)
         self._block = block
         # The first block starts with a dynamic table size update to 0: we never index, and whatever
         # SETTINGS_HEADER_TABLE_SIZE the server announces later, our (empty) table is within it.
@@ -773,7 +776,9 @@ class Channel:
     and replaced when lost. Use from one event loop; `close()` at the end."""
 
     def __init__(self, host: str, port: int, *, method: str, timeout_s: float, connections: int = 1,
-                 authority: str | None = None) -> None:
+                 authority: str | None = None, ssl: SSLContext | None = None,
+                 server_hostname: str | None = None) -> None:
+        """`ssl`: over TLS (client.tls; its ALPN must offer h2), `server_hostname` the SNI name (None: `host`)."""
         if connections < 1:
             raise ValueError(f"connections={connections}: expected at least 1")
         if timeout_s <= 0:
@@ -781,6 +786,7 @@ class Channel:
         self.host, self.port = host, port
         self.timeout_s = timeout_s
         self._method = method
+        self._ssl, self._server_hostname = ssl, server_hostname
         self._authority = authority or (f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
         self._conns: list[H2Connection | None] = [None] * connections
         self._connecting: list[asyncio.Future[H2Connection] | None] = [None] * connections
@@ -860,9 +866,11 @@ class Channel:
         conn: H2Connection | None = None
         try:
             async with asyncio.timeout(self.timeout_s):
+                scheme = "http" if self._ssl is None else "https"
                 conn = await connect(
-                    lambda: H2Connection(path=self._method, authority=self._authority, timeout_s=self.timeout_s),
-                    self.host, self.port)
+                    lambda: H2Connection(path=self._method, authority=self._authority, timeout_s=self.timeout_s,
+                                         scheme=scheme),
+                    self.host, self.port, ssl=self._ssl, server_hostname=self._server_hostname)
                 await conn.ready
         except BaseException:
             if conn is not None:  # connected, but no SETTINGS in time (or cancelled): not left open

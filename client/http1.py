@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 from dataclasses import dataclass
+from ssl import SSLContext
 from typing import cast
 
 import httptools
@@ -172,14 +173,17 @@ class _Connection(asyncio.Protocol):
 class Pool:
     """Keep-alive connections to one host:port, at most `limit` open; idle ones are reused first."""
 
-    def __init__(self, host: str, port: int, *, limit: int, timeout_s: float) -> None:
+    def __init__(self, host: str, port: int, *, limit: int, timeout_s: float, ssl: SSLContext | None = None,
+                 server_hostname: str | None = None) -> None:
         self.host, self.port = host, port
+        self._ssl, self._server_hostname = ssl, server_hostname  # TLS (client.tls), SNI name
         self.limit = limit
         self.timeout_s = timeout_s
         self._idle: collections.deque[_Connection] = collections.deque()
         self._open: set[_Connection] = set()
         self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()
         self._closed = False
+        self.retries = 0  # requests sent once more after the idle-close race
 
     async def request(self, data: bytes) -> Response:
         """Send one whole request (request_bytes) and wait for its answer, at most `timeout_s`.
@@ -207,6 +211,7 @@ class Pool:
                 # answer came back, so the server dropped the request unread. Once more on a new connection,
                 # as curl does; any other connection error is the request's outcome.
                 if attempt == 0 and reused and not conn.heard:
+                    self.retries += 1
                     continue
                 raise
             finally:
@@ -242,7 +247,8 @@ class Pool:
         self._open.add(placeholder)
         try:
             async with asyncio.timeout_at(deadline):
-                conn = await connect(_Connection, self.host, self.port)
+                conn = await connect(_Connection, self.host, self.port, ssl=self._ssl,
+                                     server_hostname=self._server_hostname)
         except BaseException:
             self._open.discard(placeholder)
             self._wake_one()  # its place is free again: a waiter may connect in its stead

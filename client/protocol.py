@@ -31,6 +31,7 @@ from client.grpc_h2 import Channel as GrpcH2Channel
 from client.http1 import Pool, request_bytes
 from client.server_stats import ServerStats, parse_statistics
 from client.shared_memory import SharedMemory, SharedMemoryPool
+from client.tls import Tls
 from client.wire import (
     GRPC_INFER_METHOD,
     HTTP_HEADER_LENGTH,
@@ -109,8 +110,8 @@ class Connection:
     """
 
     def __init__(self, protocol: Protocol, url: str, *, timeout_s: float = REQUEST_TIMEOUT_S,
-                 shared_memory: SharedMemory | None = None) -> None:
-        """Call from a running event loop (aiohttp and grpc.aio bind to it)."""
+                 shared_memory: SharedMemory | None = None, tls: Tls | None = None) -> None:
+        """Call from a running event loop (aiohttp and grpc.aio bind to it). `tls`: every connection over TLS."""
         self.protocol = protocol
         self.url = url
         self._timeout_s = timeout_s
@@ -124,21 +125,27 @@ class Connection:
         if protocol is Protocol.GRPC:
             import tritonclient.grpc.aio as grpc_aio
 
-            self._control = grpc_aio.InferenceServerClient(url=url)
+            self._control = grpc_aio.InferenceServerClient(url=url, **_grpc_tls(tls))
             # The hot path's own HTTP/2 client: the request goes out as the bytes given, the response
             # comes back as bytes.
-            self._h2 = GrpcH2Channel(*address, method=GRPC_INFER_METHOD, timeout_s=timeout_s, authority=url)
+            self._h2 = GrpcH2Channel(*address, method=GRPC_INFER_METHOD, timeout_s=timeout_s, authority=url,
+                                     ssl=tls.context("h2") if tls is not None else None,
+                                     server_hostname=tls.server_name if tls is not None else None)
         else:
             import tritonclient.http.aio as http_aio
 
-            self._control = http_aio.InferenceServerClient(url=url, conn_timeout=CONTROL_TIMEOUT_S)
-            self._pool = Pool(*address, limit=HTTP_CONNECTIONS, timeout_s=timeout_s)
+            self._control = http_aio.InferenceServerClient(
+                url=url, conn_timeout=CONTROL_TIMEOUT_S,
+                **({"ssl": True, "ssl_context": tls.context("http/1.1")} if tls is not None else {}))
+            self._pool = Pool(*address, limit=HTTP_CONNECTIONS, timeout_s=timeout_s,
+                              ssl=tls.context("http/1.1") if tls is not None else None,
+                              server_hostname=tls.server_name if tls is not None else None)
             self._host = url  # the Host header, as given
 
     @classmethod
     async def open(cls, protocol: Protocol, url: str, *, timeout_s: float = REQUEST_TIMEOUT_S,
-                   shared_memory: SharedMemory | None = None) -> Connection:
-        return cls(protocol, url, timeout_s=timeout_s, shared_memory=shared_memory)
+                   shared_memory: SharedMemory | None = None, tls: Tls | None = None) -> Connection:
+        return cls(protocol, url, timeout_s=timeout_s, shared_memory=shared_memory, tls=tls)
 
     async def __aenter__(self) -> Connection:
         return self
@@ -271,6 +278,21 @@ class Connection:
             log.debug("statistics of %s unavailable: %s", model, describe(exc))
             return None
         return parse_statistics(payload, model)
+
+
+def _grpc_tls(tls: Tls | None) -> dict[str, Any]:
+    """tritonclient.grpc.aio's arguments for TLS: credentials, and the name checked when --ssl-server-name."""
+    if tls is None:
+        return {}
+    import tritonclient.grpc as grpc_client
+
+    ca, key, chain = tls.read()
+    options: list[tuple[str, Any]] = [("grpc.max_send_message_length", grpc_client.MAX_GRPC_MESSAGE_SIZE),
+                                      ("grpc.max_receive_message_length", grpc_client.MAX_GRPC_MESSAGE_SIZE)]
+    if tls.server_name is not None:
+        options.append(("grpc.ssl_target_name_override", tls.server_name))
+    return {"creds": grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=chain),
+            "channel_args": options}
 
 
 def host_port(url: str) -> tuple[str, int]:

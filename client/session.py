@@ -65,6 +65,7 @@ from client.protocol import (
 from client.server_stats import ServerBreakdown
 from client.shared_memory import SharedMemory
 from client.stats import Latency, Window, latency_summary
+from client.tls import Tls
 from client.validate import Check, Expected, ValidateOptions, load_expected, validated_payloads
 from client.workers import ProcessPool
 
@@ -122,6 +123,7 @@ class SessionConfig:
     shared_memory: SharedMemory = field(default_factory=SharedMemory)  # --shared-memory, its output size
     seed: int | None = None  # --seed; None: drawn at random once, here
     gpus: tuple[str, ...] | None = None  # --gpus (indices or UUIDs) metered; None: chosen by choose_gpus
+    tls: Tls | None = None  # --ssl-grpc-* / --ssl-https-*: every connection over TLS
 
     def __post_init__(self) -> None:
         # Plain strings ("http", "nvml") and lists work too: stored as the enum members and tuples.
@@ -229,7 +231,7 @@ async def measure(config: SessionConfig, progress: ProgressFn | None = None,
     abort = abort if abort is not None else Abort()
     rows: list[ModelResult] = []
     async with await Connection.open(config.protocol, config.url, timeout_s=config.request_timeout_ms / 1000,
-                                     shared_memory=config.shared_memory) as conn:
+                                     shared_memory=config.shared_memory, tls=config.tls) as conn:
         plans = await _prepare(conn, config)
         # Off the event loop: opening a meter reads it (the Triton meter over blocking HTTP, up to its timeout).
         gpus = await _gpus(conn, config)
@@ -255,7 +257,7 @@ async def measure(config: SessionConfig, progress: ProgressFn | None = None,
                                                total=config.measurement.max_trials) as bar:
                         pool = (ProcessPool(config.processes, protocol=config.protocol, url=config.url,
                                             timeout_s=config.request_timeout_ms / 1000, model=model,
-                                            payloads=payloads, batch=config.batch, seed=seed)
+                                            payloads=payloads, batch=config.batch, seed=seed, tls=config.tls)
                                 if config.processes > 1 else None)
                         run_level = LoadRun(conn, model=model, payloads=payloads, batch=config.batch, meter=meter,
                                             measurement=config.measurement,

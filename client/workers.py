@@ -38,6 +38,7 @@ from client.errors import PerfClientError
 from client.power import NoMeter
 from client.protocol import Connection, Prepared, Protocol
 from client.stats import Tally
+from client.tls import Tls
 
 log = logging.getLogger(__name__)
 
@@ -103,9 +104,12 @@ class ProcessPool:
     """N worker processes for one level on one model (client.engine.WorkerPool)."""
 
     def __init__(self, processes: int, *, protocol: Protocol, url: str, timeout_s: float, model: str,
-                 payloads: Sequence[Prepared], batch: int, seed: np.random.SeedSequence | None = None) -> None:
-        """`seed`: the level's arrivals; worker i draws from `child(seed, i)` (None: seed 0's children)."""
+                 payloads: Sequence[Prepared], batch: int, seed: np.random.SeedSequence | None = None,
+                 tls: Tls | None = None) -> None:
+        """`seed`: the level's arrivals; worker i draws from `child(seed, i)` (None: seed 0's children).
+        `tls`: the workers' connections over TLS."""
         self.processes = processes
+        self.tls = tls
         self.seed = seed if seed is not None else np.random.SeedSequence(0)
         self._args = (str(protocol), url, timeout_s, model, list(payloads), batch)
         self._pipes: list[multiprocessing.connection.Connection] = []
@@ -116,7 +120,8 @@ class ProcessPool:
         for index, (worker_level, offset_ns) in enumerate(shares(level, self.processes)):
             parent, end = context.Pipe()
             proc = context.Process(target=_worker_main,
-                                   args=(end, *self._args, worker_level, offset_ns, child(self.seed, index)),
+                                   args=(end, *self._args, worker_level, offset_ns, child(self.seed, index),
+                                         self.tls),
                                    name="perfclient-worker", daemon=True)
             with _signals_ignored():
                 proc.start()
@@ -203,7 +208,7 @@ def _signals_ignored() -> Iterator[None]:
 
 def _worker_main(pipe: multiprocessing.connection.Connection, protocol: str, url: str, timeout_s: float,
                  model: str, payloads: list[Prepared], batch: int, level: LoadLevel, offset_ns: float,
-                 seed: np.random.SeedSequence) -> None:
+                 seed: np.random.SeedSequence, tls: Tls | None = None) -> None:
     import uvloop
 
     # Ctrl-C in a terminal (and a SIGTERM sent to the process group) reaches the workers too: the parent
@@ -213,7 +218,7 @@ def _worker_main(pipe: multiprocessing.connection.Connection, protocol: str, url
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         uvloop.run(_serve(pipe, Protocol(protocol), url, timeout_s, model, payloads, batch, level, offset_ns,
-                          seed))
+                          seed, tls))
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which fails with it
         if not isinstance(exc, PerfClientError):  # the frames do not cross the pipe: their text does
             exc.add_note("in worker process:\n" + "".join(traceback.format_exception(exc)).rstrip())
@@ -223,7 +228,7 @@ def _worker_main(pipe: multiprocessing.connection.Connection, protocol: str, url
 
 async def _serve(pipe: multiprocessing.connection.Connection, protocol: Protocol, url: str, timeout_s: float,
                  model: str, payloads: list[Prepared], batch: int, level: LoadLevel, offset_ns: float,
-                 seed: np.random.SeedSequence) -> None:
+                 seed: np.random.SeedSequence, tls: Tls | None = None) -> None:
     loop = asyncio.get_running_loop()
     commands: asyncio.Queue[str] = asyncio.Queue()
 
@@ -236,7 +241,7 @@ async def _serve(pipe: multiprocessing.connection.Connection, protocol: Protocol
         commands.put_nowait(command)
 
     loop.add_reader(pipe.fileno(), receive)
-    async with await Connection.open(protocol, url, timeout_s=timeout_s) as conn:
+    async with await Connection.open(protocol, url, timeout_s=timeout_s, tls=tls) as conn:
         run = LoadRun(conn, model=model, payloads=payloads, batch=batch, meter=NoMeter("worker process"),
                       measurement=Measurement(), seed=seed)
         drivers = run.start_drivers(level, offset_ns=offset_ns)
