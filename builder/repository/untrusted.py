@@ -28,6 +28,14 @@ def _inside(path: Path, root: Path) -> bool:
     return path == root or root in path.parents
 
 
+def _resolve(path: Path, label: str) -> Path:
+    """path with its symlinks resolved; a symlink loop is refused (Python 3.11 raises RuntimeError)."""
+    try:
+        return path.resolve()
+    except (RuntimeError, OSError) as exc:
+        raise UnsafeInput(f"{label}: a symlink loop ({exc})") from exc
+
+
 def inside(root: Path, relative: str, what: str) -> Path:
     """root/relative, refused unless `relative` is a plain relative path that stays inside root once
     symlinks are resolved."""
@@ -36,8 +44,8 @@ def inside(root: Path, relative: str, what: str) -> Path:
     pure = PurePosixPath(relative)
     if pure.is_absolute() or ".." in pure.parts:
         raise UnsafeInput(f"{what} {relative!r}: expected a path inside {root}, without '..'")
-    base = root.resolve()
-    resolved = (base / pure).resolve()
+    base = _resolve(root, str(root))
+    resolved = _resolve(base / pure, f"{what} {relative!r}")
     if not _inside(resolved, base):
         raise UnsafeInput(f"{what} {relative!r}: resolves to {resolved}, outside {root}")
     return resolved
@@ -47,10 +55,12 @@ def read_text(path: Path, *, limit: int, root: Path | None = None, what: str | N
     """A regular file's text, at most `limit` bytes; with `root`, only when the file (after symlinks)
     lies inside it. OSError as open() raises it when the file is missing or unreadable."""
     label = what or str(path)
-    resolved = path.resolve()
-    if root is not None and not _inside(resolved, root.resolve()):
+    resolved = _resolve(path, label)
+    if root is not None and not _inside(resolved, _resolve(root, str(root))):
         raise UnsafeInput(f"{label}: a symlink to {resolved}, outside {root}")
-    with open(resolved, "rb") as handle:
+    # O_NONBLOCK: opening a FIFO (or a device) must not wait for a writer; a regular file ignores it.
+    fd = os.open(resolved, os.O_RDONLY | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as handle:
         info = os.fstat(handle.fileno())
         if not stat.S_ISREG(info.st_mode):
             raise UnsafeInput(f"{label}: not a regular file")
@@ -66,7 +76,7 @@ def read_text(path: Path, *, limit: int, root: Path | None = None, what: str | N
 def check_tree(root: Path, *, limit: int = MAX_TREE_ENTRIES) -> int:
     """Walk root without following symlinks; refuse a symlink that resolves outside root, and a tree of
     more than `limit` entries. Returns the number of entries."""
-    base = root.resolve()
+    base = _resolve(root, str(root))
     count = 0
     pending = [base]
     while pending:
@@ -81,7 +91,7 @@ def check_tree(root: Path, *, limit: int = MAX_TREE_ENTRIES) -> int:
                 raise UnsafeInput(f"{root}: over {limit} files and folders; not a model repository")
             path = Path(entry.path)
             if entry.is_symlink():
-                target = path.resolve()
+                target = _resolve(path, f"{path} in the repository {root}")
                 if not _inside(target, base):
                     raise UnsafeInput(f"{path}: a symlink to {target}, outside the repository {root}; "
                                       "copy what it points at into the repository instead")

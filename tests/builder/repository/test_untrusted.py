@@ -4,6 +4,7 @@ no path out of the repository, symlinks out of it refused."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -108,3 +109,23 @@ def test_serve_refuses_a_repository_with_a_symlink_out_of_it(tmp_path: Path,
     (repo / "evil").symlink_to(tmp_path)
     assert main(["serve", "--repository", str(repo), "--state-dir", str(tmp_path / "run")]) == 1
     assert "a symlink to" in capsys.readouterr().err
+
+
+def test_a_symlink_loop_is_refused_in_one_line_not_a_traceback(tmp_path: Path,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    repo = tmp_path / "repo"
+    (repo / "m_fp32" / "1").mkdir(parents=True)
+    (repo / "m_fp32" / "1" / "loop").symlink_to("loop")
+    with pytest.raises(UnsafeInput, match="symlink loop"):
+        check_tree(repo)
+    (repo / "m_fp32" / "1" / "loop").unlink()
+    (repo / "m_fp32" / RECORD).symlink_to(RECORD)  # build.json pointing at itself
+    assert read_record(repo / "m_fp32") is None
+    assert "symlink loop" in caplog.text
+
+
+def test_a_record_that_is_a_fifo_is_ignored_without_waiting_for_a_writer(tmp_path: Path) -> None:
+    model_dir = tmp_path / "repo" / "m_fp32"
+    model_dir.mkdir(parents=True)
+    os.mkfifo(model_dir / RECORD)
+    assert read_record(model_dir) is None  # before: open() blocked until someone wrote to the FIFO
