@@ -297,8 +297,10 @@ def open_meter(source: PowerSource, metrics_url: str, *, rapl_root: Path = RAPL_
                gpus: GpuSelection | None = None) -> Meter:
     """The first source that works, in order nvml → triton → rapl; `none` with every reason otherwise.
     `rapl_root`: where the powercap tree is (another folder in tests). `gpus`: the GPUs NVML and Triton's
-    metric count (every GPU by default)."""
+    metric count (every GPU by default); where it names GPUs, auto does not fall back to RAPL."""
     order = [PowerSource.NVML, PowerSource.TRITON, PowerSource.RAPL] if source is PowerSource.AUTO else [source]
+    if source is PowerSource.AUTO and gpus is not None and gpus.ids is not None:
+        order.remove(PowerSource.RAPL)  # it meters the CPU packages, not the GPUs named
     openers: dict[PowerSource, Callable[[], Meter]] = {
         PowerSource.NVML: lambda: NvmlMeter(gpus=gpus), PowerSource.RAPL: lambda: RaplMeter(rapl_root),
         PowerSource.TRITON: lambda: TritonMetricsMeter(metrics_url, gpus)}

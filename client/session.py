@@ -236,6 +236,8 @@ async def measure(config: SessionConfig, progress: ProgressFn | None = None,
         # Off the event loop: opening a meter reads it (the Triton meter over blocking HTTP, up to its timeout).
         gpus = await _gpus(conn, config)
         meter = await asyncio.to_thread(open_meter, config.power_source, config.metrics_endpoint, gpus=gpus)
+        if config.gpus and meter.source is PowerSource.NONE and config.power_source is not PowerSource.NONE:
+            raise PerfClientError(f"--gpus {','.join(config.gpus)}: no meter counts these GPUs ({meter.reason})")
         cross_checks = await asyncio.to_thread(open_cross_checks, meter, config.metrics_endpoint, gpus)
         log.debug("power source %s on %s; cross-checks: %s", meter.source, gpus, [m.source for m in cross_checks])
         timer = None

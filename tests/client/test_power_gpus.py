@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from client.cli import parse_config
+from client.cli import main, parse_config
 from client.engine import LoadLevel, Measurement
 from client.errors import PerfClientError
 from client.html_report import write_html
@@ -27,7 +27,7 @@ from client.power import (
 )
 from client.report import documents, table, write_json
 from client.session import ModelResult, SessionConfig, choose_gpus, run, sharing
-from tests.client.test_power import FakeNvml, MetricsServer, use_nvml
+from tests.client.test_power import FakeNvml, MetricsServer, rapl_tree, use_nvml
 from tests.client.test_report import level_result
 from tests.helpers.servers import Endpoints
 
@@ -93,6 +93,24 @@ def test_every_gpu_by_default_and_an_absent_gpu_is_refused_naming_those_there(fo
     with pytest.raises(RuntimeError, match="GPU GPU-x"):
         TritonMetricsMeter(metrics.url, GpuSelection(("GPU-x",), "--gpus"))
 
+
+def test_gpus_named_and_absent_are_not_metered_on_the_cpu_instead(four: FourGpus, tmp_path: Path) -> None:
+    # auto falls back nvml -> triton -> rapl; with GPUs named, RAPL (the CPU packages) would stand in for them.
+    root = rapl_tree(tmp_path / "rapl", {0: (1000, 10**9)})
+    meter = open_meter(PowerSource.AUTO, "http://127.0.0.1:1/metrics", rapl_root=root,
+                       gpus=GpuSelection(("99",), "--gpus"))
+    assert meter.source is PowerSource.NONE and meter.reason is not None
+    assert "GPU 99 (--gpus) is not here" in meter.reason
+    assert open_meter(PowerSource.AUTO, "http://127.0.0.1:1/metrics", rapl_root=root).source is PowerSource.NVML
+
+
+@pytest.mark.server
+def test_perfclient_gpus_that_no_meter_counts_is_one_line(endpoints: Endpoints, metrics: MetricsServer,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["-m", "mlp_fp32", "-u", endpoints.grpc, "--concurrency", "1", "--metrics-url", metrics.url,
+                 "--gpus", "99", "--no-progress"]) == 1
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("perfclient: error: --gpus 99: no meter counts these GPUs (") and "GPU 99" in line
 
 def test_the_cross_check_counts_the_same_gpus(four: FourGpus, metrics: MetricsServer) -> None:
     chosen = GpuSelection(("0", "2"), "instance groups of m")
