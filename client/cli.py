@@ -10,6 +10,7 @@ from pathlib import Path
 
 from client import progress
 from client.admin_key import KEY_ENV, request_headers
+from client.compression import ALGORITHMS
 from client.engine import DEFAULT_MAX_INFLIGHT, Distribution, LoadLevel, Measurement
 from client.errors import PerfClientError, RunAborted
 from client.html_report import write_html
@@ -115,7 +116,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="count", default=0,
                    help="-v: our debug messages; -vv: third-party libraries' too")
     p.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only, no progress")
-    _add_tls_flags(p)
+    _add_transport_flags(p)
     return p
 
 
@@ -125,7 +126,8 @@ _HTTPS_TLS = ("--ssl-https-ca-certificates-file", "--ssl-https-client-certificat
               "--ssl-https-private-key-file")
 
 
-def _add_tls_flags(p: argparse.ArgumentParser) -> None:
+def _add_transport_flags(p: argparse.ArgumentParser) -> None:
+    """TLS and compression, perf_analyzer's names where it has them."""
     tls = p.add_argument_group("TLS (perf_analyzer's flags; -i grpc: --ssl-grpc-*, -i http: --ssl-https-*)")
     tls.add_argument("--ssl-grpc-use-ssl", action="store_true", help="gRPC over TLS (implied by the files below)")
     for flag, what in zip(_GRPC_TLS + _HTTPS_TLS, ("server CA (PEM)", "client certificate (PEM)",
@@ -135,6 +137,18 @@ def _add_tls_flags(p: argparse.ArgumentParser) -> None:
                      help="0: accept any server certificate (HTTP)")
     tls.add_argument("--ssl-server-name", default=None, metavar="NAME",
                      help="SNI and the name the server's certificate must carry (default: -u's host)")
+    p.add_argument("--grpc-compression-algorithm", default="none", choices=("none", *ALGORITHMS),
+                   help="-i grpc: requests compressed so (grpc-encoding), compressed answers accepted")
+    p.add_argument("--http-compression-algorithm", default="none", choices=("none", *ALGORITHMS),
+                   help="-i http: requests compressed so (Content-Encoding), answers asked so (Accept-Encoding)")
+
+
+def _compression(args: argparse.Namespace, protocol: Protocol) -> str | None:
+    own, other = ((args.grpc_compression_algorithm, "--http-compression-algorithm") if protocol is Protocol.GRPC
+                  else (args.http_compression_algorithm, "--grpc-compression-algorithm"))
+    if getattr(args, other[2:].replace("-", "_")) != "none":
+        raise PerfClientError(f"{other}: not with -i {protocol}")
+    return None if own == "none" else str(own)
 
 
 def _tls(args: argparse.Namespace, protocol: Protocol) -> Tls | None:
@@ -286,7 +300,7 @@ def parse_config(argv: Sequence[str] | None) -> CliConfig:
         shared_memory=SharedMemory(args.shared_memory, args.output_shared_memory_size,
                                    headers=request_headers(str(protocol), args.header)),
         request_timeout_ms=args.request_timeout_ms, time_limit_s=args.time_limit, processes=args.processes,
-        seed=args.seed, gpus=_gpus(args.gpus), tls=_tls(args, protocol),
+        seed=args.seed, gpus=_gpus(args.gpus), tls=_tls(args, protocol), compression=_compression(args, protocol),
     )
     return CliConfig(session=session, json_path=args.json, csv_path=args.csv, plot_path=args.plot, html_path=args.html,
                      progress=not args.no_progress and not args.quiet, verbose=args.verbose, quiet=args.quiet)

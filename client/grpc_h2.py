@@ -29,8 +29,8 @@ stream sent on an idle connection as the server closed it, go once more, transpa
 (counted in `Channel.retries`), as grpc-core retries them; `aclose()` lets draining connections finish.
 
 Errors: GrpcError (a grpc.RpcError with `code()` and `details()`, so client.protocol.error_kind labels it
-by status), TimeoutError, ConnectionError/OSError. TLS with `ssl` (ALPN h2). Not supported: compression,
-streaming calls.
+by status), TimeoutError, ConnectionError/OSError. TLS with `ssl` (ALPN h2). Compressed requests
+(`encoding`: gzip, deflate) and answers. Not supported: streaming calls.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from urllib.parse import unquote
 import grpc
 from hpack import Decoder, HPACKError
 
+from client.compression import decompress
 from client.connecting import connect
 
 log = logging.getLogger(__name__)
@@ -177,18 +178,22 @@ def grpc_timeout(seconds: float) -> str:
     return "99999999H"
 
 
-def request_header_block(path: str, authority: str, timeout_s: float | None, scheme: str = "http") -> bytes:
-    """The HPACK block of every request's HEADERS: literals only, so it never depends on table state."""
+def request_header_block(path: str, authority: str, timeout_s: float | None, scheme: str = "http",
+                         encoding: str | None = None) -> bytes:
+    """The HPACK block of every request's HEADERS: literals only, so it never depends on table state.
+    `encoding`: the request message is compressed so (`grpc-encoding`); the answer may be too."""
     fields = [(b":method", b"POST"), (b":scheme", scheme.encode("ascii")), (b":path", path.encode("ascii")),
               (b":authority", authority.encode("ascii")), (b"content-type", b"application/grpc"),
               (b"te", b"trailers"), (b"user-agent", b"perfclient-grpc-h2")]
     if timeout_s is not None:
         fields.append((b"grpc-timeout", grpc_timeout(timeout_s).encode("ascii")))
+    if encoding is not None:
+        fields += [(b"grpc-encoding", encoding.encode("ascii")), (b"grpc-accept-encoding", b"gzip,deflate,identity")]
     return b"".join(_literal(name, value) for name, value in fields)
 
 
 class _Stream:
-    __slots__ = ("deadline", "future", "http_status", "id", "message", "on_idle", "pending", "recv",
+    __slots__ = ("deadline", "encoding", "future", "http_status", "id", "message", "on_idle", "pending", "recv",
                  "response_started", "want", "window")
 
     def __init__(self, stream_id: int, future: asyncio.Future[bytes | None], want: bool, window: int,
@@ -204,6 +209,7 @@ class _Stream:
         self.response_started = False
         self.http_status = 0
         self.on_idle = False  # opened on a connection that was idle: see IdleClosedError
+        self.encoding: bytes | None = None  # the answer's grpc-encoding
 
 
 class H2Connection(asyncio.Protocol):
@@ -224,9 +230,11 @@ class H2Connection(asyncio.Protocol):
         self._decoded: dict[bytes, dict[bytes, bytes]] = {}  # indexed-only blocks, while the table is unchanged
         block = request_header_block(path, authority, timeout_s, scheme)
         self._block = block
+        self._header_args = (path, authority, timeout_s, scheme)
+        self._encoded_blocks: dict[str, bytes] = {}  # compressed requests' blocks, by grpc-encoding
         # The first block starts with a dynamic table size update to 0: we never index, and whatever
         # SETTINGS_HEADER_TABLE_SIZE the server announces later, our (empty) table is within it.
-        self._first_block: bytes | None = b"\x20" + block
+        self._first_block: bytes | None = b"\x20"
         self._next_id = 1
         self._send_window = DEFAULT_WINDOW  # connection-level credit the server gave us
         self._peer_window = DEFAULT_WINDOW  # SETTINGS_INITIAL_WINDOW_SIZE of the server
@@ -334,8 +342,9 @@ class H2Connection(asyncio.Protocol):
         return (not self.closed and not self.draining and self.ready.done() and not self._slot_waiters
                 and len(self.streams) + self._reserved < self.max_streams)
 
-    def start(self, body: bytes, want: bool, deadline: float) -> _Stream:
-        """Open a stream sending `body` (one gRPC message); its future gets the response message or None."""
+    def start(self, body: bytes, want: bool, deadline: float, encoding: str | None = None) -> _Stream:
+        """Open a stream sending `body` (one gRPC message, compressed by `encoding` when given); its future gets
+        the response message (decompressed) or None."""
         sid = self._next_id
         self._next_id = sid + 2
         if self._next_id > MAX_STREAM_ID:
@@ -346,11 +355,15 @@ class H2Connection(asyncio.Protocol):
         self.streams[sid] = stream
         if self._timer is None or deadline < self._timer_at:
             self._arm(deadline)
-        block = self._first_block
-        if block is None:
+        if encoding is None:
             block = self._block
         else:
+            block = self._encoded_blocks.get(encoding) or self._encoded_blocks.setdefault(
+                encoding, request_header_block(*self._header_args, encoding=encoding))
+        if self._first_block is not None:
+            block = self._first_block + block
             self._first_block = None
+        flag = 0 if encoding is None else 1
         out = self._out
         if not out:
             self._loop.call_soon(self._flush_out)
@@ -362,10 +375,10 @@ class H2Connection(asyncio.Protocol):
             # The common case: the whole message in one DATA frame, sent at once.
             self._send_window -= size
             stream.window -= size
-            out.append(_DATA_HEAD.pack(size << 8 | DATA, END_STREAM, sid, 0, len(body)))
+            out.append(_DATA_HEAD.pack(size << 8 | DATA, END_STREAM, sid, flag, len(body)))
             out.append(body)
         else:
-            stream.pending = memoryview(b"\x00" + _U32.pack(len(body)) + body)
+            stream.pending = memoryview(bytes([flag]) + _U32.pack(len(body)) + body)
             self._blocked.append(stream)
             self._flush_blocked()
         return stream
@@ -471,6 +484,7 @@ class H2Connection(asyncio.Protocol):
             return
         if not stream.response_started:
             stream.response_started = True
+            stream.encoding = headers.get(b"grpc-encoding")
             status = headers.get(b":status")
             if status == b"200":
                 stream.http_status = 200
@@ -625,12 +639,20 @@ class H2Connection(asyncio.Protocol):
         message: bytes | None = None
         if stream.want:
             whole = b"".join(stream.message)
-            if len(whole) < 5 or whole[0] != 0 or _U32.unpack_from(whole, 1)[0] != len(whole) - 5:
-                problem = ("a compressed message, though we offered no compression" if whole[:1] == b"\x01"
-                           else f"{len(whole)} bytes that are not one length-prefixed message")
+            if len(whole) < 5 or whole[0] > 1 or _U32.unpack_from(whole, 1)[0] != len(whole) - 5:
+                problem = f"{len(whole)} bytes that are not one length-prefixed message"
                 self._end(stream, GrpcError(grpc.StatusCode.INTERNAL, f"response holds {problem}"), reset=False)
                 return
             message = whole[5:]
+            if whole[0] == 1:  # compressed, by the answer's grpc-encoding
+                try:
+                    if stream.encoding is None:
+                        raise ValueError("a compressed message without grpc-encoding")
+                    message = decompress(message, stream.encoding.decode("ascii", "replace"))
+                except ValueError as exc:
+                    self._end(stream, GrpcError(grpc.StatusCode.INTERNAL, f"response does not decompress: {exc}"),
+                              reset=False)
+                    return
         self._end(stream, message, reset=False)
 
     def _end(self, stream: _Stream, outcome: bytes | BaseException | None, *, reset: bool,
@@ -795,17 +817,18 @@ class Channel:
         self._replaced: set[H2Connection] = set()  # draining connections a new one replaced, until they close
         self.retries = 0  # calls sent again: refused unprocessed (GOAWAY, REFUSED_STREAM) or the idle-close race
 
-    async def send(self, body: bytes) -> None:
-        """One call with `body` as the request message; raise on any failure, the answer is not kept."""
-        await self._call(body, False)
+    async def send(self, body: bytes, encoding: str | None = None) -> None:
+        """One call with `body` as the request message (compressed by `encoding` when given: client.compression);
+        raise on any failure, the answer is not kept."""
+        await self._call(body, False, encoding)
 
-    async def infer(self, body: bytes) -> bytes:
-        """One call with `body` as the request message; the response message's bytes."""
-        message = await self._call(body, True)
+    async def infer(self, body: bytes, encoding: str | None = None) -> bytes:
+        """One call with `body` as the request message; the response message's bytes (decompressed)."""
+        message = await self._call(body, True, encoding)
         assert message is not None
         return message
 
-    async def _call(self, body: bytes, want: bool) -> bytes | None:
+    async def _call(self, body: bytes, want: bool, encoding: str | None = None) -> bytes | None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_s
         index = self._turn
@@ -815,7 +838,7 @@ class Channel:
             conn = self._conns[index]
             if conn is None or not conn.usable():
                 conn = await self._usable(index, deadline)
-            stream = conn.start(body, want, deadline)
+            stream = conn.start(body, want, deadline, encoding)
             try:
                 return await stream.future
             except (RefusedStreamError, IdleClosedError):

@@ -26,6 +26,7 @@ from numpy.typing import NDArray
 from tritonclient.utils import InferenceServerException
 
 from client.choices import Choice
+from client.compression import ALGORITHMS, compress, decompress
 from client.errors import PerfClientError
 from client.grpc_h2 import Channel as GrpcH2Channel
 from client.http1 import Pool, request_bytes
@@ -93,6 +94,7 @@ class Prepared:
     body: bytes
     headers: Mapping[str, str] = field(default_factory=dict)
     expected: Check | None = None
+    encoding: str | None = None  # gRPC: the message is compressed so (HTTP says it in its own headers)
 
 
 class HttpStatusError(Exception):
@@ -110,8 +112,14 @@ class Connection:
     """
 
     def __init__(self, protocol: Protocol, url: str, *, timeout_s: float = REQUEST_TIMEOUT_S,
-                 shared_memory: SharedMemory | None = None, tls: Tls | None = None) -> None:
-        """Call from a running event loop (aiohttp and grpc.aio bind to it). `tls`: every connection over TLS."""
+                 shared_memory: SharedMemory | None = None, tls: Tls | None = None,
+                 compression: str | None = None) -> None:
+        """Call from a running event loop (aiohttp and grpc.aio bind to it). `tls`: every connection over TLS.
+        `compression` (gzip, deflate): requests prepared compressed, compressed answers asked for."""
+        if compression is not None and compression not in ALGORITHMS:
+            flag = "--grpc-compression-algorithm" if protocol is Protocol.GRPC else "--http-compression-algorithm"
+            raise PerfClientError(f"{flag} {compression}: expected one of {', '.join(ALGORITHMS)}")
+        self.compression = compression
         self.protocol = protocol
         self.url = url
         self._timeout_s = timeout_s
@@ -144,8 +152,9 @@ class Connection:
 
     @classmethod
     async def open(cls, protocol: Protocol, url: str, *, timeout_s: float = REQUEST_TIMEOUT_S,
-                   shared_memory: SharedMemory | None = None, tls: Tls | None = None) -> Connection:
-        return cls(protocol, url, timeout_s=timeout_s, shared_memory=shared_memory, tls=tls)
+                   shared_memory: SharedMemory | None = None, tls: Tls | None = None,
+                   compression: str | None = None) -> Connection:
+        return cls(protocol, url, timeout_s=timeout_s, shared_memory=shared_memory, tls=tls, compression=compression)
 
     async def __aenter__(self) -> Connection:
         return self
@@ -238,8 +247,15 @@ class Connection:
         shm = (await asyncio.to_thread(self._shm.layout, model, arrays, outputs=expected is None)
                if self._shm is not None else None)
         if self.protocol is Protocol.GRPC:
-            return Prepared(model, grpc_infer_request(model, arrays, shm), expected=expected)
+            message = grpc_infer_request(model, arrays, shm)
+            if self.compression is not None:
+                return Prepared(model, compress(message, self.compression), expected=expected,
+                                encoding=self.compression)
+            return Prepared(model, message, expected=expected)
         body, headers = http_infer_request(arrays, shm)
+        if self.compression is not None:
+            body = compress(body, self.compression)
+            headers = {**headers, "Content-Encoding": self.compression, "Accept-Encoding": self.compression}
         # The whole request, request line and headers included: the hot path writes it as it is.
         return Prepared(model, request_bytes(self._host, f"/v2/models/{quote(model)}/infer", body, headers),
                         headers, expected)
@@ -247,7 +263,7 @@ class Connection:
     async def send(self, prepared: Prepared) -> None:
         """Send a prepared request; raise on any error the server or the transport reports."""
         if self.protocol is Protocol.GRPC:
-            await self._h2.send(prepared.body)
+            await self._h2.send(prepared.body, prepared.encoding)
             return
         response = await self._pool.request(prepared.body)
         if response.status != 200:
@@ -256,15 +272,21 @@ class Connection:
     async def infer(self, prepared: Prepared) -> dict[str, NDArray[Any]]:
         """Send a prepared request and decode the outputs of the answer (ResponseFormatError if garbled)."""
         if self.protocol is Protocol.GRPC:
-            return grpc_infer_outputs(await self._h2.infer(prepared.body))
-        # The request asks for plain bytes (wire.http_infer_request); a compressed answer is refused below.
+            return grpc_infer_outputs(await self._h2.infer(prepared.body, prepared.encoding))
+        # The request asks for plain bytes (wire.http_infer_request), or for --http-compression-algorithm's.
         response = await self._pool.request(prepared.body)
         if response.status != 200:
             raise HttpStatusError(response.status, response.body)
-        encoding = response.headers.get("content-encoding", "identity")
+        body, encoding = response.body, response.headers.get("content-encoding", "identity")
         if encoding != "identity":
-            raise ResponseFormatError(f"answer is {encoding}-encoded, though identity was asked for")
-        return http_infer_outputs(response.body, response.headers.get(HTTP_HEADER_LENGTH.lower()))
+            asked = prepared.headers.get("Accept-Encoding", "identity")
+            if encoding != asked:
+                raise ResponseFormatError(f"answer is {encoding}-encoded, though {asked} was asked for")
+            try:
+                body = decompress(body, encoding)
+            except ValueError as exc:
+                raise ResponseFormatError(f"answer does not decompress: {exc}") from exc
+        return http_infer_outputs(body, response.headers.get(HTTP_HEADER_LENGTH.lower()))
 
     async def statistics(self, model: str) -> ServerStats | None:
         """The model's cumulative counters; None when the server does not answer (best effort mid-run)."""

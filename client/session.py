@@ -124,6 +124,7 @@ class SessionConfig:
     seed: int | None = None  # --seed; None: drawn at random once, here
     gpus: tuple[str, ...] | None = None  # --gpus (indices or UUIDs) metered; None: chosen by choose_gpus
     tls: Tls | None = None  # --ssl-grpc-* / --ssl-https-*: every connection over TLS
+    compression: str | None = None  # --grpc/--http-compression-algorithm: gzip | deflate
 
     def __post_init__(self) -> None:
         # Plain strings ("http", "nvml") and lists work too: stored as the enum members and tuples.
@@ -231,7 +232,8 @@ async def measure(config: SessionConfig, progress: ProgressFn | None = None,
     abort = abort if abort is not None else Abort()
     rows: list[ModelResult] = []
     async with await Connection.open(config.protocol, config.url, timeout_s=config.request_timeout_ms / 1000,
-                                     shared_memory=config.shared_memory, tls=config.tls) as conn:
+                                     shared_memory=config.shared_memory, tls=config.tls,
+                                     compression=config.compression) as conn:
         plans = await _prepare(conn, config)
         # Off the event loop: opening a meter reads it (the Triton meter over blocking HTTP, up to its timeout).
         gpus = await _gpus(conn, config)

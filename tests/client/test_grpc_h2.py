@@ -23,6 +23,7 @@ from onnx import TensorProto, helper
 from builder.repository.triton_config import BackendConfig, ConfigInputs, TritonBackend, build, to_text
 from builder.serving.triton_server import Ports, TritonServer, free_ports
 from builder.spec import DimRange, ServingSpec, TensorSpec
+from client.compression import compress, decompress
 from client.grpc_h2 import (
     CANCEL,
     CONTINUATION,
@@ -378,7 +379,7 @@ def test_goaway_streams_it_did_not_take_go_again_on_a_new_connection_counted_as_
 
     async def test(channel: Channel, state: dict[str, Any]) -> None:
         results = await asyncio.gather(channel.infer(b"1"), channel.infer(b"2"), return_exceptions=True)
-        assert results == [b"low", b"echo:2"]  # before issue 27: GrpcError UNAVAILABLE for the second
+        assert list(results) == [b"low", b"echo:2"]  # before issue 27: GrpcError UNAVAILABLE for the second
         assert channel.retries == 1
         assert await channel.infer(b"3") == b"echo:3"
         assert state["connections"] == 2
@@ -1114,3 +1115,29 @@ def test_close_lets_a_replaced_draining_connection_finish_its_streams() -> None:
         await wait_until_async(lambda: state.get("old_closed", False), what="the server to see the old one close")
 
     asyncio.run(_serve(script, test))
+
+
+@pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
+def test_a_compressed_request_says_so_and_a_compressed_answer_is_decompressed(algorithm: str) -> None:
+    async def script(peer: Peer, state: dict[str, Any]) -> None:
+        await peer.handshake()
+        while (frame := await peer.frame()).kind != HEADERS:
+            pass
+        state["headers"] = {k.decode(): v.decode() for k, v in peer.decoder.decode(frame.payload, raw=True)}
+        while (data := await peer.frame()).kind != DATA:
+            pass
+        state["flag"], state["message"] = data.payload[0], decompress(data.payload[5:], algorithm)
+        answer = compress(b"answer", algorithm)
+        peer.headers(frame.sid, [(":status", "200"), ("content-type", "application/grpc"),
+                                 ("grpc-encoding", algorithm)])
+        peer.send(DATA, 0, frame.sid, b"\x01" + len(answer).to_bytes(4, "big") + answer)
+        peer.headers(frame.sid, [("grpc-status", "0")], end_stream=True)
+        await peer.writer.drain()
+        await peer.frame()
+
+    async def test(channel: Channel, state: dict[str, Any]) -> None:
+        assert await channel.infer(compress(b"question", algorithm), algorithm) == b"answer"
+
+    state = asyncio.run(_serve(script, test))
+    assert state["flag"] == 1 and state["message"] == b"question"
+    assert state["headers"]["grpc-encoding"] == algorithm
