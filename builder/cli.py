@@ -532,9 +532,12 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"warning: listening on {exposed.address} with --no-restrict: anyone who reaches it can load and "
               "unload models, register shared memory and change logging and tracing")
     if args.gpus is not None:
-        from builder.repository.gpus import parse_gpu_list, place_on_gpus
+        from builder.repository.gpus import check_present, parse_gpu_list, place_on_gpus, visible_gpus
+        from builder.serving import triton_server
 
         gpus = parse_gpu_list(args.gpus)
+        # Before rewriting: a GPU that is not here would stay in the configs, failing every later serve.
+        check_present(gpus, visible_gpus(triton_server.gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES")))
         for path in place_on_gpus(args.repository, gpus):
             print(f"{path.parent.name}: instances on GPUs {', '.join(map(str, gpus))}")
     server = TritonServer(args.repository, args.state_dir, ports, model_control=control, exposure=exposed)

@@ -33,6 +33,23 @@ def parse_gpu_list(text: str, flag: str = "--gpus") -> tuple[int, ...]:
     return tuple(dict.fromkeys(int(p) for p in parts))
 
 
+def check_present(gpus: Sequence[int], present: Sequence[int], flag: str = "--gpus") -> None:
+    """BuilderError naming the first of `gpus` that is not among `present` (the device ids the server will
+    see); no check where none are known (no NVML here: Triton says so as it loads the variants)."""
+    missing = [g for g in gpus if g not in present]
+    if present and missing:
+        raise BuilderError(f"{flag} {','.join(map(str, gpus))}: there is no GPU {missing[0]} here (device ids: "
+                           f"{', '.join(map(str, present))}); no config.pbtxt rewritten")
+
+
+def visible_gpus(nvml_ids: Sequence[int], cuda_visible: str | None) -> list[int]:
+    """The CUDA device ids a server started from here sees: NVML's, narrowed by CUDA_VISIBLE_DEVICES."""
+    if cuda_visible is None or not nvml_ids:
+        return list(nvml_ids)
+    listed = [p for p in cuda_visible.split(",") if p.strip()]
+    return list(range(min(len(listed), len(nvml_ids))))
+
+
 def placed(config: model_config_pb2.ModelConfig, gpus: Sequence[int]) -> bool:
     """Set `gpus` on the config's KIND_GPU instance groups; whether it had any."""
     found = False

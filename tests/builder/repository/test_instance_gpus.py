@@ -127,3 +127,19 @@ def test_trtbuild_serve_gpus_rewrites_before_the_server_starts(tmp_path: Path, m
     assert "m_fp16: instances on GPUs 0, 3" in capsys.readouterr().out
     assert main(["serve", "--repository", str(repo), "--gpus", "0,x"]) == 1
     assert "--gpus '0,x': expected GPU device ids separated by commas (0,3)" in capsys.readouterr().err
+
+
+def test_trtbuild_serve_gpus_not_here_is_one_line_and_rewrites_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    repo = repository(tmp_path)
+    before = (repo / "m_fp16" / "config.pbtxt").read_bytes()
+    monkeypatch.setattr(triton_server, "gpu_ids", lambda: [0, 1, 2, 3])  # NVML's four GPUs
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert main(["serve", "--repository", str(repo), "--state-dir", str(tmp_path / "run"), "--gpus", "0,99"]) == 1
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line == ("trtbuild: error: --gpus 0,99: there is no GPU 99 here (device ids: 0, 1, 2, 3); "
+                    "no config.pbtxt rewritten")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")  # the server sees two: device ids 0 and 1
+    assert main(["serve", "--repository", str(repo), "--state-dir", str(tmp_path / "run"), "--gpus", "3"]) == 1
+    assert "there is no GPU 3 here (device ids: 0, 1)" in capsys.readouterr().err
+    assert (repo / "m_fp16" / "config.pbtxt").read_bytes() == before
