@@ -12,6 +12,8 @@ import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+# `make install` alone does nothing once its stamp exists, whatever was changed in .venv since.
+RESTORE = "rm .venv/.installed && make install"
 _PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;\\]+)")
 
 
@@ -61,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         shown = ", ".join(f"{name} {installed or 'absent'} (locked {locked})" for name, locked, installed in diff[:8])
         more = f" and {len(diff) - 8} more" if len(diff) > 8 else ""
         print(f"note: {args.what} differ from {args.lock} (the README's figures were measured with the locked "
-              f"versions; `make install` restores them): {shown}{more}")
+              f"versions; `{RESTORE}` restores them): {shown}{more}")
     return 0
 
 

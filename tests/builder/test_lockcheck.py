@@ -41,6 +41,7 @@ def test_a_differing_or_missing_package_is_named_in_one_note(tmp_path: Path,
     assert f"pytest {version('pytest')} (locked 0.0.1)" in out
     assert "no-such-package-here absent (locked 1.0)" in out
     assert "tomlkit" not in out
+    assert "`rm .venv/.installed && make install` restores them" in out  # plain `make install` is a no-op
 
 
 def test_a_missing_lock_file_is_one_line_and_status_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
