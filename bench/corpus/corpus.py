@@ -525,6 +525,21 @@ def write_table(rows: list[ModelRow], out: Path, meta: dict[str, Any]) -> str:
     return text
 
 
+def _earlier_rows(path: Path, entries: list[Entry]) -> list[ModelRow]:
+    """The rows an earlier run wrote (its builds), plus a not-attempted row for each entry it had not reached."""
+    if not path.exists():
+        raise CorpusError(f"{path}: no earlier run to measure; expected `corpus.py run` first")
+    done = {}
+    for raw in json.loads(path.read_text(encoding="utf-8"))["models"]:
+        variants = [VariantRow(**{k: v for k, v in variant.items() if k in VariantRow.__dataclass_fields__})
+                    for variant in raw.pop("variants")]
+        done[raw["name"]] = ModelRow(**{k: v for k, v in raw.items() if k in ModelRow.__dataclass_fields__},
+                                     variants=variants)
+    return [done.get(e.name) or ModelRow(name=e.name, cls=e.cls, flags=list(e.flags), variants=[
+        VariantRow(p, "not attempted", "the run was stopped before this model (time)") for p in PRECISIONS])
+        for e in entries]
+
+
 def _meta(argv: list[str] | None) -> dict[str, Any]:
     return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
@@ -534,7 +549,9 @@ def _meta(argv: list[str] | None) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("command", choices=("fetch", "data", "run"))
+    p.add_argument("command", choices=("fetch", "data", "run", "measure"),
+                   help="measure: serve, verify and measure what an earlier (interrupted) run built, from its "
+                        "corpus.json; models it had not reached are listed as not attempted")
     p.add_argument("--only", action="append", help="a model of corpus.toml (repeatable)")
     p.add_argument("--timeout", type=float, default=480.0, help="seconds per model build (default 480)")
     p.add_argument("--perf-timeout", type=float, default=120.0, help="seconds per perfclient run")
@@ -556,6 +573,14 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         out: Path = args.out
         repository = out / "repository"
+        if args.command == "measure":
+            rows = _earlier_rows(out / "corpus.json", entries)
+            http, grpc, metrics = (int(x) for x in args.ports.split(","))
+            serve_and_measure(rows, repository, out, ports=(http, grpc, metrics), perf_timeout=args.perf_timeout)
+            meta = {**_meta(argv), **{k: v for k, v in json.loads((out / "corpus.json").read_text()).items()
+                                      if k in ("date", "load", "command")}}
+            print(write_table(rows, out, {**meta, "load_at_end": " ".join(f"{x:.1f}" for x in os.getloadavg())}))
+            return 0
         if repository.exists():
             shutil.rmtree(repository)
         rows = []
