@@ -54,6 +54,7 @@ $(GPU_STAMP): $(STAMP) $(LOCK_GPU)
 # the project itself, built with the locked setuptools. The lock on a GPU host is lock-gpu.txt.
 $(STAMP): pyproject.toml $(LOCK) $(LOCK_DIR)/triton.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m builder.lockcheck $(if $(GPU_DEP),$(LOCK_GPU),$(LOCK)) --python-only
 	$(PIP) install $(PIP_LOCKED) -r $(if $(GPU_DEP),$(LOCK_GPU),$(LOCK))
 	$(PIP) install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	$(PIP) install $(PIP_LOCKED) -r $(LOCK_DIR)/triton.txt

@@ -14,6 +14,7 @@ from pathlib import Path
 
 # `make install` alone does nothing once its stamp exists, whatever was changed in .venv since.
 RESTORE = "rm .venv/.installed && make install"
+_PYTHON = re.compile(r"--python-version[ =](\d+\.\d+)")  # in uv's header: the Python the lock was resolved for
 _PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;\\]+)")
 
 
@@ -29,6 +30,15 @@ def locked_versions(lock: Path) -> dict[str, str]:
         if match:
             pins[_normalized(match.group(1))] = match.group(2)
     return pins
+
+
+def lock_python(lock: Path) -> str | None:
+    """The Python version (3.11) the lock was resolved for, from uv's header; None when it names none."""
+    for line in lock.read_text(encoding="utf-8").splitlines()[:10]:
+        match = _PYTHON.search(line)
+        if match:
+            return match.group(1)
+    return None
 
 
 def installed_version(name: str) -> str | None:
@@ -53,11 +63,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m builder.lockcheck", description=__doc__)
     parser.add_argument("lock", type=Path, help="a pip lock file (requirements/lock.txt)")
     parser.add_argument("--what", default="tools", help="word used in the message (default: tools)")
+    parser.add_argument("--python-only", action="store_true",
+                        help="only check that this Python is the one the lock was resolved for (status 1 if not)")
     args = parser.parse_args(argv)
     if not args.lock.is_file():
         print(f"lockcheck: {args.lock}: no such lock file (expected requirements/lock.txt from the checkout)",
               file=sys.stderr)
         return 1
+    if args.python_only:
+        # Its wheels (torch's one hash, packages for older Pythons left out) fit that Python only: elsewhere
+        # pip fails with a resolver error that does not say why.
+        want, have = lock_python(args.lock), f"{sys.version_info.major}.{sys.version_info.minor}"
+        if want is not None and want != have:
+            print(f"lockcheck: {args.lock} is resolved for Python {want}; {sys.prefix} runs Python {have}. "
+                  f"Remove it and run `make install PYTHON=python{want}`", file=sys.stderr)
+            return 1
+        return 0
     diff = differences(locked_versions(args.lock))
     if diff:
         shown = ", ".join(f"{name} {installed or 'absent'} (locked {locked})" for name, locked, installed in diff[:8])

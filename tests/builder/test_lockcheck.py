@@ -3,12 +3,13 @@ silence when they match (checked against this environment's real distributions).
 
 from __future__ import annotations
 
+import sys
 from importlib.metadata import version
 from pathlib import Path
 
 import pytest
 
-from builder.lockcheck import differences, locked_versions, main
+from builder.lockcheck import differences, lock_python, locked_versions, main
 
 
 def lock(tmp_path: Path, *pins: str) -> Path:
@@ -48,3 +49,24 @@ def test_a_missing_lock_file_is_one_line_and_status_1(tmp_path: Path, capsys: py
     assert main([str(tmp_path / "nope.txt")]) == 1
     assert "no such lock file" in capsys.readouterr().err
 
+
+
+def test_a_python_other_than_the_locks_is_refused_before_installing(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    path = lock(tmp_path, "six==1.17.0")
+    here = f"{sys.version_info.major}.{sys.version_info.minor}"
+    header = "#    uv pip compile --generate-hashes --python-version {} --extra dev -o lock.txt pyproject.toml\n"
+    path.write_text(path.read_text().replace("command:\n", "command:\n" + header.format(here), 1))
+    assert lock_python(path) == here
+    assert main([str(path), "--python-only"]) == 0
+    path.write_text(path.read_text().replace(f"--python-version {here}", "--python-version 3.9", 1))
+    assert main([str(path), "--python-only"]) == 1
+    err = capsys.readouterr().err
+    assert f"is resolved for Python 3.9; {sys.prefix} runs Python {here}" in err
+    assert "make install PYTHON=python3.9" in err
+
+
+def test_the_checked_in_locks_name_their_python() -> None:
+    root = Path(__file__).resolve().parents[2] / "requirements"
+    assert lock_python(root / "lock.txt") == "3.11"
+    assert lock_python(root / "lock-gpu.txt") == "3.12"
