@@ -581,12 +581,18 @@ def _verify_specs(manifest: Path | None, repository: Path, only: list[str]) -> l
 
     source = manifest if manifest is not None else Path("models.toml")
     specs = load_manifest(source) if manifest is not None or source.is_file() else []
+    # ./models.toml of another repository (none of its models is in this one): the build.json only.
+    other = manifest is None and bool(specs) and not any(
+        (repository / variant_name(s.name, p)).is_dir() for s in specs for p in s.precisions)
+    if other:
+        specs = []
     listed = {s.name for s in specs}
     if not specs or set(only) - listed:
         specs += [s for s in specs_from_records(repository) if s.name not in listed and (not specs or s.name in only)]
     where = f"{source} or the build.json in {repository}" if listed else f"the build.json in {repository}"
     if not specs:
-        raise ManifestError(f"{repository}: no model to verify: no models.toml and no build.json in the repository; "
+        manifests = f"none of the models in {source} is there" if other else "no models.toml"
+        raise ManifestError(f"{repository}: no model to verify: {manifests} and no build.json in the repository; "
                             "expected `trtbuild build` (or `trtbuild engines`) first")
     unknown = sorted(set(only) - {s.name for s in specs})
     if unknown:

@@ -90,6 +90,21 @@ def test_the_build_report_accumulates_however_the_repository_is_spelled(workdir:
     assert [m["name"] for m in models] == ["ocr_cls", "split_detector"]
 
 
+def test_verify_reads_build_json_where_the_models_toml_here_is_of_another_repository(
+        workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # A project folder's models.toml, none of whose models is in the repository `build --onnx` wrote.
+    (workdir / "models.toml").write_text(split_detector(workdir).manifest_entry())
+    assert main([*ocr_classifier(workdir).build_args(workdir / "repo"), "--precision", "fp32"]) == 0
+    capsys.readouterr()
+    assert main(["verify", "--repository", "repo", "--only", "nothing"]) == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == "trtbuild: error: --only nothing: not in the build.json in repo (models: ocr_cls)"
+    assert main(["verify", "--repository", "empty"]) == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == ("trtbuild: error: empty: no model to verify: none of the models in models.toml is there and no "
+                    "build.json in the repository; expected `trtbuild build` (or `trtbuild engines`) first")
+
+
 def _outlier(workdir: Path, precisions: str = "fp32,fp16,int8") -> list[str]:
     outlier_mlp_onnx(workdir / "outlier.onnx")
     np.savez(workdir / "cal.npz", **mlp_samples(64, seed=0))
