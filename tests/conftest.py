@@ -109,8 +109,10 @@ def _unmarked_tests_start_no_server(request: pytest.FixtureRequest, monkeypatch:
 @pytest.fixture(autouse=True)
 def _shared_triton_alive() -> None:
     """Before each test: the shared server is still up. Triton 2.51 itself once died of a segfault between
-    tests (`Signal (11) received`, in pthread_mutex_lock, in a fresh-clone CI run; not reproduced since),
-    and every later test that used the server failed with 'connection refused'. It is started again on the
+    tests (`Signal (11) received`, in pthread_mutex_lock, in a fresh-clone CI run): its gRPC front end's race
+    with a request cancelled in flight (docs/triton-crash.md; perfclient now drains before it cancels, but
+    a test's own cancellations can still hit it), and every later test that used the server failed with
+    'connection refused'. It is started again on the
     same ports, and a warning in pytest's summary carries what the dead one wrote, so the crash stays
     visible without failing tests it did not concern."""
     for server in _SHARED:
