@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -48,11 +49,19 @@ def installed_version(name: str) -> str | None:
         return None
 
 
-def differences(pins: dict[str, str]) -> list[tuple[str, str, str | None]]:
+# Distributions that install the same module: `make install-gpu` removes the CPU onnxruntime that lock-gpu.txt
+# also pins (a dependency asks for it) and keeps onnxruntime-gpu, which stands in for it at the same version.
+_STANDS_IN = {"onnxruntime": "onnxruntime-gpu"}
+
+
+def differences(pins: dict[str, str],
+                installed_of: Callable[[str], str | None] = installed_version) -> list[tuple[str, str, str | None]]:
     """(name, locked, installed or None) for every pin the environment does not match."""
     found = []
     for name, locked in sorted(pins.items()):
-        installed = installed_version(name)
+        installed = installed_of(name)
+        if installed is None and name in _STANDS_IN and pins.get(_STANDS_IN[name]) == locked:
+            installed = installed_of(_STANDS_IN[name])
         # A local label on the lock's side only (torch 2.13.0+cpu) is the same release when metadata drops it.
         if installed is None or (installed != locked and installed != locked.split("+", 1)[0]):
             found.append((name, locked, installed))

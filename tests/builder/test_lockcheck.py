@@ -70,3 +70,16 @@ def test_the_checked_in_locks_name_their_python() -> None:
     root = Path(__file__).resolve().parents[2] / "requirements"
     assert lock_python(root / "lock.txt") == "3.11"
     assert lock_python(root / "lock-gpu.txt") == "3.12"
+
+
+def test_on_a_gpu_host_onnxruntime_gpu_stands_in_for_the_cpu_wheel_it_replaced(tmp_path: Path) -> None:
+    """lock-gpu.txt pins both; `make install-gpu` uninstalls onnxruntime and keeps onnxruntime-gpu."""
+    pins = locked_versions(lock(tmp_path, "onnxruntime==1.31.1", "onnxruntime-gpu==1.31.1"))
+    gpu_host = {"onnxruntime-gpu": "1.31.1"}
+    assert differences(pins, gpu_host.get) == []  # before: onnxruntime absent (locked 1.31.1) on every make engines
+    assert differences(pins, {"onnxruntime-gpu": "1.32.0"}.get) == [
+        ("onnxruntime", "1.31.1", "1.32.0"), ("onnxruntime-gpu", "1.31.1", "1.32.0")]
+    assert differences(pins, {}.get) == [("onnxruntime", "1.31.1", None), ("onnxruntime-gpu", "1.31.1", None)]
+    # the CPU lock pins onnxruntime alone: nothing stands in for it there
+    assert differences(locked_versions(lock(tmp_path, "onnxruntime==1.31.1")), gpu_host.get) == [
+        ("onnxruntime", "1.31.1", None)]
