@@ -69,15 +69,22 @@ def shares(level: LoadLevel, processes: int) -> list[tuple[LoadLevel, float]]:
     return [(replace(level, request_rate=rate, max_inflight=inflight), i * step_ns) for i in range(processes)]
 
 
+def worker_plans(level: LoadLevel, processes: int,
+                 seed: np.random.SeedSequence) -> list[tuple[LoadLevel, float, np.random.SeedSequence]]:
+    """What ProcessPool starts each worker with: its share of the level, its schedule offset (ns) and its
+    arrivals' seed, `child(seed, i)` for worker i."""
+    return [(worker_level, offset_ns, child(seed, index))
+            for index, (worker_level, offset_ns) in enumerate(shares(level, processes))]
+
+
 def merged_send_times_ns(level: LoadLevel, processes: int, seed: np.random.SeedSequence,
                          until_ns: float) -> NDArray[np.float64]:
     """The send times (ns after the start) of every worker's open-loop schedule before `until_ns`, merged
-    and sorted: what `processes` workers of a ProcessPool seeded `seed` send (with processes == 1, the one
-    loop of a LoadRun seeded `seed`; no server needed)."""
+    and sorted: what `processes` workers of a ProcessPool seeded `seed` send (its worker_plans; with
+    processes == 1, the one loop of a LoadRun seeded `seed`; no server needed)."""
     times: list[float] = []
-    plans = shares(level, processes) if processes > 1 else [(level, 0.0)]
-    for index, (worker_level, offset_ns) in enumerate(plans):
-        worker_seed = child(seed, index) if processes > 1 else seed
+    plans = worker_plans(level, processes, seed) if processes > 1 else [(level, 0.0, seed)]
+    for worker_level, offset_ns, worker_seed in plans:
         for at in send_times_ns(worker_level, worker_seed, offset_ns):
             if at >= until_ns:
                 break
@@ -117,11 +124,10 @@ class ProcessPool:
 
     async def start(self, level: LoadLevel) -> None:
         context = multiprocessing.get_context("spawn")  # no fork of a process with threads and an event loop
-        for index, (worker_level, offset_ns) in enumerate(shares(level, self.processes)):
+        for worker_level, offset_ns, worker_seed in worker_plans(level, self.processes, self.seed):
             parent, end = context.Pipe()
             proc = context.Process(target=_worker_main,
-                                   args=(end, *self._args, worker_level, offset_ns, child(self.seed, index),
-                                         self.tls),
+                                   args=(end, *self._args, worker_level, offset_ns, worker_seed, self.tls),
                                    name="perfclient-worker", daemon=True)
             with _signals_ignored():
                 proc.start()
