@@ -63,9 +63,9 @@ $(STAMP): pyproject.toml $(LOCK) $(LOCK_DIR)/triton.txt
 
 # TensorRT's type stubs live apart from the venv: installed there, their `tensorrt` package of
 # .pyi files would make `import tensorrt` succeed and fool ModelOpt into using TensorRT.
-.typestubs/.installed: $(STAMP)
+.typestubs/.installed: $(STAMP) $(LOCK_DIR)/typestubs.txt
 	rm -rf .typestubs
-	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps --target .typestubs tensorrt-stubs==10.13.0.35.1
+	$(PIP) install $(PIP_LOCKED) --target .typestubs -r $(LOCK_DIR)/typestubs.txt
 	@# tensorrt-stubs 10.13 holds two syntax errors (a parameter named `in`, a required parameter
 	@# after defaults); fix them in this local copy so mypy can read the rest.
 	sed -i -e 's/(self, in: /(self, in_: /' -e 's/(self: IPluginV3, in: /(self: IPluginV3, in_: /' \
@@ -80,6 +80,7 @@ lock: $(BIN)/uv
 	$(UV_COMPILE) --python-version 3.12 --extra dev --extra gpu -o $(LOCK_GPU) pyproject.toml $(LOCK_DIR)/build.in
 	$(UV_COMPILE) --python-version 3.12 --no-deps -o $(LOCK_DIR)/onnxruntime-gpu.txt $(LOCK_DIR)/onnxruntime-gpu.in
 	$(UV_COMPILE) --python-version 3.11 -o $(LOCK_DIR)/checkov.txt $(LOCK_DIR)/checkov.in
+	$(UV_COMPILE) --python-version 3.11 --no-deps -o $(LOCK_DIR)/typestubs.txt $(LOCK_DIR)/typestubs.in
 	$(BIN)/uv pip compile --quiet --generate-hashes --no-deps --python-version 3.11 \
 	  --python-platform x86_64-manylinux_2_35 -o $(LOCK_DIR)/triton.txt $(LOCK_DIR)/triton.in
 
