@@ -369,7 +369,12 @@ def _accumulated(report_path: Path, repository: Path, models: list[dict[str, Any
     build (per model, the newest build's entry): one report for every model built into the repository."""
     try:
         earlier = json.loads(report_path.read_text(encoding="utf-8"))
-        kept = earlier["models"] if earlier.get("repository") == str(repository) else []
+        # The same repository however it was spelled (`R`, `./R`, `/abs/R`): the default report lies in it,
+        # and a relative path recorded by an earlier build is read from here, where builds usually run.
+        recorded = earlier.get("repository")
+        same = report_path.resolve().parent == repository.resolve() or (
+            isinstance(recorded, str) and Path(recorded).resolve() == repository.resolve())
+        kept = earlier["models"] if same else []
         names = {m["name"] for m in models}
         kept = [m for m in kept if isinstance(m, dict) and m.get("name") not in names]
     except (OSError, ValueError, KeyError, TypeError, AttributeError):  # none yet, or not one of ours
