@@ -1135,6 +1135,19 @@ def require_power(attach: Endpoints | None) -> None:
                        f"found none ({'; '.join(reasons)})")
 
 
+def require_gpus(attach: Endpoints | None, gpus: tuple[str, ...]) -> None:
+    """--gpus: fail before anything is measured when no meter finds those GPUs, which every point's
+    perfclient session would refuse (NVML here; for an attached server, its metrics endpoint too)."""
+    url = "" if attach is None else (attach.metrics or
+                                     f"http://{attach.grpc.rpartition(':')[0]}:{session.METRICS_PORT}/metrics")
+    # A private server's Triton metric reads NVML too: where NVML has no such GPU, neither has the metric.
+    source = power.PowerSource.NVML if attach is None else power_source(attach)
+    meter = power.open_meter(source, url, gpus=power.GpuSelection(gpus, "--gpus"))
+    meter.close()
+    if meter.source is power.PowerSource.NONE:
+        raise BuilderError(f"--gpus {','.join(gpus)}: no meter counts these GPUs "
+                           f"({' '.join(str(meter.reason).split())})")
+
 def tune(repository: Path, space: Space, objective: Objective, *, search: Search, concurrencies: Sequence[int],
          measurement_ms: int, default_variant: str, report_path: Path | None, plot_path: Path | None,
          write: bool = True, compare: bool = True, max_trials: int = 6, wait: bool = True,
@@ -1147,6 +1160,8 @@ def tune(repository: Path, space: Space, objective: Objective, *, search: Search
     started = time.perf_counter()
     if objective.goal is Goal.INFER_PER_JOULE:
         require_power(attach)  # before a server starts: without energy readings no point has a value
+    if gpus:
+        require_gpus(attach, gpus)  # before a server starts: each point's session would refuse them
     configs = _configs(repository, space.variants)
     # The builder's own settings (build.json keeps them once a tune replaced them): where hill climbing
     # and TPE start, and the "default" of the side-by-side comparison.

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from builder.cli import main
-from builder.serving.tune import Endpoints, Point, Target, Tuner
+from builder.errors import BuilderError
+from builder.serving.tune import Endpoints, Point, Target, Tuner, require_gpus
 from client import session
 from client.errors import PerfClientError
 
@@ -46,3 +47,14 @@ def test_each_points_session_meters_the_gpus_given(monkeypatch: pytest.MonkeyPat
 def test_a_bad_gpu_list_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["tune", "m", "--repository", str(tmp_path), "--gpus", "0,zero"]) == 1
     assert "--gpus '0,zero': expected GPU indices or UUIDs" in capsys.readouterr().err
+
+
+def test_gpus_no_meter_finds_are_one_line_before_anything_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.client.test_power import use_nvml
+    from tests.client.test_power_gpus import FourGpus
+
+    use_nvml(monkeypatch, FourGpus())
+    require_gpus(None, ("1", "3"))  # there: no error
+    with pytest.raises(BuilderError, match=r"^--gpus 1,9: no meter counts these GPUs \(nvml: GPU 9 \(--gpus\) is not "
+                                           r"here \(GPUs: 0 GPU-"):
+        require_gpus(None, ("1", "9"))
