@@ -334,6 +334,8 @@ class LoadRun:
             # Behind schedule: still yield, so the sends created run, windows close and signals are seen
             # (a rate above what one loop can schedule would otherwise never give the loop back).
             await asyncio.sleep(wait if wait > 0 else 0)
+            if self._stop.is_set():  # the level ended while this send waited for its time: not sent
+                break
             if len(self._tasks) >= level.max_inflight:
                 self._tally.dropped += 1
             else:

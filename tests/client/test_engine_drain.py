@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
-from client.engine import LoadLevel, LoadRun, Measurement
+from client.engine import Distribution, LoadLevel, LoadRun, Measurement
 from client.inputs import InputData, build_payloads
 from client.power import NoMeter
-from client.protocol import Connection, Protocol
+from client.protocol import Connection, Prepared, Protocol
 from tests.helpers.servers import Endpoints
+from tests.helpers.waiting import wait_until_async
 
 MODEL = "mlp_fp32"
 
@@ -48,3 +50,45 @@ def test_the_requests_in_flight_when_a_level_ends_are_answered_not_cancelled(end
     recorded, served = asyncio.run(_recorded_and_served(endpoints.grpc, concurrency=8))
     # Each request the server completed has its outcome recorded: none was abandoned (cancelled) at the end.
     assert recorded == served, (recorded, served)
+
+
+class _SlowConnection:
+    """Answers every request after `latency_s`, noting when each was sent and whether any was cancelled."""
+
+    url = "fake:0"
+
+    def __init__(self, latency_s: float) -> None:
+        self.latency_s = latency_s
+        self.sent: list[float] = []
+        self.cancelled = 0
+
+    async def send(self, prepared: Prepared) -> None:
+        self.sent.append(time.monotonic())
+        try:
+            await asyncio.sleep(self.latency_s)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+
+    async def live(self) -> bool:
+        return True
+
+
+def test_an_open_loop_sends_nothing_once_the_level_has_ended() -> None:
+    """The open loop's next send falls due while the drain waits for the requests in flight: it is not sent
+    (a request sent then would be cancelled in flight at the drain's end, the trigger of the crash)."""
+
+    async def go() -> tuple[list[float], float, int]:
+        # In flight 0.3 s; a send due every 10 ms, so several fall due during the drain.
+        conn: Any = _SlowConnection(0.3)
+        run = LoadRun(conn, model="m", payloads=[Prepared("m", b"x")], batch=1, meter=NoMeter("not measured"),
+                      measurement=Measurement())
+        drivers = run.start_drivers(LoadLevel(request_rate=100.0, distribution=Distribution.CONSTANT))
+        await wait_until_async(lambda: len(conn.sent) >= 3, what="three requests sent")
+        stopped = time.monotonic()
+        await run.stop_drivers(drivers)
+        return conn.sent, stopped, conn.cancelled
+
+    sent, stopped, cancelled = asyncio.run(go())
+    assert [t for t in sent if t > stopped] == []
+    assert cancelled == 0
