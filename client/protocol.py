@@ -319,6 +319,9 @@ def _grpc_tls(tls: Tls | None) -> dict[str, Any]:
 
 def host_port(url: str) -> tuple[str, int]:
     """`-u`'s `HOST:PORT` (IPv6 as `[ADDR]:PORT`) as the socket layer wants them."""
+    if "://" in url:  # tritonclient's HTTP client raised NameError on one; TLS is the --ssl-* flags' business
+        raise PerfClientError(f"-u {url!r}: expected HOST:PORT without a scheme (TLS: the --ssl-grpc-* or "
+                              "--ssl-https-* flags)")
     host, sep, port = url.rpartition(":")
     if not sep or not host or not port.isdigit():
         raise PerfClientError(f"-u {url!r}: expected HOST:PORT")

@@ -37,6 +37,8 @@ def config(url: str, quick: Measurement, **changes: Any) -> SessionConfig:
     [
         (lambda: SessionConfig(models=(), url="h:1"), "-m []: expected one or more model names"),
         (lambda: SessionConfig(models=("m",), url="localhost"), "-u 'localhost': expected HOST:PORT"),
+        (lambda: SessionConfig(models=("m",), url="https://localhost:8000", protocol="http"),
+         "-u 'https://localhost:8000': expected HOST:PORT without a scheme (TLS: the --ssl-grpc-* or --ssl-https-*"),
         (lambda: SessionConfig(models=("m",), url="h:1", protocol="udp"),  # type: ignore[arg-type]
          "-i 'udp': expected one of grpc, http"),
         (lambda: SessionConfig(models=("m",), url="h:1", batch=0), "-b 0: expected a positive batch size"),
