@@ -583,6 +583,11 @@ class H2Connection(asyncio.Protocol):
         debug = bytes(buf[start + 8:stop])[:200].decode("utf-8", "replace")
         self.draining = True
         log.debug("GOAWAY (code %d, last stream %d): %s", code, last, debug)
+        # Streams up to `last` the server took (it may have run them): never sent again, even if the
+        # connection then closes unanswered (not the idle-close race: the server has seen them).
+        for sid, stream in self.streams.items():
+            if sid <= last:
+                stream.on_idle = False
         # Streams above `last` were never processed: refused, safe to send again (the channel does, once).
         for stream in [s for sid, s in self.streams.items() if sid > last]:
             self._end(stream, RefusedStreamError(f"server going away (code {code}{': ' + debug if debug else ''})"),

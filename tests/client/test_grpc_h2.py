@@ -42,6 +42,7 @@ from client.grpc_h2 import (
     SETTINGS,
     WINDOW_UPDATE,
     Channel,
+    ConnectionLostError,
     GrpcError,
     grpc_timeout,
 )
@@ -1076,6 +1077,31 @@ def test_a_request_sent_as_an_idle_connection_closes_is_sent_once_more_on_a_new_
         assert await channel.infer(b"1") == b"first"
         assert await channel.infer(b"2") == b"echo:2"  # before: ConnectionLostError (unavailable)
         assert state["connections"] == 2 and state["dropped"] and channel.retries == 1
+
+    asyncio.run(_serve(script, test))
+
+
+def test_a_stream_a_goaway_took_is_not_sent_again_when_the_connection_then_closes() -> None:
+    # The server answers the first call; the second arrives on the idle connection, a GOAWAY says the server
+    # took it (last stream id = its id: it may have run it), then the connection closes unanswered. Sending it
+    # again could run it twice: it fails (unavailable), no retry.
+    async def script(peer: Peer, state: dict[str, Any]) -> None:
+        if state["connections"] == 1:
+            await peer.handshake()
+            request = await peer.request()
+            peer.respond(request.sid, b"first")
+            await peer.writer.drain()
+            request = await peer.request()
+            peer.send(GOAWAY, 0, 0, struct.pack(">II", request.sid, 0))
+            await peer.writer.drain()
+            return  # closes the connection without an answer
+        await _echo(peer, state)
+
+    async def test(channel: Channel, state: dict[str, Any]) -> None:
+        assert await channel.infer(b"1") == b"first"
+        with pytest.raises(ConnectionLostError):
+            await channel.infer(b"2")
+        assert state["connections"] == 1 and channel.retries == 0
 
     asyncio.run(_serve(script, test))
 
