@@ -339,7 +339,11 @@ def describe(exc: BaseException) -> str:
     if isinstance(exc, grpc.aio.AioRpcError):  # its str() is a multi-line repr; the server's words are details()
         text = f"{exc.code().name}: {exc.details() or ''}"
     lines = text.splitlines()
-    return lines[0][:200] if lines else type(exc).__name__
+    if not lines:
+        return type(exc).__name__
+    # A long line keeps its end too: grpc-core puts the reason last (a TLS handshake's
+    # '... CERTIFICATE_VERIFY_FAILED: self signed certificate' came after the first 200 characters).
+    return lines[0] if len(lines[0]) <= 200 else f"{lines[0][:100]} … {lines[0][-99:]}"
 
 
 # What a failed inference request raises: the transport's and the server's errors, and an answer that does

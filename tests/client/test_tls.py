@@ -178,3 +178,38 @@ def test_tls_flags_become_the_sessions_tls(certs: dict[str, Path]) -> None:
         parse_config(["-m", "a", "-i", "http", "--ssl-grpc-use-ssl"])
     with pytest.raises(PerfClientError, match="--ssl-https-private-key-file: a private key needs its certificate"):
         parse_config(["-m", "a", "-i", "http", "--ssl-https-private-key-file", str(certs["client.key"])])
+
+
+def test_a_server_certificate_the_ca_does_not_sign_is_one_line_with_the_reason(certs: dict[str, Path]) -> None:
+    # A real user's run (a process of its own, so grpc is imported as the CLI imports it) against a TLS
+    # endpoint whose certificate does not chain to --ssl-grpc-root-certifications-file: exit 1, one line on
+    # stderr, and it says why. Before: grpc-core's 'Handshake failed' INFO lines came first, and the reason
+    # was cut off at 200 characters ('... SSL routines:OPENSSL_').
+    import os
+    import socket
+    import sys
+    import time
+
+    (port,) = free_ports(1)
+    endpoint = subprocess.Popen(["openssl", "s_server", "-quiet", "-accept", str(port), "-cert",
+                                 str(certs["server.pem"]), "-key", str(certs["server.key"]), "-alpn", "h2"],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+            assert time.monotonic() < deadline, "openssl s_server did not start listening"
+            time.sleep(0.05)
+        done = subprocess.run([sys.executable, "-m", "client", "-m", MODEL, "-u", f"127.0.0.1:{port}",
+                               "--ssl-grpc-root-certifications-file", str(certs["other.pem"]),
+                               "--concurrency", "1", "--power-source", "none"],
+                              capture_output=True, text=True, timeout=120,
+                              env={k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"})
+    finally:
+        endpoint.kill()
+        endpoint.wait(timeout=30)
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith(f"perfclient: error: -u 127.0.0.1:{port}: ") and "CERTIFICATE_VERIFY_FAILED" in lines[0]
