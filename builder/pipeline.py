@@ -33,7 +33,7 @@ from builder.spec.shapes import Level, ModelShapes, for_model
 from builder.spec.tuned import TunedServing, layer
 from builder.steps import cleanup, onnx_model, precision, samples
 from builder.steps.cleanup import SlimReport
-from builder.steps.context import EVAL_BATCH, ModelContext, VariantContext
+from builder.steps.context import EVAL_BATCH, LevelSamples, ModelContext, VariantContext
 from builder.steps.results import VariantResult
 from builder.steps.variant import build_variant
 from client.choices import Choice
@@ -143,21 +143,31 @@ def _load_samples(spec: ModelSpec, sig: onnx_model.Signature,
     return evaluation, calibration
 
 
-# Synthetic samples per extra shape level (min, max) the variants are measured on without the user's data.
+# Samples per extra shape level (min, max) the variants are measured on.
 LEVEL_SAMPLES = 4
 
 
 def _other_levels(spec: ModelSpec, sig: onnx_model.Signature, shapes: ModelShapes, fp32_path: Path,
-                  batch: int | None, what: str) -> tuple[tuple[samples.Samples, Any], ...]:
-    """Without the user's data the evaluation samples are synthetic at the opt shape: add sets at the min
-    and max shapes (where they differ), each with its FP32 outputs, so the gate sees the whole range."""
-    if spec.evaluation is not None or spec.calibration is not None:
-        return ()
+                  batch: int | None, what: str, evaluation: samples.Samples) -> tuple[LevelSamples, ...]:
+    """Sets at the min and max shapes where the evaluation samples' shape is not theirs, each with its FP32
+    outputs, so the gate sees the whole range: synthetic without the user's data (the evaluation set is then
+    at the opt shape); else the user's samples brought to those shapes (an image resized, other dims drawn in
+    the data's range: samples.at_shapes), since data at one size says nothing of the others."""
+    user = spec.evaluation is not None or spec.calibration is not None
     found = []
-    for index, level in enumerate(lv for lv in shapes.levels() if lv is not Level.OPT):
-        extra = samples.synthetic(sig.inputs, shapes, LEVEL_SAMPLES, seed=11 + index, level=level,
-                                  value_ranges=spec.input_ranges, what=what)
-        found.append((extra, onnx_model.run_fp32(fp32_path, extra, batch, what)))
+    seen = [tuple(tuple(evaluation[t.name].shape[1:]) for t in sig.inputs)] if user else []
+    for index, level in enumerate(lv for lv in shapes.levels() if user or lv is not Level.OPT):
+        wanted = {t.name: tuple(shapes.sample_range(t.name).at(level)) for t in sig.inputs}
+        key = tuple(wanted[t.name] for t in sig.inputs)
+        if key in seen:
+            continue
+        seen.append(key)
+        if user:
+            extra = samples.at_shapes(evaluation, sig.inputs, wanted, LEVEL_SAMPLES, seed=11 + index)
+        else:
+            extra = samples.synthetic(sig.inputs, shapes, LEVEL_SAMPLES, seed=11 + index, level=level,
+                                      value_ranges=spec.input_ranges, what=what)
+        found.append(LevelSamples(level.value, extra, onnx_model.run_fp32(fp32_path, extra, batch, what)))
     return tuple(found)
 
 
@@ -318,7 +328,7 @@ def build_model(spec: ModelSpec, options: BuildOptions, staging: Staging) -> Mod
             evaluation=evaluation, calibration=calibration, calibration_digest=calibration_digest,
             reference=reference, build_key=key, variant_inputs={p: (keys[p], r) for p, r in per_variant.items()},
             inputs_record=inputs_record, work=work, cache_dir=options.cache_dir, repository=options.repository,
-            shapes=shapes, other_levels=_other_levels(spec, sig, shapes, fp32_path, eval_batch, what),
+            shapes=shapes, other_levels=_other_levels(spec, sig, shapes, fp32_path, eval_batch, what, evaluation),
             guard_sensitivity=options.guard_sensitivity,
         )
         variants: list[VariantResult] = []

@@ -28,6 +28,15 @@ EVAL_BATCH = 16
 
 
 @dataclass(frozen=True)
+class LevelSamples:
+    """Samples at one more shape level (min or max) the variants are measured on, with their FP32 outputs."""
+
+    level: str
+    samples: Samples
+    reference: Outputs
+
+
+@dataclass(frozen=True)
 class ModelContext:
     """Prepared once per model: the cleaned-up FP32 ONNX, its signature, the data and the reference."""
 
@@ -45,9 +54,9 @@ class ModelContext:
     cache_dir: Path
     repository: Path  # the live repository, where earlier builds may hold reusable artifacts
     shapes: ModelShapes | None = None  # resolved by the pipeline; None: from the spec and signature
-    # Without the user's data: synthetic samples at the min and max shapes too (the evaluation set is
-    # at the opt shape), each with its FP32 reference; every variant is measured on all of them.
-    other_levels: tuple[tuple[Samples, Outputs], ...] = ()
+    # Samples at the min and max shapes too (where the evaluation set's shape is not theirs), each with its
+    # FP32 reference: synthetic, or the user's own brought to those shapes; every variant is measured on all.
+    other_levels: tuple[LevelSamples, ...] = ()
     # How the accuracy guards rank nodes before their search (BuildOptions.guard_sensitivity).
     guard_sensitivity: GuardSensitivity = GuardSensitivity.ONE_PASS
     # Each variant's build key and inputs (inputs_record and the variant's own settings); a precision not in
@@ -67,10 +76,15 @@ class ModelContext:
 
     def measure(self, run: Callable[[Samples], Outputs]) -> Metrics:
         """A variant's figures against FP32: `run` gives its outputs on a sample set; over the evaluation
-        samples and, where they are synthetic, those at the min and max shapes too (the worst of them)."""
-        sets = ((self.evaluation, self.reference), *self.other_levels)
-        return accuracy.combine([accuracy.compare(reference, run(samples), self.spec.task)
-                                 for samples, reference in sets])
+        samples and those at the min and max shapes too (the worst of them)."""
+        return self.measure_levels(run)[0]
+
+    def measure_levels(self, run: Callable[[Samples], Outputs]) -> tuple[Metrics, dict[str, Metrics]]:
+        """The figures over every level (the worst of them: the gate's) and each level's own: "evaluation"
+        (the evaluation samples, at the user's shape or the opt shape), then "min" and "max" where measured."""
+        sets = (LevelSamples("evaluation", self.evaluation, self.reference), *self.other_levels)
+        each = {s.level: accuracy.compare(s.reference, run(s.samples), self.spec.task) for s in sets}
+        return accuracy.combine(list(each.values())), each
 
     @property
     def eval_batch(self) -> int | None:
@@ -89,6 +103,7 @@ class VariantContext:
     calibration: CalibrationResult | None = None
     variant_sha: str | None = None  # of the variant ONNX the artifact was compiled from; set by Compile
     metrics: Metrics | None = None
+    level_metrics: dict[str, Metrics] = field(default_factory=dict)  # each shape level's own, where several
     guard: GuardReport | None = None
     fp16_guard: Fp16GuardReport | None = None
     steps: StepLog = field(default_factory=StepLog)  # each step's time and peak RSS so far

@@ -34,6 +34,9 @@ class VariantResult:
     fp16_guard: Fp16GuardReport | None = None
     # Each step's wall time and this process's peak RSS so far when it ended (monotonic: steps/resources.py).
     steps: tuple[StepFigures, ...] = ()
+    # Each shape level's figures ("evaluation", "min", "max") where more than one was measured; `accuracy`
+    # is the worst of them.
+    accuracy_levels: dict[str, Metrics] | None = None
 
     @staticmethod
     def of(ctx: VariantContext) -> VariantResult:
@@ -52,6 +55,7 @@ class VariantResult:
             guard=ctx.guard,
             fp16_guard=ctx.fp16_guard,
             steps=tuple(ctx.steps.steps),
+            accuracy_levels=dict(ctx.level_metrics) or None,
         )
 
     def to_json(self) -> dict[str, Any]:

@@ -209,3 +209,59 @@ def join(parts: Mapping[str, list[NDArray[Any]]], batch_size: int | None) -> dic
     if batch_size is None:
         return {n: np.stack(chunks) for n, chunks in parts.items()}
     return {n: np.concatenate(chunks) for n, chunks in parts.items()}
+
+
+def spatial_axes(sample_shape: tuple[int, ...] | list[int], dtype: str) -> tuple[int, ...]:
+    """The axes of one sample that are an image's H and W: a float sample of rank 3, CHW (or HWC where its
+    last dim is a small channel count), or of rank 2 (HW). None for anything else (sequences, tokens)."""
+    if not np.issubdtype(np.dtype(dtype), np.floating):
+        return ()
+    if len(sample_shape) == 3:
+        return (0, 1) if 0 < sample_shape[-1] <= 4 < sample_shape[0] else (1, 2)
+    if len(sample_shape) == 2:
+        return (0, 1)
+    return ()
+
+
+def _resize_axis(values: NDArray[Any], axis: int, size: int) -> NDArray[Any]:
+    """Linear interpolation along one axis (pixel centres aligned, as image resizers do)."""
+    old = values.shape[axis]
+    if old == size:
+        return values
+    pos = np.clip((np.arange(size) + 0.5) * old / size - 0.5, 0, old - 1)
+    low = np.floor(pos).astype(np.int64)
+    high = np.minimum(low + 1, old - 1)
+    weight = (pos - low).reshape([-1 if a == axis else 1 for a in range(values.ndim)])
+    out: NDArray[Any] = np.take(values, low, axis=axis) * (1 - weight) + np.take(values, high, axis=axis) * weight
+    return out.astype(values.dtype)
+
+
+def at_shapes(samples: Mapping[str, NDArray[Any]], inputs: tuple[TensorSpec, ...], shapes: Mapping[str, Any],
+              count: int, seed: int) -> Samples:
+    """`count` of the user's samples brought to other sample shapes (`shapes`: input → shape of one sample):
+    an image's H and W resized by linear interpolation; any other dim that differs, values drawn at random
+    within the range of that input's data (its dtype kept)."""
+    rng = np.random.default_rng(seed)
+    out: Samples = {}
+    for tensor in inputs:
+        data = np.asarray(samples[tensor.name])[:count]
+        target = tuple(int(d) for d in shapes[tensor.name])
+        current = data.shape[1:]
+        if current == target:
+            out[tensor.name] = data
+            continue
+        spatial = spatial_axes(current, tensor.dtype)
+        changed = [a for a in range(len(target)) if current[a] != target[a]]
+        if changed and all(a in spatial for a in changed):
+            resized = data
+            for axis in changed:
+                resized = _resize_axis(resized, axis + 1, target[axis])
+            out[tensor.name] = resized
+            continue
+        low, high = (data.min(), data.max()) if data.size else (0, 1)
+        shape = [len(data), *target]
+        if np.issubdtype(data.dtype, np.floating):
+            out[tensor.name] = rng.uniform(float(low), float(high), size=shape).astype(data.dtype)
+        else:
+            out[tensor.name] = rng.integers(int(low), int(high), size=shape, endpoint=True).astype(data.dtype)
+    return out

@@ -119,13 +119,16 @@ class Compile:
 
 
 class Measure:
-    """The compiled artifact against the FP32 reference on the held-out samples (and, where those are
-    synthetic, on samples at the min and max shapes too)."""
+    """The compiled artifact against the FP32 reference on the held-out samples and on samples at the min
+    and max shapes where theirs differ (synthetic, or the user's brought to those shapes); the gate judges
+    the worst level, and each level's figures are recorded."""
 
     label = "accuracy check (running the variant)"
 
     def run(self, ctx: VariantContext) -> None:
-        ctx.metrics = ctx.model.measure(lambda samples: ctx.runtime.run(ctx.artifact, samples, ctx.model.eval_batch))
+        ctx.metrics, levels = ctx.model.measure_levels(
+            lambda samples: ctx.runtime.run(ctx.artifact, samples, ctx.model.eval_batch))
+        ctx.level_metrics = levels if len(levels) > 1 else {}
         log.debug("%s: %s", ctx.name, ctx.metrics.summary())
 
 
