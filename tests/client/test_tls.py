@@ -213,3 +213,32 @@ def test_a_server_certificate_the_ca_does_not_sign_is_one_line_with_the_reason(c
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, done.stderr
     assert lines[0].startswith(f"perfclient: error: -u 127.0.0.1:{port}: ") and "CERTIFICATE_VERIFY_FAILED" in lines[0]
+
+
+def test_http_control_calls_check_the_sni_name_not_the_address(endpoints: Endpoints, certs: dict[str, Path]) -> None:
+    # The server's certificate names triton.test only (no IP): with --ssl-server-name triton.test and -u an
+    # address, the control calls (tritonclient's aiohttp session) and the load path both connect. Before, the
+    # control calls checked the certificate against 127.0.0.1: 'IP address mismatch', cannot reach Triton.
+    d = certs["ca.pem"].parent
+    (d / "named.ext").write_text("subjectAltName=DNS:triton.test\n")
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "named.key", "-out", "named.csr", "-subj",
+             "/CN=triton.test", cwd=d)
+    _openssl("x509", "-req", "-in", "named.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+             "-out", "named.pem", "-days", "2", "-extfile", "named.ext", cwd=d)
+    named = {**certs, "server.pem": d / "named.pem", "server.key": d / "named.key"}
+    host, port = endpoints.http.rsplit(":", 1)
+
+    async def go(server_name: str | None) -> tuple[int, dict[str, Any]]:
+        front = await _tls_front(named, (host, int(port)))
+        try:
+            url = f"127.0.0.1:{front.sockets[0].getsockname()[1]}"
+            tls = Tls(ca_file=certs["ca.pem"], cert_file=certs["client.pem"], key_file=certs["client.key"],
+                      server_name=server_name)
+            return await _send_and_infer(Protocol.HTTP, url, tls)
+        finally:
+            front.close()
+
+    inputs, outputs = asyncio.run(go("triton.test"))
+    assert inputs >= 1 and outputs
+    with pytest.raises(PerfClientError, match="IP address mismatch"):  # without the name: the address is checked
+        asyncio.run(go(None))
