@@ -345,6 +345,18 @@ def _traceback_lines(text: str) -> list[str]:
     return found
 
 
+def _reason_in_log(log: Path, variant: str) -> str | None:
+    """The build log's `VARIANT not written: …` line: a variant that failed before the build was killed at
+    the timeout (its one-line error is printed only when the build ends)."""
+    if not log.exists():
+        return None
+    marker = f"{variant} not written: "
+    for line in log.read_text(encoding="utf-8", errors="replace").splitlines():
+        if marker in line and " DEBUG " in line:
+            return line[line.index(marker) + len(marker):].strip()
+    return None
+
+
 def _error_for(stderr: str, variant: str) -> str | None:
     for line in stderr.splitlines():
         if line.startswith("trtbuild: error:") and f"{variant} not written" in line:
@@ -379,7 +391,9 @@ def build(entry: Entry, repository: Path, logs: Path, *, timeout: float,
                 build_seconds=result.get("build_seconds"),
                 size_mb=None if result.get("size_bytes") is None else round(result["size_bytes"] / 1e6, 2)))
         elif child.returncode is None:
-            row.variants.append(VariantRow(precision, "timeout", f"build killed after {timeout:.0f} s"))
+            logged = _reason_in_log(logs / f"{entry.name}.build.log", variant)
+            row.variants.append(VariantRow(precision, "failed", logged) if logged else
+                                VariantRow(precision, "timeout", f"build killed after {timeout:.0f} s"))
         else:
             reason = _error_for(child.stderr, variant) or row.model_error or (
                 row.tracebacks[-1] if row.tracebacks else f"not written (exit {child.returncode})")
@@ -533,6 +547,10 @@ def _earlier_rows(path: Path, entries: list[Entry]) -> list[ModelRow]:
     for raw in json.loads(path.read_text(encoding="utf-8"))["models"]:
         variants = [VariantRow(**{k: v for k, v in variant.items() if k in VariantRow.__dataclass_fields__})
                     for variant in raw.pop("variants")]
+        for v in variants:  # refined from the build log (an earlier run may have called a failure a timeout)
+            logged = _reason_in_log(path.parent / "logs" / f"{raw['name']}.build.log", f"{raw['name']}_{v.precision}")
+            if v.state == "timeout" and logged:
+                v.state, v.reason = "failed", logged
         done[raw["name"]] = ModelRow(**{k: v for k, v in raw.items() if k in ModelRow.__dataclass_fields__},
                                      variants=variants)
     return [done.get(e.name) or ModelRow(name=e.name, cls=e.cls, flags=list(e.flags), variants=[
