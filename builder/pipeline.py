@@ -25,16 +25,18 @@ from builder.repository.lock import repository_lock
 from builder.repository.model_folder import read_record
 from builder.repository.staging import Staging
 from builder.runtimes.base import Runtime
+from builder.runtimes.onnxruntime import ort_rounds
 from builder.spec.enums import GuardSensitivity, Precision
 from builder.spec.model import ModelSpec
 from builder.spec.names import variant_name
 from builder.spec.settings import default_cache_dir
 from builder.spec.shapes import Level, ModelShapes, for_model
 from builder.spec.tuned import TunedServing, layer
-from builder.steps import cleanup, onnx_model, precision, samples
+from builder.steps import cleanup, onnx_model, precision, samples, speed
 from builder.steps.cleanup import SlimReport
 from builder.steps.context import EVAL_BATCH, LevelSamples, ModelContext, VariantContext
 from builder.steps.results import VariantResult
+from builder.steps.speed import Meter
 from builder.steps.variant import build_variant
 from client.choices import Choice
 from client.files import write_json
@@ -58,6 +60,9 @@ class BuildOptions:
     guard_sensitivity: GuardSensitivity = GuardSensitivity.ONE_PASS
     # Where the specs came from, as rebuild reasons name it: "models.toml entry", or "build flags" (build --onnx).
     spec_origin: str = "models.toml entry"
+    # How each variant's throughput is measured against FP32's (steps/speed.py); None, or TRTBUILD_NO_SPEED
+    # set: not measured.
+    speed_meter: Meter | None = ort_rounds
 
 
 class ModelStatus(Choice):
@@ -330,6 +335,7 @@ def build_model(spec: ModelSpec, options: BuildOptions, staging: Staging) -> Mod
             inputs_record=inputs_record, work=work, cache_dir=options.cache_dir, repository=options.repository,
             shapes=shapes, other_levels=_other_levels(spec, sig, shapes, fp32_path, eval_batch, what, evaluation),
             guard_sensitivity=options.guard_sensitivity,
+            speed_meter=None if speed.skipped() else options.speed_meter,
         )
         variants: list[VariantResult] = []
         failures: list[VariantFailure] = []

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -55,6 +55,11 @@ class SummaryRow:
     seconds: float | None = None
     state: str = "rebuilt"  # rebuilt | rebuilt, calibration cached | unchanged | FAILED
     reason: str | None = None  # why it failed
+    model: str | None = None
+    speed_ratio: float | None = None  # throughput against FP32's (1.0 for FP32 itself); None: not measured
+    worth_serving: bool | None = None  # False: slower or larger than FP32 (the figures in `worth_reason`)
+    worth_reason: str | None = None
+    serve: bool = False  # the model's variant to serve: the fastest that met its tolerance
 
     @property
     def failed(self) -> bool:
@@ -137,12 +142,31 @@ def row_from_record(record: Mapping[str, Any], *, state: str) -> SummaryRow:
     if state == "rebuilt" and calibration.get("cached"):
         state = "rebuilt, calibration cached"
     seconds = record.get("build_seconds")
+    speed = record.get("speed") or {}
+    ratio = speed.get("ratio") if speed.get("fp32_throughput") is not None else (1.0 if speed else None)
     return SummaryRow(
         variant=str(record.get("name", "?")), precision=str(record.get("precision", "?")),
         runtime=record.get("runtime"), size_bytes=record.get("size_bytes"), accuracy=accuracy, within=within,
         kept=guard_text(record.get("guard"), record.get("fp16_guard")),
         seconds=float(seconds) if seconds is not None else None, state=state,
+        model=record.get("model"), speed_ratio=float(ratio) if ratio is not None else None,
+        worth_serving=speed.get("worth_serving"), worth_reason=speed.get("reason"),
     )
+
+
+def with_recommendation(rows: Sequence[SummaryRow]) -> list[SummaryRow]:
+    """The rows with the variant to serve marked per model: the fastest (against FP32, at the opt shape) of
+    those that met their tolerance and are worth serving. None marked for a model whose variants were not
+    measured (another runtime than ONNX Runtime on the CPU)."""
+    best: dict[str | None, SummaryRow] = {}
+    for row in rows:
+        if row.failed or row.within is not True or row.speed_ratio is None or row.worth_serving is False:
+            continue
+        chosen = best.get(row.model)
+        if chosen is None or row.speed_ratio > (chosen.speed_ratio or 0.0):
+            best[row.model] = row
+    picked = {id(r) for r in best.values()}
+    return [replace(r, serve=True) if id(r) in picked else r for r in rows]
 
 
 def unchanged_rows(repository: Path, variants: Iterable[str]) -> list[SummaryRow]:
@@ -203,6 +227,17 @@ def _seconds(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds:.1f} s"
 
 
+def _ratio(ratio: float | None) -> str:
+    """Throughput at the opt shape against FP32's (in-process, ONNX Runtime on this CPU)."""
+    return "-" if ratio is None else f"{ratio:.2f}x"
+
+
+def _serve(row: SummaryRow) -> str:
+    if row.serve:
+        return "yes"
+    return "not worth serving" if row.worth_serving is False else ""
+
+
 def _runtimes(summary: BuildSummary) -> set[str]:
     return {r.runtime for r in summary.rows if r.runtime is not None}
 
@@ -221,8 +256,8 @@ def table(summary: BuildSummary, *, color: bool, limits: bool | None = None) -> 
     if with_runtime:
         columns.append(("runtime", "left", None, None))
     columns += [("size", "right", None, None), ("accuracy vs tolerance", "left", 20, None),
-                ("kept in higher precision", "left", 11, 16), ("time", "right", None, None),
-                ("state", "left", 8, 28)]
+                ("kept in higher precision", "left", 11, 16), ("vs FP32", "right", None, None),
+                ("serve", "left", None, None), ("time", "right", None, None), ("state", "left", 8, 28)]
     for name, justify, low, high in columns:
         # Width limits on a terminal only: the plain form (logs, narrow terminals) keeps every cell whole.
         t.add_column(name, justify=justify, no_wrap=low is None, min_width=low,  # type: ignore[arg-type]
@@ -230,12 +265,13 @@ def table(summary: BuildSummary, *, color: bool, limits: bool | None = None) -> 
     for row in summary.rows:
         runtime = [row.runtime or "-"] if with_runtime else []
         if row.failed:
-            t.add_row(row.variant, row.precision, *runtime, "-", row.reason, "-", "-", "FAILED",
+            t.add_row(row.variant, row.precision, *runtime, "-", row.reason, "-", "-", "-", "-", "FAILED",
                       style="red" if color else None)
             continue
         accuracy = row.accuracy + ("  (out of tolerance)" if row.within is False else "")
         t.add_row(row.variant, row.precision, *runtime, _size(row.size_bytes), accuracy, row.kept,
-                  _seconds(row.seconds), row.state, style="dim" if color and row.state == "unchanged" else None)
+                  _ratio(row.speed_ratio), _serve(row), _seconds(row.seconds), row.state,
+                  style="dim" if color and row.state == "unchanged" else None)
     return t
 
 
@@ -268,7 +304,10 @@ def render(summary: BuildSummary, stream: TextIO, *, color: bool | None = None) 
         # Too wide for whole cells: the guard and state columns wrap within limits, the accuracy gets the room.
         variants = table(summary, color=True, limits=True)
     console.print(variants)
-    lines = [f"repository: {summary.repository}"]
+    # Variants slower or larger than FP32: built and gated all the same, each with its figures.
+    lines = [f"{r.variant} not worth serving: {r.worth_reason}" for r in summary.rows
+             if not r.failed and r.worth_serving is False]
+    lines.append(f"repository: {summary.repository}")
     if summary.report is not None:
         lines.append(f"report:     {summary.report}")
     if summary.log_file is not None:
@@ -299,9 +338,10 @@ def summarize(results: Sequence[ModelResult], specs: Sequence[ModelSpec], *, rep
             if name in failed:
                 rows.append(failed_row(failed[name]))
             elif name in built:
-                rows.append(row_from_record(built[name].to_json(), state="rebuilt"))
+                rows.append(replace(row_from_record(built[name].to_json(), state="rebuilt"), model=spec.name))
             elif result is not None and (result.status is ModelStatus.UNCHANGED or name in result.unchanged):
-                rows.extend(unchanged_rows(repository, [name]))
+                rows.extend(replace(r, model=spec.name) for r in unchanged_rows(repository, [name]))
+    rows = with_recommendation(rows)
     ready = [r.variant for r in rows if not r.failed]
     # `trtbuild verify` fails on a variant it does not find: it is proposed for the models built whole.
     whole = [spec.name for spec in specs if all(variant_name(spec.name, p) in ready for p in spec.precisions)]

@@ -22,6 +22,7 @@ from builder.steps.onnx_model import Signature
 from builder.steps.precision import CalibrationResult
 from builder.steps.resources import StepLog
 from builder.steps.samples import Samples
+from builder.steps.speed import Meter, Speed
 
 # Batch used to run held-out samples through each variant during the accuracy check.
 EVAL_BATCH = 16
@@ -62,6 +63,8 @@ class ModelContext:
     # Each variant's build key and inputs (inputs_record and the variant's own settings); a precision not in
     # it is recorded with build_key and inputs_record.
     variant_inputs: Mapping[Precision, tuple[str, Mapping[str, Any]]] = field(default_factory=dict)
+    # How each variant's throughput is measured against FP32's (steps/speed.py); None: not measured.
+    speed_meter: Meter | None = None
 
     def record_of(self, precision: Precision) -> tuple[str, Mapping[str, Any]]:
         """The build key and inputs a variant's build.json records."""
@@ -106,6 +109,7 @@ class VariantContext:
     level_metrics: dict[str, Metrics] = field(default_factory=dict)  # each shape level's own, where several
     guard: GuardReport | None = None
     fp16_guard: Fp16GuardReport | None = None
+    speed: Speed | None = None  # throughput and size against FP32's, where measured
     steps: StepLog = field(default_factory=StepLog)  # each step's time and peak RSS so far
 
     @property

@@ -16,6 +16,7 @@ from builder.steps.guard import GuardReport
 from builder.steps.onnx_model import model_size, sha256_model
 from builder.steps.precision import CalibrationResult
 from builder.steps.resources import StepFigures
+from builder.steps.speed import Speed
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,13 @@ class VariantResult:
     # Each shape level's figures ("evaluation", "min", "max") where more than one was measured; `accuracy`
     # is the worst of them.
     accuracy_levels: dict[str, Metrics] | None = None
+    # In-process throughput at the opt shape and size against FP32's, and whether it is worth serving
+    # (None: not measured: another runtime than ONNX Runtime on the CPU, or TRTBUILD_NO_SPEED).
+    speed: Speed | None = None
+
+    @property
+    def worth_serving(self) -> bool | None:
+        return self.speed.worth_serving if self.speed is not None else None
 
     @staticmethod
     def of(ctx: VariantContext) -> VariantResult:
@@ -56,7 +64,8 @@ class VariantResult:
             fp16_guard=ctx.fp16_guard,
             steps=tuple(ctx.steps.steps),
             accuracy_levels=dict(ctx.level_metrics) or None,
+            speed=ctx.speed,
         )
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "worth_serving": self.worth_serving}

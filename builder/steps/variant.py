@@ -15,13 +15,13 @@ from typing import Protocol
 
 import onnx
 
-from builder.errors import AccuracyError, BuilderError, ToolError, tool_cause
+from builder.errors import AccuracyError, BuilderError, DataError, ToolError, tool_cause
 from builder.repository import model_folder
 from builder.repository.triton_config import ConfigInputs
-from builder.runtimes.onnxruntime import ORT_ERRORS, run_file
+from builder.runtimes.onnxruntime import ORT_ERRORS, OnnxRuntimeCPU, run_file
 from builder.spec.enums import Precision
 from builder.spec.model import DataSpec, ModelSpec
-from builder.steps import accuracy, onnx_model, precision, samples
+from builder.steps import accuracy, onnx_model, precision, samples, speed
 from builder.steps.accuracy import Metrics
 from builder.steps.context import ModelContext, VariantContext
 from builder.steps.fp16_cache import cached_conversion, feeds_digest, fp16_key
@@ -168,6 +168,34 @@ class Gate:
         self.run(ctx)
 
 
+_SPEED_ERRORS: tuple[type[Exception], ...] = (*ORT_ERRORS, DataError)
+
+
+class MeasureSpeed:
+    """The gated variant's throughput at the opt shape (and FP32's, alternating) and size against FP32's, where
+    the runtime is ONNX Runtime on the CPU (the artifact is what this process can run as served): an FP16 or
+    INT8 variant slower or larger than FP32 is marked not worth serving (steps/speed.py). A measurement that
+    fails is a warning: the variant met its tolerance."""
+
+    label = "throughput measurement"
+
+    def run(self, ctx: VariantContext) -> None:
+        model = ctx.model
+        if model.speed_meter is None or ctx.runtime.name != OnnxRuntimeCPU.name:
+            return
+        try:
+            feed, batch = speed.opt_feed(model.signature.inputs, model.input_shapes, model.spec.input_ranges)
+            ctx.speed = speed.measure(ctx.precision, ctx.artifact, model.fp32_path, feed, batch=batch,
+                                      threads=model.spec.serving.ort_intra_op_threads,
+                                      size=onnx_model.model_size(ctx.artifact),
+                                      fp32_size=onnx_model.model_size(model.fp32_path), meter=model.speed_meter)
+        except _SPEED_ERRORS as exc:
+            log.warning("%s: throughput not measured: %s", ctx.name, tool_cause(exc))
+            return
+        if not ctx.speed.worth_serving:
+            log.warning("%s not worth serving: %s", ctx.name, ctx.speed.reason)
+
+
 class Guard:
     """Replace the plain INT8 ONNX by the guarded mix (or FP16 when no mix meets the tolerance)."""
 
@@ -254,7 +282,7 @@ def samples_record(spec: ModelSpec) -> dict[str, object]:
             "task": spec.task.value}
 
 
-STEPS: tuple[Step, ...] = (MakePrecision(), Compile(), Measure(), Gate())
+STEPS: tuple[Step, ...] = (MakePrecision(), Compile(), Measure(), Gate(), MeasureSpeed())
 
 
 # A converted graph ONNX Runtime cannot load or run, or an ONNX check failing inside a step: the user's

@@ -1,0 +1,87 @@
+"""INT8 (or FP16 on the CPU) only where it pays: each variant's throughput at the opt shape and its size
+against FP32's are recorded at build time; one slower (beyond the rounds' spread) or larger is marked not
+worth serving, stays built and gated, and the summary names the variant to serve per model."""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from numpy.typing import NDArray
+
+from builder.pipeline import BuildOptions, build_all
+from builder.runtimes.onnxruntime import OnnxRuntimeCPU
+from builder.spec import Precision
+from builder.steps.speed import verdict
+from builder.summary import render, summarize
+from tests.helpers.tiny_models import tiny_specs
+
+# Inferences per second per round, by the variant's precision (as its folder names it): INT8 well below FP32
+# in every round; FP16 within FP32's spread.
+_ROUNDS = {"fp32": [100.0, 104.0, 96.0], "fp16": [95.0, 103.0, 99.0], "int8": [40.0, 44.0, 42.0]}
+
+
+def _stub_meter(paths: Sequence[Path], feed: Mapping[str, NDArray[Any]], **_: Any) -> list[list[float]]:
+    def figures(path: Path) -> list[float]:
+        folder = path.parent.parent.name  # REPO/.staging/<variant>/1/model.onnx, or the FP32 reference
+        return next((f for p, f in _ROUNDS.items() if folder.endswith(p)), _ROUNDS["fp32"])
+
+    return [figures(p) for p in paths]
+
+
+def test_an_int8_slower_than_fp32_is_marked_not_worth_serving_and_fp32_is_the_one_to_serve(tmp_path: Path) -> None:
+    specs = tiny_specs(tmp_path)[:1]  # the MLP: fp32, fp16, int8
+    options = BuildOptions(repository=tmp_path / "repo", runtime=OnnxRuntimeCPU(), cache_dir=tmp_path / "cache",
+                           speed_meter=_stub_meter)
+    results = build_all(specs, options, tmp_path / "repo" / "build_report.json", ["pytest"])
+    assert not results[0].failures  # built and gated all the same
+    record = json.loads((tmp_path / "repo" / "mlp_int8" / "build.json").read_text())
+    assert record["worth_serving"] is False
+    assert record["speed"]["ratio"] == 0.42 and record["speed"]["fp32_throughput"] == 100.0
+    assert record["speed"]["reason"].startswith("int8 0.42x FP32's throughput, ")
+    assert json.loads((tmp_path / "repo" / "mlp_fp16" / "build.json").read_text())["worth_serving"] is True
+    (model,) = json.loads((tmp_path / "repo" / "build_report.json").read_text())["models"]
+    by_name = {v["name"]: v for v in model["variants"]}
+    assert by_name["mlp_int8"]["speed"]["worth_serving"] is False
+
+    summary = summarize(results, specs, repository=tmp_path / "repo", report=None, log_file=None)
+    assert [r.variant for r in summary.rows if r.serve] == ["mlp_fp32"]
+    out = io.StringIO()
+    render(summary, out, color=False)
+    text = out.getvalue()
+    assert "mlp_int8 not worth serving: int8 0.42x FP32's throughput, " in text
+    (fp32_line,) = [line for line in text.splitlines() if line.startswith("mlp_fp32 |")]
+    assert "| yes " in fp32_line and "1.00x" in fp32_line
+    (int8_line,) = [line for line in text.splitlines() if line.startswith("mlp_int8 |")]
+    assert "not worth serving" in int8_line and "0.42x" in int8_line
+
+    # Unchanged on the next build: the summary reads the same verdict from build.json.
+    again = build_all(specs, options, None, ["pytest"])
+    summary = summarize(again, specs, repository=tmp_path / "repo", report=None, log_file=None)
+    assert [r.variant for r in summary.rows if r.serve] == ["mlp_fp32"]
+    assert [r.variant for r in summary.rows if r.worth_serving is False] == ["mlp_int8"]
+
+
+def test_the_verdict_allows_for_the_rounds_spread_and_marks_a_larger_variant() -> None:
+    assert verdict(Precision.INT8, [90, 110, 95], [100, 104, 96], 10, 20) == (True, None)  # within the spread
+    worth, reason = verdict(Precision.INT8, [120, 130, 125], [100, 104, 96], 6_800_000, 6_700_000)
+    assert not worth and reason == "int8 1.25x FP32's throughput, 6.8 MB vs 6.7 MB"
+    worth, reason = verdict(Precision.FP16, [43, 44, 42], [100, 104, 96], 10, 20)
+    assert not worth and reason == "fp16 0.43x FP32's throughput, 0.0 kB vs 0.0 kB"
+    assert verdict(Precision.FP32, [1, 1, 1], None, 10, 10) == (True, None)
+
+
+def test_the_real_measurement_records_positive_figures(tmp_path: Path) -> None:
+    specs = tiny_specs(tmp_path)[:1]
+    options = BuildOptions(repository=tmp_path / "repo", runtime=OnnxRuntimeCPU(), cache_dir=tmp_path / "cache")
+    build_all(specs, options, None, ["pytest"])
+    for name in ("mlp_fp32", "mlp_int8"):
+        speed = json.loads((tmp_path / "repo" / name / "build.json").read_text())["speed"]
+        assert speed["throughput"] > 0 and all(r > 0 for r in speed["rounds"])
+        assert speed["size_bytes"] > 0 and speed["fp32_size_bytes"] > 0 and speed["batch"] == 4
+        assert isinstance(speed["worth_serving"], bool)
+    int8 = json.loads((tmp_path / "repo" / "mlp_int8" / "build.json").read_text())["speed"]
+    assert int8["fp32_throughput"] > 0 and int8["ratio"] > 0 and len(int8["fp32_rounds"]) == 3
