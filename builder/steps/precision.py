@@ -42,7 +42,7 @@ from client.logs import active_log_file
 log = logging.getLogger(__name__)
 
 # Bump when the way a variant is produced changes, so caches and repositories rebuild.
-RECIPE_VERSION = "1"
+RECIPE_VERSION = "2"  # 2: the gate also measures min/max shapes beside user data; speed records
 
 
 @dataclass(frozen=True)
