@@ -103,12 +103,18 @@ def node_tensors(fp32: onnx.ModelProto, candidate: onnx.ModelProto, nodes: Seque
     produced = _producers(candidate.graph)
     constant = _constants(candidate.graph)
     graph_inputs = {i.name for i in fp32.graph.input} & {i.name for i in candidate.graph.input}
+    # Tensors the FP32 graph computes: a converted graph keeps most names even where it renames or fuses the
+    # node (ONNX Runtime's pre-processing fuses Conv + Clip into a Conv named after the Conv's output).
+    fp32_tensors = {out for node in fp32.graph.node for out in node.output if out} | graph_inputs
 
     def source(tensor: str) -> _Pair | None:
         """Where the FP32 graph has this input of a converted node: back through the nodes the conversion
-        added (named nowhere in the FP32 graph) to a graph input or an output of a node both graphs have."""
+        added (named nowhere in the FP32 graph) to a tensor of the FP32 graph, a graph input or an output of
+        a node both graphs have."""
         seen = 0
         while tensor in produced and seen < 64:
+            if tensor in fp32_tensors and tensor not in constant:
+                return _Pair(tensor, tensor)
             node, index = produced[tensor]
             if node.name in fp32_nodes:
                 original = fp32_nodes[node.name]
@@ -125,10 +131,16 @@ def node_tensors(fp32: onnx.ModelProto, candidate: onnx.ModelProto, nodes: Seque
 
     found: dict[str, NodeTensors] = {}
     for name in nodes:
-        if name not in fp32_nodes or name not in cand_nodes:
+        if name not in cand_nodes:
             continue
-        original, converted = fp32_nodes[name], cand_nodes[name]
-        outputs = tuple(_Pair(a, b) for a, b in zip(original.output, converted.output, strict=False) if a and b)
+        converted = cand_nodes[name]
+        if name in fp32_nodes:  # by node name and output index
+            original = fp32_nodes[name]
+            outputs = tuple(_Pair(a, b) for a, b in zip(original.output, converted.output, strict=False) if a and b)
+        else:  # a node the conversion renamed or fused: by the names of its outputs
+            outputs = tuple(_Pair(out, out) for out in converted.output if out in fp32_tensors)
+        if not outputs:
+            continue
         inputs = tuple(pair for pair in (source(t) for t in converted.input if t and t not in constant) if pair)
         found[name] = NodeTensors(outputs, tuple(dict.fromkeys(inputs)))
     return found
