@@ -61,7 +61,7 @@ from builder.serving.triton_server import (
     free_ports,
     prepare_backends,
 )
-from builder.serving.tune import Point, apply
+from builder.tuning.points import Point, apply
 from client import engine, session
 from client.engine import LoadLevel, Measurement
 from client.errors import PerfClientError

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from builder.errors import BuilderError, ServerError
-from builder.serving.tune import Point, Tuner, TuneServer
+from builder.tuning.measure import Tuner, TuneServer
+from builder.tuning.points import Point
 
 
 @dataclass

@@ -43,18 +43,13 @@ from tritonclient.grpc import model_config_pb2
 
 from builder.repository import triton_config
 from builder.serving.triton_server import ModelControl, Ports, TritonServer, free_ports
-from builder.serving.tune import (
-    Endpoints,
-    Goal,
-    Objective,
-    Point,
-    RemoteTarget,
-    Search,
-    Space,
-    Tuner,
-    point_of,
-    tune,
-)
+from builder.tuning.control import Endpoints
+from builder.tuning.measure import Tuner
+from builder.tuning.objective import Goal, Objective
+from builder.tuning.points import Point, Space, point_of
+from builder.tuning.run import TuneConfig, tune
+from builder.tuning.strategies import Search
+from builder.tuning.targets import RemoteTarget
 
 MA_VERSION = "1.58.0"
 MA_TIMEOUT_S = 3600
@@ -206,11 +201,11 @@ def main() -> int:
             # 2. trtbuild tune, attached to the same server.
             started = time.perf_counter()
             objective = Objective(Goal.THROUGHPUT, budget_ms * 1e3 if budget_ms else None)
-            report = tune(repository, space, objective, search=search,
+            report = tune(TuneConfig(repository, space, objective, search=search,
                           concurrencies=[args.concurrency],
                           measurement_ms=args.interval_ms, max_trials=args.max_trials, default_variant=args.model,
                           report_path=tmp / "tune.json", plot_path=None, write=False, compare=False,
-                          attach=endpoints, trials=args.trials)
+                          attach=endpoints, trials=args.trials))
             ours_seconds = time.perf_counter() - started
             our_pick = report.winner
             print(f"Model Analyzer: {len(ma_rows)} measurements in {ma_seconds:.0f} s, pick "

@@ -406,8 +406,13 @@ _TUNE_ROWS = 12  # points listed whole; a longer search lists the Pareto front, 
 
 def _tune(args: argparse.Namespace) -> int:
     from builder.serving.exposure import client_key
-    from builder.serving.tune import Endpoints, Goal, Objective, Search, Space, tune
     from builder.spec.tuned import load_tuned, tuned_path
+    from builder.tuning.control import Endpoints
+    from builder.tuning.objective import Goal, Objective
+    from builder.tuning.points import Space
+    from builder.tuning.report import energy_gaps
+    from builder.tuning.run import TuneConfig, tune
+    from builder.tuning.strategies import Search
 
     name = check_model_name(args.name, "tune NAME")
     precisions = parse_precisions(args.precisions, "--precisions")
@@ -452,16 +457,17 @@ def _tune(args: argparse.Namespace) -> int:
     load_tuned(tuned_toml)
     for flag, path in (("--report", report_path), ("--plot", plot_path), ("--html", html_path)):
         _writable(path, flag)
+    config = TuneConfig(args.repository, space, objective, search=search, concurrencies=concurrencies,
+                        measurement_ms=args.measurement_interval, default_variant=variants[0],
+                        report_path=report_path, plot_path=plot_path, html_path=html_path,
+                        write=not args.dry_run, compare=not args.no_compare, max_trials=args.max_trials,
+                        wait=not args.no_wait, attach=attach, model=name, tuned_toml=tuned_toml,
+                        trials=args.trials, seed=args.seed, gpus=gpus)
     # SIGTERM (a pod's stop, `timeout`) ends the run as Ctrl-C does: the private server and its folder
     # are removed, an attached server's models restored, and the report of what was measured written.
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        report = tune(args.repository, space, objective, search=search, concurrencies=concurrencies,
-                      measurement_ms=args.measurement_interval,
-                      default_variant=variants[0], report_path=report_path, plot_path=plot_path,
-                      write=not args.dry_run, compare=not args.no_compare, max_trials=args.max_trials,
-                      wait=not args.no_wait, attach=attach, model=name, tuned_toml=tuned_toml,
-                      trials=args.trials, seed=args.seed, html_path=html_path, gpus=gpus)
+        report = tune(config)
     finally:
         signal.signal(signal.SIGTERM, previous)
     # A long search lists the Pareto front, the winner and failed points; the report and page hold every point.
@@ -474,8 +480,6 @@ def _tune(args: argparse.Namespace) -> int:
         failure = f"  failed: {entry.failure}" if entry.failure else ""
         failure += "".join(f"  re-measured: {note}" for note in entry.restarts)
         print(f"{entry.label:<58} {entry.throughput:>8.1f} {p99:>8} {'yes' if entry.feasible else 'no':>8}{failure}")
-    from builder.serving.tune import energy_gaps
-
     # Ranked on the concurrencies whose energy is known; below every point with a figure when none is.
     for m in energy_gaps(report):
         print(f"{m.label:<58} {m.energy} (a window's energy read failed or did not advance)")

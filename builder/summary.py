@@ -208,7 +208,7 @@ def perf_command(repository: Path, variants: Sequence[str]) -> str:
     """perfclient on up to three variants that take the same request shapes (the first one's), with a
     `--shape` at the build's opt shape for each input whose dims the server leaves free: without it
     perfclient refuses a model with dynamic dims (a sequence length, an image size)."""
-    from builder.serving.tune import load_shapes  # the shapes tune sends, from each variant's build.json
+    from builder.tuning.measure import load_shapes  # the shapes tune sends, from each variant's build.json
 
     shapes = {v: load_shapes(repository / v) for v in variants}
     first = shapes[variants[0]]

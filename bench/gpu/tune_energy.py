@@ -10,9 +10,9 @@ set of measurements (the same p99 budget for both).
 DIR (--models) holds efficientnet_lite0_{PRECISION}/1/model.onnx (a `trtbuild engines` output). Each
 variant gets the config `--runtime onnxruntime-cuda` writes (KIND_GPU, provider cuda, HEURISTIC cuDNN
 search, CUDA graphs; `--provider cpu`: KIND_CPU and the CPU runner, to rehearse where no GPU is) and
-the current runner as 1/model.py. The search is `builder.serving.tune.tune`, the function behind
+the current runner as 1/model.py. The search is `builder.tuning.run.tune`, the function behind
 `trtbuild tune` (exhaustive, dry run: nothing written back, no side-by-side re-measurement); its report
-goes to OUT/tune_report.json. The picks are `builder.serving.tune.best` over that report's points, once
+goes to OUT/tune_report.json. The picks are `builder.tuning.objective.best` over that report's points, once
 per objective, so both come from the same windows: OUT/tune_energy.json and OUT/tune_energy.md.
 """
 
@@ -34,9 +34,12 @@ from builder.errors import BuilderError
 from builder.repository import python_model, triton_config
 from builder.repository.triton_config import BackendConfig, ConfigInputs, InstanceKind, TritonBackend
 from builder.runtimes.onnxruntime_cuda import CudaOptions, cuda_backend_config
-from builder.serving.tune import Goal, Objective, Point, Result, Search, Space, best, tune
 from builder.spec import DimRange, ServingSpec, TensorSpec
 from builder.spec.enums import ServingBackend
+from builder.tuning.objective import Goal, Objective, best
+from builder.tuning.points import Point, Result, Space
+from builder.tuning.run import TuneConfig, tune
+from builder.tuning.strategies import Search
 
 MODEL = "efficientnet_lite0"
 INPUT = TensorSpec("input", "float32", (-1, 3, 224, 224))
@@ -238,7 +241,7 @@ def main() -> int:
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # tune's one line per measured point, timestamped: where the time of a run went (a slow load shows).
-    logging.getLogger("builder.serving.tune").setLevel(logging.DEBUG)
+    logging.getLogger("builder.tuning").setLevel(logging.DEBUG)
     goal = Goal(args.objective)
     precisions = [v for v in args.precisions.split(",") if v]
     max_batches = ints(args.max_batch, "--max-batch")
@@ -250,7 +253,7 @@ def main() -> int:
     if plot_problem:
         log.warning("no plot: matplotlib does not import (%s)", plot_problem)
     doc: dict[str, Any] = {
-        "what": "trtbuild tune's search (builder.serving.tune.tune) on the GPU runtime; both picks from one run",
+        "what": "trtbuild tune's search (builder.tuning.run.tune) on the GPU runtime; both picks from one run",
         "command": " ".join([Path(sys.executable).name, *sys.argv]), "provider": args.provider,
         "environment": environment(args.provider), "objective": str(goal), "p99_budget_ms": args.p99_budget_ms,
         "concurrency": list(concurrencies), "measurement_interval_ms": args.measurement_interval,
@@ -270,11 +273,11 @@ def main() -> int:
         space = Space(tuple(variants), max_batches, delays(args.queue_delay_us), ints(args.instances, "--instances"))
         t0 = time.perf_counter()
         try:
-            tune(repository, space, Objective(goal, budget_us), search=Search.EXHAUSTIVE,
+            tune(TuneConfig(repository, space, Objective(goal, budget_us), search=Search.EXHAUSTIVE,
                  concurrencies=concurrencies, measurement_ms=args.measurement_interval, default_variant=variants[0],
                  report_path=report_path, plot_path=None if plot_problem else args.out / "tune.png",
                  html_path=None if plot_problem else args.out / "tune.html", write=False, compare=False,
-                 max_trials=args.max_trials)
+                 max_trials=args.max_trials))
         except BuilderError as exc:  # e.g. no point within the budget: the report was written all the same
             doc["tune_error"] = str(exc)
             log.error("tune: %s", exc)

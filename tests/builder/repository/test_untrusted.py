@@ -13,8 +13,8 @@ from builder.cli import main
 from builder.errors import ManifestError
 from builder.repository.model_folder import RECORD, read_record
 from builder.repository.untrusted import MAX_RECORD_BYTES, MAX_TUNED_BYTES, UnsafeInput, check_tree, inside
-from builder.serving.tune import _configs
 from builder.spec.tuned import load_tuned
+from builder.tuning.targets import read_configs
 
 
 def record(model_dir: Path, **fields: object) -> Path:
@@ -96,7 +96,7 @@ def test_a_repository_with_a_symlink_out_of_it_is_refused(tmp_path: Path) -> Non
         check_tree(repo)
     # tune reads and copies a variant's folder: refused too
     with pytest.raises(UnsafeInput, match="outside the repository"):
-        _configs(repo, ["m_fp32"])
+        read_configs(repo, ["m_fp32"])
     with pytest.raises(UnsafeInput, match="over 3 files"):
         check_tree(repo, limit=3)
 

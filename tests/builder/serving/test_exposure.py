@@ -30,7 +30,7 @@ from builder.serving.exposure import (
     scrub_argv,
 )
 from builder.serving.triton_server import ModelControl, Ports, TritonServer, free_ports, read_record
-from builder.serving.tune import Http, Rejected
+from builder.tuning.control import Http, Rejected
 
 KEY = "test-admin-key-0123456789abcdef"
 

@@ -21,8 +21,11 @@ import pytest
 
 from builder.cli import main
 from builder.serving.triton_server import STATE_FILE, exit_text, free_ports, ready
-from builder.serving.tune import Goal, Objective, Search, Space, tune
 from builder.spec import ModelSpec
+from builder.tuning.objective import Goal, Objective
+from builder.tuning.points import Space
+from builder.tuning.run import TuneConfig, tune
+from builder.tuning.strategies import Search
 
 
 def segv_once(marker: Path, hook: str) -> str:
@@ -73,9 +76,10 @@ def test_a_tuning_server_killed_mid_point_is_restarted_and_the_point_measured_ag
     model.write_text(model.read_text() + segv_once(marker, hook))
     space = Space(("mlp_fp32",), (8, 4), (0,), (1,))
     with caplog.at_level(logging.WARNING, logger="builder"):
-        report = tune(repo_copy, space, Objective(Goal.THROUGHPUT), search=Search.EXHAUSTIVE, concurrencies=[1],
+        report = tune(TuneConfig(repo_copy, space, Objective(Goal.THROUGHPUT), search=Search.EXHAUSTIVE,
+                                 concurrencies=[1],
                       measurement_ms=300, default_variant="mlp_fp32", report_path=tmp_path / "t.json",
-                      plot_path=None, max_trials=2, compare=False, write=False, point_timeout_s=120)
+                      plot_path=None, max_trials=2, compare=False, write=False, point_timeout_s=120))
     assert marker.exists(), "the premise: the server was sent SIGSEGV"
     killed = next(e for e in report.points if e.point.max_batch_size == 4)
     assert killed.failure is None and killed.results and killed.throughput > 0  # measured on the new server

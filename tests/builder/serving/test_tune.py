@@ -12,22 +12,13 @@ import pytest
 
 from builder.errors import BuilderError
 from builder.repository.triton_config import parse, to_text
-from builder.serving.tune import (
-    Goal,
-    Objective,
-    Point,
-    Result,
-    Search,
-    Space,
-    apply,
-    best,
-    exhaustive,
-    hill_climb,
-    pareto,
-    point_of,
-    tpe,
-    tune,
-)
+from builder.tuning.objective import Goal, Objective, best, pareto
+from builder.tuning.points import Point, Result, Space, apply, point_of
+from builder.tuning.run import TuneConfig, tune
+from builder.tuning.strategies import Search
+from builder.tuning.strategies.grid import exhaustive
+from builder.tuning.strategies.hill import hill_climb
+from builder.tuning.strategies.tpe import tpe
 from tests.helpers.files import snapshot
 
 OFF = None  # dynamic batching off
@@ -105,9 +96,9 @@ def test_apply_rewrites_serving_settings_through_the_schema(repo_copy: Path) -> 
 def test_tune_on_a_real_server_writes_the_winner_atomically(repo_copy: Path, tmp_path: Path) -> None:
     space = Space(("mlp_fp32", "mlp_int8"), (1, 8), (OFF, 0), (1,))
     names = {path.relative_to(repo_copy) for path in repo_copy.rglob("*")}
-    report = tune(repo_copy, space, Objective(Goal.THROUGHPUT), search=Search.HILL, concurrencies=[4],
+    report = tune(TuneConfig(repo_copy, space, Objective(Goal.THROUGHPUT), search=Search.HILL, concurrencies=[4],
                   measurement_ms=400, default_variant="mlp_fp32", report_path=tmp_path / "tune.json",
-                  plot_path=tmp_path / "tune.png", max_trials=3)
+                  plot_path=tmp_path / "tune.png", max_trials=3))
     assert report.winner is not None and report.measurements >= 1
     written = (repo_copy / report.winner.variant / "config.pbtxt").read_text()
     assert point_of(report.winner.variant, written) == report.winner
@@ -135,9 +126,9 @@ def test_tune_with_unmeetable_constraints_leaves_the_repository_untouched(repo_c
     before = snapshot(repo_copy)
     space = Space(("mlp_fp32",), (8,), (0,), (1,))
     with pytest.raises(BuilderError, match="none of the 1 measured points met the constraints"):
-        tune(repo_copy, space, Objective(Goal.THROUGHPUT, p99_budget_us=1.0), search=Search.EXHAUSTIVE,
+        tune(TuneConfig(repo_copy, space, Objective(Goal.THROUGHPUT, p99_budget_us=1.0), search=Search.EXHAUSTIVE,
              concurrencies=[2], measurement_ms=300, default_variant="mlp_fp32", report_path=tmp_path / "t.json",
-             plot_path=None, max_trials=2)
+             plot_path=None, max_trials=2))
     assert snapshot(repo_copy) == before
     assert json.loads((tmp_path / "t.json").read_text())["winner"] is None
 
@@ -203,9 +194,9 @@ def test_a_point_whose_model_fails_to_load_is_skipped_and_reported(repo_copy: Pa
     broken = variant_copy(repo_copy, "mlp_fp32", "mlp_broken")
     (broken / "1" / "model.onnx").write_bytes(b"not an ONNX file")
     space = Space(("mlp_broken", "mlp_fp32"), (8,), (0,), (1,))
-    report = tune(repo_copy, space, Objective(Goal.THROUGHPUT), search=Search.EXHAUSTIVE, concurrencies=[2],
+    report = tune(TuneConfig(repo_copy, space, Objective(Goal.THROUGHPUT), search=Search.EXHAUSTIVE, concurrencies=[2],
                   measurement_ms=300, default_variant="mlp_fp32", report_path=tmp_path / "t.json", plot_path=None,
-                  max_trials=2, compare=False)
+                  max_trials=2, compare=False))
     assert report.winner == Point("mlp_fp32", 8, 0, 1)
     assert report.measurements == 2 and report.failed == 1
     failed = {entry.point.variant: entry.failure for entry in report.points if entry.failure}
@@ -220,9 +211,9 @@ def test_a_hung_point_is_recorded_as_timed_out_and_never_wins(repo_copy: Path, t
     (hung / "1" / "model.py").write_text(HUNG_MODEL)
     space = Space(("mlp_hung", "mlp_fp32"), (8,), (0,), (1,))
     # The p99 objective: a point with no completed request (no p99 at all) must not look fastest.
-    report = tune(repo_copy, space, Objective(Goal.P99), search=Search.EXHAUSTIVE, concurrencies=[1],
+    report = tune(TuneConfig(repo_copy, space, Objective(Goal.P99), search=Search.EXHAUSTIVE, concurrencies=[1],
                   measurement_ms=300, default_variant="mlp_hung", report_path=tmp_path / "t.json", plot_path=None,
-                  max_trials=2, compare=False, point_timeout_s=6)
+                  max_trials=2, compare=False, point_timeout_s=6))
     assert report.winner is not None and report.winner.variant == "mlp_fp32"
     entry = next(e for e in report.points if e.point.variant == "mlp_hung")
     assert not entry.feasible and "timed out after 6 s" in str(entry.failure)
@@ -236,9 +227,10 @@ def test_a_missing_variant_is_one_line_and_leaves_no_temporary_folder(repo_copy:
     tempfile.tempdir = None  # re-read TMPDIR
     try:
         with pytest.raises(BuilderError, match=r"--precisions: variant mlp_int4 is not in .*trtbuild engines"):
-            tune(repo_copy, Space(("mlp_fp32", "mlp_int4"), (8,), (0,), (1,)), Objective(), search=Search.HILL,
+            tune(TuneConfig(repo_copy, Space(("mlp_fp32", "mlp_int4"), (8,), (0,), (1,)), Objective(),
+                            search=Search.HILL,
                  concurrencies=[1], measurement_ms=300, default_variant="mlp_fp32", report_path=None,
-                 plot_path=None)
+                 plot_path=None))
         assert list((tmp_path / "tmp").iterdir()) == []
     finally:
         tempfile.tempdir = None
@@ -260,9 +252,9 @@ def test_a_point_whose_every_request_fails_is_recorded_and_never_wins(repo_copy:
     (failing / "1" / "model.py").write_text(FAILING_MODEL)
     space = Space(("mlp_failing", "mlp_fp32"), (8,), (0,), (1,))
     # The p99 objective: every request answered at once with an error must not pass for a fast point.
-    report = tune(repo_copy, space, Objective(Goal.P99), search=Search.EXHAUSTIVE, concurrencies=[1],
+    report = tune(TuneConfig(repo_copy, space, Objective(Goal.P99), search=Search.EXHAUSTIVE, concurrencies=[1],
                   measurement_ms=300, default_variant="mlp_failing", report_path=tmp_path / "t.json",
-                  plot_path=None, max_trials=2, compare=False)
+                  plot_path=None, max_trials=2, compare=False))
     assert report.winner is not None and report.winner.variant == "mlp_fp32"
     entry = next(e for e in report.points if e.point.variant == "mlp_failing")
     assert not entry.feasible and entry.p99_ms is None

@@ -11,7 +11,11 @@ import pytest
 
 from builder.errors import ServerError
 from builder.serving.triton_server import ModelControl, Ports, TritonServer, free_ports
-from builder.serving.tune import Endpoints, Goal, Objective, Search, Space, point_of, tune
+from builder.tuning.control import Endpoints
+from builder.tuning.objective import Goal, Objective
+from builder.tuning.points import Space, point_of
+from builder.tuning.run import TuneConfig, tune
+from builder.tuning.strategies import Search
 
 OFF = None
 
@@ -47,9 +51,9 @@ def test_attach_mode_changes_the_served_config_and_the_repository(
     server, endpoints = explicit_server
     assert states(endpoints.http).get("mlp_fp32") == "READY" and states(endpoints.http).get("mlp_int8") != "READY"
     space = Space(("mlp_fp32", "mlp_int8"), (2,), (700,), (2,))
-    report = tune(repo_copy, space, Objective(Goal.THROUGHPUT), search=Search.EXHAUSTIVE, concurrencies=[2],
+    report = tune(TuneConfig(repo_copy, space, Objective(Goal.THROUGHPUT), search=Search.EXHAUSTIVE, concurrencies=[2],
                   measurement_ms=300, default_variant="mlp_fp32", report_path=tmp_path / "t.json", plot_path=None,
-                  max_trials=2, compare=False, attach=endpoints)
+                  max_trials=2, compare=False, attach=endpoints))
     winner = report.winner
     assert winner is not None and winner.max_batch_size == 2 and report.attached == endpoints.http
     # The server serves the winner's settings, and the repository holds them.
@@ -75,17 +79,17 @@ def test_attach_to_a_server_without_explicit_model_control_is_one_line(
     ports = triton.ports
     endpoints = Endpoints(f"127.0.0.1:{ports.http}", f"127.0.0.1:{ports.grpc}")
     with pytest.raises(ServerError, match="start it with explicit model control"):
-        tune(repository, Space(("mlp_fp32",), (8,), (0,), (1,)), Objective(), search=Search.EXHAUSTIVE,
+        tune(TuneConfig(repository, Space(("mlp_fp32",), (8,), (0,), (1,)), Objective(), search=Search.EXHAUSTIVE,
              concurrencies=[1], measurement_ms=300, default_variant="mlp_fp32", report_path=None, plot_path=None,
-             max_trials=2, compare=False, attach=endpoints, write=False)
+             max_trials=2, compare=False, attach=endpoints, write=False))
 
 
 def test_attach_to_nothing_is_one_line(repo_copy: Path) -> None:
     port = free_ports(1)[0]
     with pytest.raises(ServerError, match=rf"--url 127.0.0.1:{port}: Triton is not ready"):
-        tune(repo_copy, Space(("mlp_fp32",), (8,), (0,), (1,)), Objective(), search=Search.EXHAUSTIVE,
+        tune(TuneConfig(repo_copy, Space(("mlp_fp32",), (8,), (0,), (1,)), Objective(), search=Search.EXHAUSTIVE,
              concurrencies=[1], measurement_ms=300, default_variant="mlp_fp32", report_path=None, plot_path=None,
-             attach=Endpoints(f"127.0.0.1:{port}", f"127.0.0.1:{port}"))
+             attach=Endpoints(f"127.0.0.1:{port}", f"127.0.0.1:{port}")))
 
 
 @pytest.mark.server

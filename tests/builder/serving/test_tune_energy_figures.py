@@ -8,7 +8,7 @@ from types import ModuleType
 
 import pytest
 
-from builder.serving.tune import Point, Result
+from builder.tuning.points import Point, Result
 from tests.helpers.scripts import loaded_script
 
 SCRIPT = Path(__file__).resolve().parents[3] / "bench" / "gpu" / "tune_energy.py"

@@ -13,8 +13,13 @@ from typing import Any
 
 import pytest
 
-from builder.serving import tune as tune_module
-from builder.serving.tune import Goal, Objective, Point, Result, Search, Space, Target, best, score, tune
+from builder.tuning import run as tune_run
+from builder.tuning.objective import Goal, Objective, best, score
+from builder.tuning.points import Point, Result, Space, energy_note
+from builder.tuning.report import TuneReport
+from builder.tuning.run import TuneConfig, tune
+from builder.tuning.strategies import Search
+from builder.tuning.targets import Target
 
 ENERGY = Objective(Goal.INFER_PER_JOULE)
 
@@ -35,8 +40,8 @@ def test_a_point_without_energy_is_ranked_on_what_it_has_and_never_raises() -> N
     assert ENERGY.value(measured[c]) == -math.inf
     assert best(measured, ENERGY) == b
     assert score(ENERGY, measured[a]) > score(ENERGY, measured[c]) > score(ENERGY, [result(a, 1, 0.0, None)])
-    assert tune_module.energy_note(measured[b]) == "energy unknown at concurrency 1"
-    assert tune_module.energy_note(measured[c]) == "energy unknown" and tune_module.energy_note(measured[a]) is None
+    assert energy_note(measured[b]) == "energy unknown at concurrency 1"
+    assert energy_note(measured[c]) == "energy unknown" and energy_note(measured[a]) is None
     # Where no point has energy, the ties go to throughput.
     assert best({c: measured[c], d: measured[d]}, ENERGY) == c
 
@@ -72,11 +77,11 @@ def stand_in_tuner(figures: Callable[[Point, int], Result]) -> type:
 
 @pytest.fixture
 def stand_in(monkeypatch: pytest.MonkeyPatch) -> Callable[[Callable[[Point, int], Result]], None]:
-    monkeypatch.setattr(tune_module, "LocalTarget", StandInTarget)
-    monkeypatch.setattr(tune_module, "require_power", lambda attach: None)
+    monkeypatch.setattr(tune_run, "LocalTarget", StandInTarget)
+    monkeypatch.setattr(tune_run, "require_power", lambda attach: None)
 
     def use(figures: Callable[[Point, int], Result]) -> None:
-        monkeypatch.setattr(tune_module, "Tuner", stand_in_tuner(figures))
+        monkeypatch.setattr(tune_run, "Tuner", stand_in_tuner(figures))
 
     return use
 
@@ -84,10 +89,11 @@ def stand_in(monkeypatch: pytest.MonkeyPatch) -> Callable[[Callable[[Point, int]
 SPACE = Space(("mlp_fp32",), (1, 8), (0,), (1,))
 
 
-def run(repository: Path, tmp_path: Path) -> tune_module.TuneReport:
-    return tune(repository, SPACE, ENERGY, search=Search.EXHAUSTIVE, concurrencies=[1, 4], measurement_ms=300,
+def run(repository: Path, tmp_path: Path) -> TuneReport:
+    return tune(TuneConfig(repository, SPACE, ENERGY, search=Search.EXHAUSTIVE, concurrencies=[1, 4],
+                           measurement_ms=300,
                 default_variant="mlp_fp32", report_path=tmp_path / "tune.json", plot_path=None,
-                html_path=tmp_path / "tune.html", write=False, compare=False)
+                html_path=tmp_path / "tune.html", write=False, compare=False))
 
 
 def test_tune_keeps_and_marks_a_point_whose_energy_is_unknown(

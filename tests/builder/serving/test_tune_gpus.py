@@ -11,7 +11,11 @@ import pytest
 
 from builder.cli import main
 from builder.errors import BuilderError
-from builder.serving.tune import Endpoints, Point, Target, Tuner, require_gpus
+from builder.tuning.control import Endpoints
+from builder.tuning.energy import require_gpus
+from builder.tuning.measure import Tuner
+from builder.tuning.points import Point
+from builder.tuning.targets import Target
 from client import session
 from client.errors import PerfClientError
 

@@ -11,9 +11,13 @@ import pytest
 
 from builder.cli import main
 from builder.errors import BuilderError
-from builder.serving import tune as tune_module
 from builder.serving.triton_server import free_ports
-from builder.serving.tune import Endpoints, Goal, Objective, Search, Space, tune
+from builder.tuning import energy, targets
+from builder.tuning.control import Endpoints
+from builder.tuning.objective import Goal, Objective
+from builder.tuning.points import Space
+from builder.tuning.run import TuneConfig, tune
+from builder.tuning.strategies import Search
 from client import power
 
 MANIFEST = '''[[model]]
@@ -66,15 +70,15 @@ def servers(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         started.append(type(self).__name__)
         raise ServerStarted
 
-    monkeypatch.setattr(tune_module.LocalTarget, "__enter__", enter)
-    monkeypatch.setattr(tune_module.RemoteTarget, "__enter__", enter)
+    monkeypatch.setattr(targets.LocalTarget, "__enter__", enter)
+    monkeypatch.setattr(targets.RemoteTarget, "__enter__", enter)
     return started
 
 
 def run(repository: Path, attach: Endpoints | None = None) -> None:
-    tune(repository, Space(("mlp_fp32",), (8,), (0,), (1,)), Objective(Goal.INFER_PER_JOULE),
+    tune(TuneConfig(repository, Space(("mlp_fp32",), (8,), (0,), (1,)), Objective(Goal.INFER_PER_JOULE),
          search=Search.EXHAUSTIVE, concurrencies=[1], measurement_ms=300, default_variant="mlp_fp32",
-         report_path=None, plot_path=None, attach=attach)
+         report_path=None, plot_path=None, attach=attach))
 
 
 def test_no_power_source_is_one_line_before_any_server_starts(
@@ -122,8 +126,8 @@ def test_with_a_power_source_the_run_goes_on_and_the_probe_is_closed(
 ])
 def test_a_server_on_another_host_is_metered_by_its_own_energy_counter(grpc: str, expected: power.PowerSource) -> None:
     # This machine's NVML or RAPL would meter the wrong hardware for a server in a pod or on a GPU host.
-    assert tune_module.power_source(Endpoints("unused:8000", grpc)) is expected
-    assert tune_module.power_source(None) is power.PowerSource.AUTO
+    assert energy.power_source(Endpoints("unused:8000", grpc)) is expected
+    assert energy.power_source(None) is power.PowerSource.AUTO
 
 
 def test_a_remote_server_without_energy_metrics_is_refused_even_with_power_here(

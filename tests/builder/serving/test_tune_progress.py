@@ -9,7 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from builder.serving.tune import Goal, Objective, Search, Space, tune
+from builder.tuning.objective import Goal, Objective
+from builder.tuning.points import Space
+from builder.tuning.run import TuneConfig, tune
+from builder.tuning.strategies import Search
 from tests.helpers.progress_capture import plain_progress
 
 
@@ -23,9 +26,9 @@ def plain_lines() -> Iterator[io.StringIO]:
 def test_tune_progress_counts_points_and_hides_each_point_s_lines(repo_copy: Path, tmp_path: Path,
                                                                   plain_lines: io.StringIO) -> None:
     space = Space(("mlp_fp32",), (1, 8), (None,), (1,))
-    report = tune(repo_copy, space, Objective(Goal.THROUGHPUT), search=Search.EXHAUSTIVE, concurrencies=[2],
+    report = tune(TuneConfig(repo_copy, space, Objective(Goal.THROUGHPUT), search=Search.EXHAUSTIVE, concurrencies=[2],
                   measurement_ms=300, default_variant="mlp_fp32", report_path=tmp_path / "t.json", plot_path=None,
-                  max_trials=2, write=False)
+                  max_trials=2, write=False))
     assert report.measurements == 2
     lines = plain_lines.getvalue().splitlines()
     # The private server's start has its own task (trtbuild serve's), before the search's.

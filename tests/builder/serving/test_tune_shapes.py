@@ -8,7 +8,11 @@ from pathlib import Path
 import pytest
 
 from builder.cli import main
-from builder.serving.tune import Goal, Objective, Search, Space, load_shapes, tune
+from builder.tuning.measure import load_shapes
+from builder.tuning.objective import Goal, Objective
+from builder.tuning.points import Space
+from builder.tuning.run import TuneConfig, tune
+from builder.tuning.strategies import Search
 from tests.helpers.foreign_models import ForeignModel, detector, stateful
 
 
@@ -28,9 +32,9 @@ def test_tune_measures_a_model_with_free_dims_at_its_opt_shapes(
     variant = f"{model.name}_fp32"
     assert load_shapes(repository / variant) == expected
     space = Space((variant,), (1, 4), (None,), (1,))
-    report = tune(repository, space, Objective(Goal.THROUGHPUT), search=Search.EXHAUSTIVE, concurrencies=[2],
+    report = tune(TuneConfig(repository, space, Objective(Goal.THROUGHPUT), search=Search.EXHAUSTIVE, concurrencies=[2],
                   measurement_ms=300, default_variant=variant, report_path=None, plot_path=None, max_trials=2,
-                  compare=False, write=False)
+                  compare=False, write=False))
     assert report.failed == 0 and report.winner is not None
     assert all(entry.throughput > 0 for entry in report.points)
     # A model that cannot batch is measured at max_batch_size 0 only; the detector at its batch sizes.

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from builder.repository.lock import LOCK_FILE
-from builder.serving.tune import JOURNAL, Point, apply, point_of, recover_interrupted_write, write_winner
 from builder.spec.tuned import TunedServing, as_built, load_tuned
+from builder.tuning.journal import JOURNAL, recover_interrupted_write, write_winner
+from builder.tuning.points import Point, apply, point_of
 from tests.helpers.files import snapshot
 
 
@@ -56,7 +57,8 @@ CRASH = """
 import os, sys
 from pathlib import Path
 import client.files
-from builder.serving.tune import Point, write_winner
+from builder.tuning.journal import write_winner
+from builder.tuning.points import Point
 from builder.spec.tuned import TunedServing
 
 repository, toml, kill_after = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
