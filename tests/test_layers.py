@@ -1,0 +1,173 @@
+"""The layer contract of README "Architecture", read from every module's imports with `ast` (module-level,
+function-level and TYPE_CHECKING imports alike).
+
+What fails: a module importing a higher layer; client importing builder; a library module importing a CLI
+(or bench); builder importing a client module outside the measurement API; and any function-level import
+between project modules outside the CLIs. Each exception that stands today is listed below with its
+reason: remove an entry when its cause is fixed, never add one to let new code through.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# builder's layers, top to bottom: a module may import its own layer and the layers below it.
+LAYERS: list[tuple[str, ...]] = [
+    ("builder.__main__", "builder.cli"),
+    ("builder.pipeline", "builder.summary", "builder.lockcheck", "builder.examples"),
+    ("builder.tuning",),
+    ("builder.serving",),
+    ("builder.steps",),
+    ("builder.runtimes",),
+    ("builder.repository",),
+    ("builder.spec",),
+    ("builder.errors", "builder"),  # `builder` itself: __version__
+]
+
+# The CLIs: they import the libraries lazily (a command pays only for what it runs) and nothing imports them.
+CLIS = {"builder.__main__", "builder.cli", "client.__main__", "client.cli"}
+
+# What builder may use of client: the measurement API (a session, its load levels, meters, errors) and the
+# protocol pieces verify sends requests with.
+CLIENT_API = {"client.session", "client.engine", "client.power", "client.errors", "client.protocol",
+              "client.validate"}
+# Plumbing builder borrows from client until the common layer exists (issue 25): progress bars, str
+# enums, atomic files, logging set-up, datatypes, the admin-key file reader.
+CLIENT_PLUMBING = {"client.progress", "client.choices", "client.files", "client.logs", "client.datatypes",
+                   "client.admin_key"}
+
+# Imports against the layer order that stand today (importer module, imported module): reason.
+LAYER_EXCEPTIONS: dict[tuple[str, str], str] = {
+    ("builder.errors", "builder.steps.accuracy"):
+        "TYPE_CHECKING only: AccuracyError names steps' Violation; the type belongs in errors or spec",
+    ("builder.runtimes.onnxruntime", "builder.steps.onnx_model"):
+        "cycle: copy_model (an ONNX file with its data file) belongs below both, in repository or common",
+    ("builder.runtimes.onnxruntime_cuda", "builder.steps.onnx_model"): "cycle: copy_model, as above",
+    ("builder.runtimes.onnxruntime", "builder.steps.samples"):
+        "a runtime runs the steps' Samples (feeds, join): that data type belongs below runtimes",
+    ("builder.runtimes.tensorrt_engine", "builder.steps.samples"): "as onnxruntime: Samples' feeds and join",
+    ("builder.spec.tuned", "builder.repository.triton_config"):
+        "cycle: tuned.toml's settings are read from and written into config.pbtxt; that half belongs in repository",
+    ("builder.spec.tuned", "builder.repository.untrusted"): "reads tuned.toml with the repository's size limits",
+}
+
+# Function-level imports between project modules outside the CLIs (importer, imported): reason. A new one
+# fails: import at module level, or fix the cycle it would hide.
+FUNCTION_LEVEL: dict[tuple[str, str], str] = {
+    ("builder.runtimes.onnxruntime", "builder.steps.onnx_model"): "hides the onnx_model <-> onnxruntime cycle",
+    ("builder.runtimes.onnxruntime_cuda", "builder.steps.onnx_model"): "hides the same cycle",
+    ("builder.steps.onnx_model", "builder.runtimes.onnxruntime"): "the other half of that cycle",
+    ("builder.steps.onnx_model", "builder.errors"): "imported beside the cycle's import, not needed lazily",
+    ("builder.steps.onnx_model", "builder.steps.samples"): "imported beside the cycle's import",
+    ("builder.spec.tuned", "builder.repository.triton_config"): "hides the spec <-> repository cycle",
+    ("builder.runtimes", "builder.runtimes.tensorrt"): "cost: only --runtime tensorrt imports tensorrt",
+    ("builder.runtimes.tensorrt", "builder.runtimes.tensorrt_engine"): "cost: tensorrt itself, at construction",
+    ("builder.pipeline", "builder.steps.export"): "cost: export imports torch, only for a model with a source",
+    ("builder.examples.datasets", "builder.examples.models"): "cost: the tokenizer imports transformers",
+    ("builder.summary", "builder.pipeline"): "hides summary <-> pipeline (pipeline imports summary's types)",
+    ("builder.summary", "builder.spec.names"): "imported beside the pipeline import",
+    ("builder.summary", "builder.tuning.measure"): "load_shapes: summary sits beside pipeline, above tuning; "
+                                                   "the function belongs in repository (it reads build.json)",
+}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for top in ("builder", "client", "bench") for p in (ROOT / top).rglob("*.py")}
+
+
+def imports(path: Path, known: set[str]) -> Iterator[tuple[str, int, bool]]:
+    """(imported project module, line, inside a function) for each import of `path`."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+
+    def resolve(target: str) -> str | None:  # the longest project module `target` names
+        while target and target not in known:
+            target = target.rpartition(".")[0]
+        return target or None
+
+    def walk(node: ast.AST, in_function: bool) -> Iterator[tuple[str, int, bool]]:
+        for child in ast.iter_child_nodes(node):
+            targets: list[str] = []
+            if isinstance(child, ast.Import):
+                targets = [a.name for a in child.names]
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    parent = package.split(".")[: len(package.split(".")) - child.level + 1]
+                    base = ".".join([*parent, *([base] if base else [])])
+                targets = [f"{base}.{a.name}" for a in child.names]
+            for target in targets:
+                module = resolve(target)
+                if module is not None and module != name:
+                    yield module, child.lineno, in_function
+            yield from walk(child, in_function or isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef))
+
+    yield from walk(ast.parse(path.read_text(encoding="utf-8")), False)
+
+
+def layer(module: str) -> int | None:
+    """The index in LAYERS (0 the top) of the longest prefix naming `module`'s layer."""
+    best: tuple[int, int] | None = None
+    for index, names in enumerate(LAYERS):
+        for prefix in names:
+            if (module == prefix or module.startswith(prefix + ".")) and (best is None or len(prefix) > best[0]):
+                best = (len(prefix), index)
+    return None if best is None else best[1]
+
+
+def edges() -> list[tuple[str, str, int, bool]]:
+    found = modules()
+    return [(name, target, line, local) for name, path in sorted(found.items())
+            for target, line, local in imports(path, set(found))]
+
+
+def test_every_builder_module_has_a_layer() -> None:
+    assert [m for m in modules() if m.startswith("builder") and layer(m) is None] == []
+
+
+def test_builder_imports_only_its_own_or_lower_layers() -> None:
+    wrong = []
+    for name, target, line, _ in edges():
+        if name.startswith("builder") and target.startswith("builder"):
+            upward = (layer(target) or 0) < (layer(name) or 0)
+            if upward and (name, target) not in LAYER_EXCEPTIONS:
+                wrong.append(f"{name}:{line} imports {target} (a higher layer)")
+    assert wrong == []
+
+
+def test_client_never_imports_builder_and_no_library_imports_a_cli_or_bench() -> None:
+    wrong = [f"{name}:{line} imports {target}" for name, target, line, _ in edges()
+             if not name.startswith("bench") and name not in CLIS
+             and (target in CLIS or target.startswith("bench")
+                  or (name.startswith("client") and target.startswith("builder")))
+             and not (name == "builder.__main__" or name == "client.__main__")]
+    assert wrong == []
+
+
+def test_builder_uses_client_only_through_the_measurement_api() -> None:
+    wrong = [f"{name}:{line} imports {target}" for name, target, line, _ in edges()
+             if name.startswith("builder") and target.startswith("client")
+             and target not in CLIENT_API | CLIENT_PLUMBING]
+    assert wrong == []
+
+
+def test_no_new_function_level_import_between_project_modules() -> None:
+    found = {(name, target) for name, target, _, local in edges() if local and name not in CLIS
+             and not name.startswith("bench")}
+    assert sorted(found - set(FUNCTION_LEVEL)) == []
+    # An entry whose import is gone is removed too, so that the list stays the list of what remains.
+    assert sorted(set(FUNCTION_LEVEL) - found) == []
+
+
+def test_the_listed_layer_exceptions_still_exist() -> None:
+    found = {(name, target) for name, target, _, _ in edges()}
+    assert sorted(set(LAYER_EXCEPTIONS) - found) == []
