@@ -15,13 +15,11 @@ from client.files import write_atomic
 from client.session import ModelResult
 
 
-def _pyplot() -> Any:
-    import matplotlib  # imported here: only --plot and --html pay for matplotlib
+def _figure(width: float) -> Any:
+    """A Figure of its own (no pyplot): no process-wide backend is chosen, nothing is left open."""
+    from matplotlib.figure import Figure  # imported here: only --plot and --html pay for matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    return Figure(figsize=(width, 4.5))
 
 
 def _traced(rows: Sequence[ModelResult]) -> list[ModelResult]:
@@ -55,18 +53,17 @@ def _draw_power(ax: Any, traces: Sequence[ModelResult]) -> None:
 
 
 def _render(fig: Any, fmt: str) -> bytes:
-    plt = _pyplot()
     fig.tight_layout()
     image = io.BytesIO()
     # SVG: no creation date in the metadata, so the same run renders the same bytes.
     fig.savefig(image, format=fmt, dpi=110, metadata={"Date": None} if fmt == "svg" else None)
-    plt.close(fig)
     return image.getvalue()
 
 
 def latency_figure(rows: Sequence[ModelResult], fmt: str = "png") -> bytes:
     """Latency vs throughput alone, as `fmt` ("png" or "svg") bytes."""
-    fig, ax = _pyplot().subplots(figsize=(7, 4.5))
+    fig = _figure(7)
+    ax = fig.subplots()
     _draw_latency(ax, rows)
     return _render(fig, fmt)
 
@@ -76,14 +73,16 @@ def power_figure(rows: Sequence[ModelResult], fmt: str = "png") -> bytes | None:
     traces = _traced(rows)
     if not traces:
         return None
-    fig, ax = _pyplot().subplots(figsize=(7, 4.5))
+    fig = _figure(7)
+    ax = fig.subplots()
     _draw_power(ax, traces)
     return _render(fig, fmt)
 
 
 def plot(path: Path, rows: Sequence[ModelResult]) -> None:
     traces = _traced(rows)
-    fig, axes = _pyplot().subplots(1, 2 if traces else 1, figsize=(12 if traces else 7, 4.5), squeeze=False)
+    fig = _figure(12 if traces else 7)
+    axes = fig.subplots(1, 2 if traces else 1, squeeze=False)
     _draw_latency(axes[0][0], rows)
     if traces:
         _draw_power(axes[0][1], traces)
