@@ -106,9 +106,11 @@ def test_plain_int8_misses_and_the_guarded_build_meets_it_with_a_small_exclusion
     assert record["variant_onnx_sha256"] == sha256_file(tmp_path / "repo" / "outlier_int8" / "1" / "model.onnx")
 
 
-def test_without_an_explicit_int8_tolerance_the_int8_variant_just_fails(tmp_path: Path) -> None:
+def test_with_the_guard_off_the_int8_variant_missing_the_default_tolerance_just_fails(tmp_path: Path) -> None:
+    # Guards run by default whatever the tolerance's source (test_onnx_journey.py covers that); --no-guard
+    # (guard=False) leaves the plain INT8 to fail against the default tolerance.
     spec = outlier_spec(tmp_path, Int8Recipe.MODELOPT, TOLERANCE)
-    unguarded = ModelSpec(**{**spec.__dict__, "tolerances": {}})
+    unguarded = ModelSpec(**{**spec.__dict__, "tolerances": {}, "guard": False})
     options = BuildOptions(repository=tmp_path / "repo", runtime=OnnxRuntimeCPU(), cache_dir=tmp_path / "cache")
     (result,) = build_all([unguarded], options, None, ["pytest"])
     (failure,) = result.failures
