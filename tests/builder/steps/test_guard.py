@@ -96,8 +96,10 @@ def test_plain_int8_misses_and_the_guarded_build_meets_it_with_a_small_exclusion
     assert ranking["method"] == sensitivity.value and ranking["kept"] == len(guard["excluded"])
     assert ranking["nodes"] == len(guard["most_sensitive"]) and ranking["seconds"] >= 0
     assert ranking["peak_rss_mib"] > 0
-    # The guard inside the gate (which also compiles and measures the guarded mix), listed before it.
-    assert [s["step"] for s in record["steps"]] == ["MakePrecision", "Compile", "Measure", "Guard", "Gate"]
+    # The guard inside the gate (which also compiles and measures the guarded mix), listed before it (the
+    # steps after the gate are not this test's).
+    steps = [s["step"] for s in record["steps"]]
+    assert steps[:5] == ["MakePrecision", "Compile", "Measure", "Guard", "Gate"], steps
     assert all(s["peak_rss_mib"] > 0 and s["seconds"] >= 0 for s in record["steps"])
     assert set(guard["throughput_b1_cpu"]) == {"fp32", "int8_plain", "int8_guarded"}
     assert record["calibration"]["recipe"] == recipe.value
