@@ -30,7 +30,7 @@ batch = { min = 1, opt = 4, max = 8 }
 
 def unavailable(name: str) -> type:
     class Missing:
-        def __init__(self, *args: object) -> None:
+        def __init__(self, *args: object, **kwargs: object) -> None:  # NvmlMeter(gpus=...) since issue 26
             raise RuntimeError(f"no {name} on this test's machine")
 
     return Missing
@@ -43,6 +43,9 @@ class FakeNvml:
     trace = None
     reason = None
     closed: ClassVar[list[bool]] = []
+
+    def __init__(self, *, gpus: power.GpuSelection | None = None) -> None:  # open_meter passes --gpus
+        self.gpus = gpus
 
     def read(self) -> power.Reading:
         return power.Reading(0.0, 1.0)
