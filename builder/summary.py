@@ -18,6 +18,8 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from builder.repository.model_folder import load_shapes  # the shapes tune sends, from each build.json
+
 if TYPE_CHECKING:  # the pipeline imports ONNX, ORT and ModelOpt; the summary needs only its records
     from builder.pipeline import ModelResult
     from builder.spec.model import ModelSpec
@@ -208,8 +210,6 @@ def perf_command(repository: Path, variants: Sequence[str]) -> str:
     """perfclient on up to three variants that take the same request shapes (the first one's), with a
     `--shape` at the build's opt shape for each input whose dims the server leaves free: without it
     perfclient refuses a model with dynamic dims (a sequence length, an image size)."""
-    from builder.tuning.measure import load_shapes  # the shapes tune sends, from each variant's build.json
-
     shapes = {v: load_shapes(repository / v) for v in variants}
     first = shapes[variants[0]]
     chosen = [v for v in variants if shapes[v] == first][:3]

@@ -70,8 +70,6 @@ FUNCTION_LEVEL: dict[tuple[str, str], str] = {
     ("builder.examples.datasets", "builder.examples.models"): "cost: the tokenizer imports transformers",
     ("builder.summary", "builder.pipeline"): "hides summary <-> pipeline (pipeline imports summary's types)",
     ("builder.summary", "builder.spec.names"): "imported beside the pipeline import",
-    ("builder.summary", "builder.tuning.measure"): "load_shapes: summary sits beside pipeline, above tuning; "
-                                                   "the function belongs in repository (it reads build.json)",
 }
 
 

@@ -71,3 +71,14 @@ def write_config(model_dir: Path, version_dir: Path, inputs: ConfigInputs) -> mo
         source = resources.files("builder.repository").joinpath("python_model.py").read_text(encoding="utf-8")
         write_atomic(version_dir / RUNNER, source)
     return config
+
+
+def load_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
+    """The shapes a variant's requests take where its config.pbtxt leaves dims free (-1): each such
+    input's opt shape from build.json, without the batch axis for a batching model and whole for one
+    built with max_batch_size 0. Empty for a record without shapes (an older build)."""
+    record = read_record(model_dir)
+    if record is None or record.shapes is None:
+        return {}
+    shapes = record.shapes
+    return {name: shapes.sample_range(name).opt for name in shapes.inputs if -1 in shapes.config_dims(name)}

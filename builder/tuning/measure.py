@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from builder.errors import ServerError
-from builder.repository.model_folder import read_record
+from builder.repository.model_folder import load_shapes
 from builder.tuning.control import Rejected
 from builder.tuning.energy import power_source
 from builder.tuning.points import Point, Result
@@ -161,17 +161,6 @@ class Tuner:
         elif any(r.errors for r in results):
             self.failures[point] = f"{sum(r.errors for r in results)} requests failed"
         return results
-
-
-def load_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
-    """The shapes a variant's requests take where its config.pbtxt leaves dims free (-1): each such
-    input's opt shape from build.json, without the batch axis for a batching model and whole for one
-    built with max_batch_size 0. Empty for a record without shapes (an older build)."""
-    record = read_record(model_dir)
-    if record is None or record.shapes is None:
-        return {}
-    shapes = record.shapes
-    return {name: shapes.sample_range(name).opt for name in shapes.inputs if -1 in shapes.config_dims(name)}
 
 
 @contextlib.contextmanager

@@ -10,11 +10,12 @@ from dataclasses import KW_ONLY, dataclass, replace
 from pathlib import Path
 
 from builder.errors import BuilderError, ServerError
+from builder.repository.model_folder import load_shapes
 from builder.spec import tuned as tuned_file
 from builder.tuning.control import Endpoints
 from builder.tuning.energy import require_gpus, require_power
 from builder.tuning.journal import planned_changes, tuned_entry, write_winner
-from builder.tuning.measure import Tuner, load_shapes
+from builder.tuning.measure import Tuner
 from builder.tuning.objective import Goal, Objective, best, pareto
 from builder.tuning.outputs import write_outputs
 from builder.tuning.points import Point, Space, mean_throughput, point_of, worst_p99

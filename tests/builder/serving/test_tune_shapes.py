@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from builder.cli import main
-from builder.tuning.measure import load_shapes
+from builder.repository.model_folder import load_shapes
 from builder.tuning.objective import Goal, Objective
 from builder.tuning.points import Space
 from builder.tuning.run import TuneConfig, tune
