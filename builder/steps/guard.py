@@ -87,13 +87,17 @@ def guard(
     method: GuardSensitivity = GuardSensitivity.EXHAUSTIVE,
     fp32: Path | None = None,
     escalate: bool = True,
+    measure: Callable[[Path], Metrics] | None = None,
 ) -> tuple[GuardResult, Path | None]:
     """Return the search's result and the path of the guarded INT8 ONNX (None: fall back to FP16).
     `method` ONE_PASS needs `fp32`, the graph `plain` was quantized from; with `escalate`, a one-pass ranking
-    whose search finds no mix is followed by the exhaustive ranking and its search."""
+    whose search finds no mix is followed by the exhaustive ranking and its search. `measure` scores a
+    candidate as the gate will (every shape level); by default, on `evaluation` against `reference` only."""
     started = time.perf_counter()
 
     def evaluate(path: Path) -> Metrics:
+        if measure is not None:
+            return measure(path)
         return accuracy.compare(reference, run_file(path, evaluation, batch_size), task)
 
     before = evaluate(plain)
@@ -250,8 +254,10 @@ def guard_int8(*, fp32_path: Path, fp32_sha: str, calibration: Mapping[str, NDAr
                reference: Mapping[str, NDArray[Any]], task: Task, tolerance: Tolerance, cache_dir: Path,
                work: Path, fp16_feeds: Sequence[Mapping[str, NDArray[Any]]], what: str,
                batch_size: int | None = 16,
-               method: GuardSensitivity = GuardSensitivity.ONE_PASS) -> GuardReport:
-    """Replace variant_onnx by the guarded INT8 mix, or by FP16 when none meets the tolerance."""
+               method: GuardSensitivity = GuardSensitivity.ONE_PASS,
+               measure: Callable[[Path], Metrics] | None = None) -> GuardReport:
+    """Replace variant_onnx by the guarded INT8 mix, or by FP16 when none meets the tolerance. `measure`:
+    how the gate scores a candidate (all its shape levels), so the search's pick is the one the gate passes."""
     plain = work / "int8_plain.onnx"
     onnx_model.copy_model(variant_onnx, plain)
     search_dir = work / "guard"
@@ -259,7 +265,7 @@ def guard_int8(*, fp32_path: Path, fp32_sha: str, calibration: Mapping[str, NDAr
     quantize = make_quantizer(fp32_path, fp32_sha, calibration, calibration_digest, cache_dir)
     result, guarded = guard(quantize, spec=spec, plain=plain, evaluation=evaluation, reference=reference,
                             task=task, tolerance=tolerance, work=search_dir, batch_size=batch_size,
-                            method=method, fp32=fp32_path)
+                            method=method, fp32=fp32_path, measure=measure)
     fallback = None
     if guarded is not None:
         onnx_model.copy_model(guarded, variant_onnx)

@@ -239,9 +239,11 @@ def _resize_axis(values: NDArray[Any], axis: int, size: int) -> NDArray[Any]:
 def at_shapes(samples: Mapping[str, NDArray[Any]], inputs: tuple[TensorSpec, ...], shapes: Mapping[str, Any],
               count: int, seed: int) -> Samples:
     """`count` of the user's samples brought to other sample shapes (`shapes`: input → shape of one sample):
-    an image's H and W resized by linear interpolation; any other dim that differs, values drawn at random
-    within the range of that input's data (its dtype kept)."""
-    rng = np.random.default_rng(seed)
+    an image's H and W resized by linear interpolation; any other dim that differs cropped (to fewer) or tiled
+    (to more) along its axis. Crop/tile keeps the data real and consistent across the inputs that share a dim
+    (token ids and their attention mask stay paired; random values there gave all-masked sequences whose
+    pooled output is noise, and the gate then judged noise). `seed` is kept for callers; nothing is random."""
+    del seed
     out: Samples = {}
     for tensor in inputs:
         data = np.asarray(samples[tensor.name])[:count]
@@ -252,16 +254,18 @@ def at_shapes(samples: Mapping[str, NDArray[Any]], inputs: tuple[TensorSpec, ...
             continue
         spatial = spatial_axes(current, tensor.dtype)
         changed = [a for a in range(len(target)) if current[a] != target[a]]
-        if changed and all(a in spatial for a in changed):
-            resized = data
-            for axis in changed:
-                resized = _resize_axis(resized, axis + 1, target[axis])
-            out[tensor.name] = resized
-            continue
-        low, high = (data.min(), data.max()) if data.size else (0, 1)
-        shape = [len(data), *target]
-        if np.issubdtype(data.dtype, np.floating):
-            out[tensor.name] = rng.uniform(float(low), float(high), size=shape).astype(data.dtype)
-        else:
-            out[tensor.name] = rng.integers(int(low), int(high), size=shape, endpoint=True).astype(data.dtype)
+        resize = bool(changed) and all(a in spatial for a in changed)
+        shaped = data
+        for axis in changed:
+            shaped = (_resize_axis(shaped, axis + 1, target[axis]) if resize
+                      else _crop_or_tile(shaped, axis + 1, target[axis]))
+        out[tensor.name] = shaped
     return out
+
+
+def _crop_or_tile(data: NDArray[Any], axis: int, size: int) -> NDArray[Any]:
+    """The first `size` entries along `axis`, the data repeated along it where it holds fewer."""
+    length = data.shape[axis]
+    if length == 0:
+        raise DataError(f"cannot bring samples with an empty axis {axis} to size {size}")
+    return np.take(data, np.arange(size) % length, axis=axis)

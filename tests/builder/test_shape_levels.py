@@ -78,7 +78,7 @@ def test_with_the_user_s_data_at_one_size_the_gate_measures_it_at_the_min_and_ma
     assert failure.variant == "det_fp32" and failure.metric == "max_rel"
 
 
-def test_user_images_are_resized_and_other_dims_drawn_in_the_data_s_range() -> None:
+def test_user_images_are_resized_and_other_dims_cropped_or_tiled() -> None:
     images = np.linspace(0, 1, 2 * 3 * 4 * 4, dtype=np.float32).reshape(2, 3, 4, 4)
     tokens = np.array([[5, 9, 7]], dtype=np.int64).repeat(2, axis=0)
     inputs = (TensorSpec("images", "float32", ("b", 3, "h", "w")), TensorSpec("ids", "int64", ("b", "seq")))
@@ -88,7 +88,12 @@ def test_user_images_are_resized_and_other_dims_drawn_in_the_data_s_range() -> N
     assert out["images"].min() >= images.min() and out["images"].max() <= images.max()
     assert np.allclose(out["images"].mean(axis=(2, 3)), images.mean(axis=(2, 3)), atol=0.05)
     assert out["ids"].shape == (2, 6) and out["ids"].dtype == np.int64
-    assert set(np.unique(out["ids"])) <= set(range(5, 10))
+    assert out["ids"].tolist() == [[5, 9, 7, 5, 9, 7]] * 2  # tiled: the user's tokens, not random ones
+    # Cropped, and every input sharing the dim alike: token ids and their mask stay paired.
+    mask = np.array([[1, 1, 0]], dtype=np.int64).repeat(2, axis=0)
+    inputs2 = (TensorSpec("ids", "int64", ("b", "seq")), TensorSpec("mask", "int64", ("b", "seq")))
+    short = samples.at_shapes({"ids": tokens, "mask": mask}, inputs2, {"ids": (2,), "mask": (2,)}, count=2, seed=0)
+    assert short["ids"].tolist() == [[5, 9]] * 2 and short["mask"].tolist() == [[1, 1]] * 2
 
 
 def _positional(folder: Path) -> Path:
