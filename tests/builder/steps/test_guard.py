@@ -26,6 +26,8 @@ from builder.spec import (
     Tolerance,
 )
 from builder.steps import accuracy, precision
+from builder.steps.accuracy import Metrics
+from builder.steps.context import ModelContext
 from builder.steps.guard import quantized_nodes
 from builder.steps.onnx_model import sha256_file
 from tests.helpers.tiny_models import mlp_samples, outlier_mlp_onnx
@@ -138,3 +140,21 @@ def test_when_no_int8_mix_meets_the_tolerance_fp16_is_served(tmp_path: Path) -> 
     served = onnx.load(str(tmp_path / "repo" / "outlier_int8" / "1" / "model.onnx"))
     assert not quantized_nodes(served)
     assert any(i.data_type == onnx.TensorProto.FLOAT16 for i in served.graph.initializer)
+
+
+def test_the_int8_guard_scores_its_candidates_as_the_gate_does(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    # The gate judges every shape level (ModelContext.measure); a guard scoring only the evaluation samples
+    # picked a mix that then missed at the gate (MiniLM INT8 in the demo). Here the INT8 guard is the only
+    # caller of ModelContext.measure (the Measure step uses measure_levels; no FP16 variant is built).
+    scored: list[Metrics] = []
+    real = ModelContext.measure
+
+    def recording(self: ModelContext, run: Any) -> Metrics:
+        scored.append(real(self, run))
+        return scored[-1]
+
+    monkeypatch.setattr(ModelContext, "measure", recording)
+    record = build(tmp_path, outlier_spec(tmp_path, Int8Recipe.MODELOPT, TOLERANCE))
+    guard = record["guard"]
+    assert guard["excluded"] and len(scored) >= 1 + len(guard["search"])  # the plain INT8, then each candidate
