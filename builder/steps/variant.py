@@ -83,9 +83,14 @@ class MakePrecision:
             def make(out: Path) -> dict[str, object]:
                 return to_fp16_checked(model.fp32_path, out, feeds=feeds, what=what(model), check=check)
 
-            # Reused from an earlier run with the same graph, feeds and shapes checked (steps/fp16_cache.py).
+            # Reused from an earlier run with the same graph, feeds and check (steps/fp16_cache.py): the check's
+            # shapes, value ranges and the examples its integer inputs take values from decide whether
+            # autocast's graph is kept or onnxconverter-common's replaces it.
             key = fp16_key(fp32_sha=model.fp32_sha, feeds=feeds_digest(feeds),
-                           what_made_it={"converter": "to_fp16_checked", "shapes": model.input_shapes.to_json()})
+                           what_made_it={"converter": "to_fp16_checked", "shapes": model.input_shapes.to_json(),
+                                         "input_ranges": {name: [r.low, r.high] for name, r
+                                                          in sorted(model.spec.input_ranges.items())},
+                                         "examples": samples.digest(model.evaluation)})
             ctx.settings, cached = cached_conversion(model.cache_dir, key, ctx.variant_onnx, make)
             if cached:
                 log.debug("%s: FP16 conversion reused from the cache", ctx.name)
