@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from builder.repository.model_folder import load_shapes  # the shapes tune sends, from each build.json
+from builder.spec.names import variant_name
 
 if TYPE_CHECKING:  # the pipeline imports ONNX, ORT and ModelOpt; the summary needs only its records
     from builder.pipeline import ModelResult
@@ -324,8 +325,7 @@ def summarize(results: Sequence[ModelResult], specs: Sequence[ModelSpec], *, rep
     """The summary of one build: built variants from their results, unchanged ones from the build.json
     in the repository, failed ones with their reason; in manifest order. `whole_manifest`: `specs` are
     every model of `manifest` (not an `--only` subset), so a plain `trtbuild verify` checks just them."""
-    from builder.pipeline import ModelStatus
-    from builder.spec.names import variant_name
+    from builder.pipeline import ModelStatus  # here: the pipeline imports ONNX, ORT and ModelOpt
 
     by_name = {r.name: r for r in results}
     failed = {f.name: f for f in failures}

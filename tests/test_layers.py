@@ -70,8 +70,9 @@ FUNCTION_LEVEL: dict[tuple[str, str], str] = {
     ("builder.runtimes.tensorrt", "builder.runtimes.tensorrt_engine"): "cost: tensorrt itself, at construction",
     ("builder.pipeline", "builder.steps.export"): "cost: export imports torch, only for a model with a source",
     ("builder.examples.datasets", "builder.examples.models"): "cost: the tokenizer imports transformers",
-    ("builder.summary", "builder.pipeline"): "hides summary <-> pipeline (pipeline imports summary's types)",
-    ("builder.summary", "builder.spec.names"): "imported beside the pipeline import",
+    ("builder.summary", "builder.pipeline"):
+        "cost: ModelStatus alone, without the ONNX/ORT/ModelOpt imports of the pipeline (no cycle: the pipeline "
+        "does not import summary); the records' types belong below the orchestrator",
 }
 
 
