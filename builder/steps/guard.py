@@ -102,6 +102,10 @@ def guard(
 
     before = evaluate(plain)
     nodes = quantized_nodes(onnx.load(str(plain)))
+    if not nodes:  # nothing to keep in higher precision: no ranking, no search (it re-quantized the same graph)
+        log.warning("INT8 guard: the INT8 graph has no quantized node; no mix to search")
+        return GuardResult(False, [], {}, before, None, 0, [], time.perf_counter() - started,
+                           SensitivityRecord(method, FIGURES[method], 0, 0.0, None, peak_rss_mib())), None
     log.debug("INT8 guard: %d quantized nodes; measuring their sensitivity (%s)", len(nodes), method)
     builds = 0
     searched: list[Attempt] = []

@@ -28,7 +28,7 @@ from builder.spec import (
 from builder.steps import accuracy, precision
 from builder.steps.accuracy import Metrics
 from builder.steps.context import ModelContext
-from builder.steps.guard import quantized_nodes
+from builder.steps.guard import guard, quantized_nodes
 from builder.steps.onnx_model import sha256_file
 from tests.helpers.tiny_models import mlp_samples, outlier_mlp_onnx
 
@@ -158,3 +158,25 @@ def test_the_int8_guard_scores_its_candidates_as_the_gate_does(tmp_path: Path,
     record = build(tmp_path, outlier_spec(tmp_path, Int8Recipe.MODELOPT, TOLERANCE))
     guard = record["guard"]
     assert guard["excluded"] and len(scored) >= 1 + len(guard["search"])  # the plain INT8, then each candidate
+
+
+def test_an_int8_graph_with_no_quantized_node_is_not_searched(tmp_path: Path) -> None:
+    # Nothing to exclude: the ranking and the search re-quantized the same graph (one pass, then escalated to
+    # the exhaustive ranking: two more quantizations and evaluations) before falling back all the same.
+    from onnx import helper
+
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"], name="relu")], "g",
+                              [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["n", 4])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["n", 4])])
+    plain = tmp_path / "plain.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(plain))
+    quantized: list[Path] = []
+    far = Metrics(max_abs=1.0, max_rel=1.0, cosine_min=0.5, cosine_mean=0.5, samples=4)
+    spec = CalibrationSpec(DataSpec("unused.npz", 4), method=CalibrationMethod.MAX, recipe=Int8Recipe.ONNXRUNTIME)
+    samples = {"x": np.ones((4, 4), np.float32)}
+    for method in GuardSensitivity:
+        result, path = guard(lambda _spec, out: quantized.append(out), spec=spec, plain=plain, evaluation=samples,
+                             reference=samples, task=Task.GENERIC, tolerance=TOLERANCE, work=tmp_path,
+                             method=method, fp32=plain, measure=lambda _path: far)
+        assert path is None and not result.met and result.quantizations == 0 and quantized == []
+        assert result.ranking is not None and result.ranking.nodes == 0 and not result.ranking.escalated
