@@ -149,7 +149,7 @@ class _Search:
         except ToolError as exc:
             log.debug("FP16 guard: %s: %s", tag, exc)
             return exc
-        return self.evaluate(out), out, len(fp16_nodes(onnx.load(str(out))))
+        return self.evaluate(out), out, len(fp16_nodes(onnx.load(str(out), load_external_data=False)))
 
     def attempt(self, settings: Fp16Settings, lever: str, tag: str) -> tuple[bool, Metrics | None, Path, int]:
         done = self.run(settings, tag)
@@ -183,7 +183,7 @@ def guard(convert: Convert, evaluate: Evaluate, *, plain: Path, tolerance: Toler
     started = time.perf_counter()
     search = _Search(convert, evaluate, tolerance, work)
     before = evaluate(plain)
-    plain_model = onnx.load(str(plain))
+    plain_model = onnx.load(str(plain), load_external_data=False)  # node names and types only
     op_of = {n.name: n.op_type for n in plain_model.graph.node}
     candidates = fp16_nodes(plain_model)
     log.debug("FP16 guard: %d nodes compute in FP16; measuring their sensitivity", len(candidates))

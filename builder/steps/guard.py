@@ -101,7 +101,7 @@ def guard(
         return accuracy.compare(reference, run_file(path, evaluation, batch_size), task)
 
     before = evaluate(plain)
-    nodes = quantized_nodes(onnx.load(str(plain)))
+    nodes = quantized_nodes(onnx.load(str(plain), load_external_data=False))  # names only: no weights
     if not nodes:  # nothing to keep in higher precision: no ranking, no search (it re-quantized the same graph)
         log.warning("INT8 guard: the INT8 graph has no quantized node; no mix to search")
         return GuardResult(False, [], {}, before, None, 0, [], time.perf_counter() - started,
