@@ -18,7 +18,7 @@ from builder.steps import precision
 from builder.steps.fp16_guard import fp16_nodes
 from builder.steps.guard import quantized_nodes
 from builder.steps.onnx_model import sha256_file
-from builder.steps.sensitivity import one_pass
+from builder.steps.sensitivity import node_tensors, one_pass
 from tests.builder.steps.test_fp16_guard import offset_model, offset_samples, spec_for
 from tests.helpers.tiny_models import mlp_samples, offset_graph, outlier_mlp_onnx
 
@@ -101,3 +101,22 @@ def test_fp16_conversions_are_reused_when_their_inputs_are_unchanged(tmp_path: P
     assert guard["cached_conversions"] == guard["conversions"]
     assert sorted(p.name for p in (cache / "fp16").iterdir()) == stored  # nothing new was converted
     assert second["variant_onnx_sha256"] == first["variant_onnx_sha256"]
+
+
+def test_a_node_the_conversion_fused_and_renamed_is_paired_by_its_tensors() -> None:
+    # ONNX Runtime's pre-processing fuses Conv + Clip into one Conv named after the Conv's output and writing the
+    # Clip's: paired by node name it went unscored (0) and the one-pass ranking missed EfficientNet's stem.
+    def model(nodes: list[onnx.NodeProto]) -> onnx.ModelProto:
+        x, y = (helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, [1, 1, 4, 4]) for n in ("x", "y"))
+        weights = helper.make_tensor("w", onnx.TensorProto.FLOAT, [1, 1, 1, 1], [2.0])
+        graph = helper.make_graph(nodes, "g", [x], [y], [weights])
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+    fp32 = model([helper.make_node("Conv", ["x", "w"], ["c"], name="stem"),
+                  helper.make_node("Clip", ["c"], ["y"], name="clip")])
+    candidate = model([helper.make_node("QuantizeLinear", ["x", "s", "z"], ["xq"], name="q"),
+                       helper.make_node("DequantizeLinear", ["xq", "s", "z"], ["xd"], name="dq"),
+                       helper.make_node("Conv", ["xd", "w"], ["y"], name="c_fused")])
+    pairs = node_tensors(fp32, candidate, ["c_fused"])
+    assert [(p.fp32, p.candidate) for p in pairs["c_fused"].outputs] == [("y", "y")]
+    assert [(p.fp32, p.candidate) for p in pairs["c_fused"].inputs] == [("x", "x")]  # before its Q/DQ pair
