@@ -61,7 +61,9 @@ class SensitivityRecord:
     nodes: int  # nodes ranked
     seconds: float  # the ranking alone
     kept: int | None  # nodes the guard kept in higher precision; None: no mix met the tolerance
-    peak_rss_mib: float | None  # this process's peak RSS so far when the guard ended (monotonic)
+    # This process's peak RSS so far (monotonic): the INT8 guard reads it when it ends (search included), the
+    # FP16 guard when its ranking ends (before its search).
+    peak_rss_mib: float | None
     # One pass asked for, but its search found no mix: the exhaustive ranking ran too, and its search decided.
     escalated: bool = False
 
