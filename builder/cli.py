@@ -559,8 +559,9 @@ def _serve(args: argparse.Namespace) -> int:
         return 0
     server.start(timeout=args.timeout)
     assert server.process is not None
+    # Flushed: whoever reads a piped stdout (a supervisor, a test) learns the server is up now, not at exit.
     print(f"tritonserver ready: http :{ports.http}, grpc :{ports.grpc}, metrics :{ports.metrics}; "
-          "Ctrl-C stops it")
+          "Ctrl-C stops it", flush=True)
     if note:
         print(note, flush=True)
     try:
