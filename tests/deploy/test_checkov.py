@@ -22,6 +22,9 @@ OVERLAYS = ROOT / "deploy" / "kubernetes" / "overlays"
 ALL_OVERLAYS = sorted(p.name for p in OVERLAYS.iterdir() if (p / "kustomization.yaml").is_file())
 TOOL = ROOT / ".tools" / "checkov" / "bin" / "checkov"
 
+# About 30 s per scan: `make test` and `make scan` run them, the fast tier (`make test-fast`) does not.
+pytestmark = pytest.mark.slow
+
 
 def checkov() -> list[str]:
     if importlib.util.find_spec("checkov") is not None:
