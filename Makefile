@@ -151,7 +151,7 @@ test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -q -m "gpu or tensorrt" tests
 
 lint: $(STAMP) .typestubs/.installed
-	$(BIN)/ruff check builder client tests bench
+	$(BIN)/ruff check builder client common tests bench
 	$(BIN)/mypy
 
 bench: $(STAMP)

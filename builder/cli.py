@@ -32,8 +32,8 @@ from builder.spec import (
 from builder.spec.enums import GuardSensitivity
 from builder.spec.names import name_from_path
 from builder.spec.shapes import DEFAULT_BATCH, Shape, ShapeRange, combine, parse_shapes, parse_value_range
-from client import progress
-from client.logs import active_log_file, close_log_file, configure_logging, default_log_file, native_stderr_to_log
+from common import progress
+from common.logs import active_log_file, close_log_file, configure_logging, default_log_file, native_stderr_to_log
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -610,8 +610,8 @@ def _verify(args: argparse.Namespace) -> int:
     from builder.serving.exposure import client_key
     from builder.serving.triton_server import dead_server_lines
     from builder.serving.verify import check_models, expected_archive, npz_bytes, table_lines
-    from client.files import write_atomic
     from client.protocol import Protocol
+    from common.files import write_atomic
 
     if args.save is not None and args.save.suffix != ".npz":
         raise ManifestError(f"--save {args.save}: expected a path ending in .npz")

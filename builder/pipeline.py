@@ -38,8 +38,8 @@ from builder.steps.context import EVAL_BATCH, LevelSamples, ModelContext, Varian
 from builder.steps.results import VariantResult
 from builder.steps.speed import Meter
 from builder.steps.variant import build_variant
-from client.choices import Choice
-from client.files import write_json
+from common.choices import Choice
+from common.files import write_json
 
 log = logging.getLogger(__name__)
 

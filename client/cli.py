@@ -8,7 +8,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from client import progress
 from client.admin_key import KEY_ENV, request_headers
 from client.compression import ALGORITHMS
 from client.engine import DEFAULT_MAX_INFLIGHT, Distribution, LoadLevel, Measurement
@@ -16,7 +15,6 @@ from client.errors import PerfClientError, RunAborted
 from client.html_report import write_html
 from client.inputs import InputData, parse_shapes
 from client.intervals import load_intervals
-from client.logs import configure_logging
 from client.plot import plot
 from client.power import PowerSource, parse_gpus
 from client.protocol import REQUEST_TIMEOUT_S, Protocol
@@ -27,6 +25,8 @@ from client.tls import Tls
 from client.validate import ATOL as VALIDATE_ATOL
 from client.validate import RTOL as VALIDATE_RTOL
 from client.validate import ValidateOptions
+from common import progress
+from common.logs import configure_logging
 
 
 @dataclass(frozen=True)
@@ -326,7 +326,7 @@ def _write_outputs(config: CliConfig, rows: list[ModelResult], error: str | None
 
 
 def _measure(config: CliConfig) -> list[ModelResult]:
-    # The session shows each level's windows through client.progress: a live bar on a terminal,
+    # The session shows each level's windows through common.progress: a live bar on a terminal,
     # plain lines in a log, nothing with -q or --no-progress.
     progress.configure(progress.pick_mode(sys.stderr, enabled=config.progress))
     try:

@@ -17,7 +17,6 @@ from typing import Protocol
 
 import numpy as np
 
-from client.choices import Choice
 from client.errors import PerfClientError
 from client.intervals import RequestIntervals
 from client.power import Meter, PowerFigures, PowerSource, Reading, window_power
@@ -25,6 +24,7 @@ from client.protocol import TRANSPORT_ERRORS, Connection, Prepared, error_kind
 from client.server_stats import ServerBreakdown, ServerStats, server_breakdown
 from client.stats import Records, Tally, Window, close, is_stable, merge
 from client.validate import MISMATCH
+from common.choices import Choice
 
 log = logging.getLogger(__name__)
 

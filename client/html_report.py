@@ -17,10 +17,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from client.files import write_atomic
 from client.plot import latency_figure, power_figure
 from client.report import result_dict
 from client.session import ModelResult, SessionConfig
+from common.files import write_atomic
 
 # Packages whose versions decide what perfclient measured (the transport, the event loop, the numbers).
 PACKAGES = ("trt-serve-kit", "tritonclient", "grpcio", "aiohttp", "hpack", "uvloop", "numpy", "nvidia-ml-py",

@@ -10,10 +10,10 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from client.choices import Choice
-from client.datatypes import numpy_dtype
 from client.errors import PerfClientError
 from client.protocol import ModelMeta
+from common.choices import Choice
+from common.datatypes import numpy_dtype
 
 # Distinct payloads rotated through, so a cache or a branch predictor never sees one request only.
 _PAYLOADS = 8

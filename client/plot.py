@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from client.files import write_atomic
 from client.session import ModelResult
+from common.files import write_atomic
 
 
 def _figure(width: float) -> Any:

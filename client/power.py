@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from client.choices import Choice
+from common.choices import Choice
 
 log = logging.getLogger(__name__)
 

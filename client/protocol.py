@@ -25,7 +25,6 @@ import grpc
 from numpy.typing import NDArray
 from tritonclient.utils import InferenceServerException
 
-from client.choices import Choice
 from client.compression import ALGORITHMS, compress, decompress
 from client.errors import PerfClientError
 from client.grpc_h2 import Channel as GrpcH2Channel
@@ -43,6 +42,7 @@ from client.wire import (
     http_infer_outputs,
     http_infer_request,
 )
+from common.choices import Choice
 
 if TYPE_CHECKING:  # client.validate imports this module
     from client.validate import Check

@@ -13,12 +13,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from client import files
 from client.engine import LevelResult
 from client.power import PowerFigures
 from client.server_stats import ServerBreakdown
 from client.session import ModelResult, SessionConfig
 from client.stats import Latency
+from common import files
 
 # perf_analyzer's `-f FILE --verbose-csv` columns (its default CSV is the first 13), so existing tooling reads it.
 CSV_COLUMNS = [

@@ -26,7 +26,6 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from client import progress as progress_display
 from client.arrivals import arrivals_seed, inputs_seed, random_seed
 from client.engine import (
     Abort,
@@ -68,6 +67,7 @@ from client.stats import Latency, Window, latency_summary
 from client.tls import Tls
 from client.validate import Check, Expected, ValidateOptions, load_expected, validated_payloads
 from client.workers import ProcessPool
+from common import progress as progress_display
 
 __all__ = [
     "Distribution", "InputData", "InputKind", "Latency", "LevelResult", "LoadLevel", "Measurement", "ModelResult",

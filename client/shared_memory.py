@@ -34,10 +34,10 @@ import numpy as np
 from numpy.typing import NDArray
 
 from client import cuda_memory
-from client.choices import Choice
-from client.datatypes import numpy_dtype
 from client.errors import PerfClientError
 from client.wire import ShmLayout, ShmRef
+from common.choices import Choice
+from common.datatypes import numpy_dtype
 
 log = logging.getLogger(__name__)
 

@@ -19,10 +19,10 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from client.datatypes import numpy_dtype
 from client.errors import PerfClientError
 from client.inputs import from_samples, sample_slices
 from client.protocol import ModelMeta
+from common.datatypes import numpy_dtype
 
 # The tolerances of `trtbuild verify` (which imports them) and of --validate: the server batches requests differently
 # from the local run (dynamic batching, other batch sizes), which may pick other kernels and sum in

@@ -20,7 +20,7 @@ from google.protobuf.message import DecodeError
 from numpy.typing import NDArray
 from tritonclient.grpc import service_pb2
 
-from client.datatypes import numpy_dtype, triton_datatype
+from common.datatypes import numpy_dtype, triton_datatype
 
 # The gRPC method a raw (serializer-less) channel call targets.
 GRPC_INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"

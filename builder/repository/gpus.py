@@ -18,7 +18,7 @@ from tritonclient.grpc import model_config_pb2
 from builder.errors import BuilderError
 from builder.repository.lock import repository_lock
 from builder.repository.triton_config import parse, to_text
-from client.files import write_atomic
+from common.files import write_atomic
 
 log = logging.getLogger(__name__)
 

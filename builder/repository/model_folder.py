@@ -17,7 +17,7 @@ from builder.repository import triton_config
 from builder.repository.triton_config import ConfigInputs, TritonBackend
 from builder.repository.untrusted import MAX_RECORD_BYTES, UnsafeInput, inside, read_text
 from builder.spec.shapes import ModelShapes
-from client.files import write_atomic, write_json
+from common.files import write_atomic, write_json
 
 RECORD = "build.json"
 CONFIG = "config.pbtxt"

@@ -12,7 +12,7 @@ from builder.spec.dtypes import to_triton_config
 from builder.spec.enums import ServingBackend
 from builder.spec.model import DimRange, ServingSpec, TensorSpec
 from builder.spec.shapes import ModelShapes
-from client.choices import Choice
+from common.choices import Choice
 
 
 class TritonBackend(Choice):

@@ -21,8 +21,8 @@ from builder.repository.triton_config import BackendConfig, InstanceKind, Triton
 from builder.runtimes.base import CompileTarget, Outputs
 from builder.runtimes.onnxruntime import run_session
 from builder.spec.enums import ServingBackend
-from client.choices import Choice
-from client.logs import active_log_file
+from common.choices import Choice
+from common.logs import active_log_file
 
 _RUNNER: Any = python_model  # untyped: the file Triton's python backend imports, which imports nothing of ours
 

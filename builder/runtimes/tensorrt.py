@@ -26,7 +26,7 @@ from builder.runtimes.tensorrt_plan import (
     timing_cache_name,
     warmup_inputs,
 )
-from client import progress
+from common import progress
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ from builder.errors import BuilderError
 from builder.runtimes.tensorrt_plan import HardwareCompatibility, ProfileShapes, TrtBuildOptions
 from builder.steps.samples import feeds as sample_feeds
 from builder.steps.samples import join as join_outputs
-from client.files import write_atomic
-from client.logs import active_log_file
+from common.files import write_atomic
+from common.logs import active_log_file
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ def _network_flags() -> int:
 
 def _messages() -> str:
     """Where TensorRT's own messages went: its logger writes to the native stderr, which a build sends to
-    its log file (client.logs); the variant ONNX's path is a temporary one and is not named."""
+    its log file (common.logs); the variant ONNX's path is a temporary one and is not named."""
     build_log = active_log_file()
     return f"TensorRT's messages: {build_log}" if build_log is not None else "TensorRT's messages are on stderr"
 

@@ -12,7 +12,7 @@ from builder.errors import ManifestError
 from builder.spec.dtypes import to_triton_config
 from builder.spec.model import TensorSpec
 from builder.spec.shapes import ModelShapes
-from client.choices import Choice
+from common.choices import Choice
 
 
 class HardwareCompatibility(Choice):

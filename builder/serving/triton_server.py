@@ -39,9 +39,9 @@ from builder.repository.lock import LockBusy, exclusive, repository_lock
 from builder.repository.staging import clear_leftovers, leftovers
 from builder.repository.untrusted import check_tree
 from builder.serving.exposure import Exposure, has_open, hide_key_once_parsed
-from client import progress
-from client.choices import Choice
-from client.files import copy_atomic, write_json
+from common import progress
+from common.choices import Choice
+from common.files import copy_atomic, write_json
 
 log = logging.getLogger(__name__)
 

@@ -29,11 +29,11 @@ from builder.spec.names import variant_name
 from builder.spec.shapes import ModelShapes, ValueRange, for_model
 from builder.steps import onnx_model
 from builder.steps import samples as samples_mod
-from client import progress
 from client.admin_key import key_header
-from client.datatypes import triton_datatype
 from client.protocol import Protocol
 from client.validate import ATOL, RTOL  # one pair of tolerances for verify and perfclient --validate
+from common import progress
+from common.datatypes import triton_datatype
 
 log = logging.getLogger(__name__)
 

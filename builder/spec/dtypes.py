@@ -1,5 +1,5 @@
 """Element types: numpy names (what models.toml and the data use), ONNX element types, and Triton's
-datatypes (from `client.datatypes`, the one table of Triton names)."""
+datatypes (from `common.datatypes`, the one table of Triton names)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import numpy as np
 import onnx
 
 from builder.errors import ManifestError
-from client.datatypes import NUMPY_NAMES, triton_datatype
+from common.datatypes import NUMPY_NAMES, triton_datatype
 
 _ONNX: dict[str, int] = {
     "float32": onnx.TensorProto.FLOAT,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from client.choices import Choice
+from common.choices import Choice
 
 
 class Precision(Choice):

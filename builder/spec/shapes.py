@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from builder.errors import ManifestError
-from client.choices import Choice
+from common.choices import Choice
 
 if TYPE_CHECKING:
     from builder.spec.model import ModelSpec, TensorSpec

@@ -34,7 +34,7 @@ import tomlkit
 from builder.errors import ManifestError
 from builder.repository.untrusted import MAX_TUNED_BYTES, read_text
 from builder.spec.names import check_model_name
-from client.files import write_atomic
+from common.files import write_atomic
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -16,7 +16,7 @@ from numpy.typing import NDArray
 from builder.errors import last_line
 from builder.runtimes.onnxruntime import ORT_ERRORS, run_file
 from builder.steps import onnx_model
-from client import progress
+from common import progress
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from builder.spec.model import ModelSpec
 from builder.spec.shapes import for_model
 from builder.steps import onnx_model
 from builder.steps.samples import resolve
-from client import progress
+from common import progress
 
 log = logging.getLogger(__name__)
 

@@ -43,7 +43,7 @@ from builder.steps.onnx_model import copy_model, save, sha256_model
 from builder.steps.precision import Fp16Settings, to_fp16
 from builder.steps.resources import peak_rss_mib
 from builder.steps.sensitivity import FIGURES, SensitivityRecord, one_pass
-from client import progress
+from common import progress
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from builder.steps import accuracy, onnx_model, precision, samples
 from builder.steps.accuracy import Metrics
 from builder.steps.resources import peak_rss_mib
 from builder.steps.sensitivity import FIGURES, SensitivityRecord, one_pass
-from client import progress
+from common import progress
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from builder.errors import ManifestError, OnnxModelError
 from builder.spec.dtypes import from_onnx
 from builder.spec.model import TensorSpec
 from builder.spec.shapes import Level, ModelShapes, ValueRange, format_shape
-from client.files import copy_atomic
+from common.files import copy_atomic
 
 if TYPE_CHECKING:
     from numpy.typing import NDArray

@@ -36,8 +36,8 @@ from builder.spec.model import CalibrationSpec
 from builder.spec.settings import default_cache_dir
 from builder.steps import onnx_model
 from builder.steps import samples as sample_sets
-from client import progress
-from client.logs import active_log_file
+from common import progress
+from common.logs import active_log_file
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ QUANTIZER_TIMEOUT_S = float(os.environ.get("TRTBUILD_QUANTIZER_TIMEOUT_S", "3600
 
 def failure_log(what: str, output: str, exc: BaseException | None) -> Path | str:
     """Write a tool's captured output (and the exception's traceback) where the one-line error names it:
-    the build log when the CLI keeps one (client.logs), else a file of its own under the cache; where no
+    the build log when the CLI keeps one (common.logs), else a file of its own under the cache; where no
     log can be written, say why instead (the tool's failure is the error to report)."""
     trace = "".join(traceback.format_exception(exc)) if exc is not None else ""
     text = f"{what}\n\n--- tool output ---\n{output}\n--- exception ---\n{trace}"

@@ -38,7 +38,7 @@ from numpy.typing import NDArray
 from builder.runtimes.onnxruntime import ort_session
 from builder.spec.enums import GuardSensitivity
 from builder.steps import samples as sample_sets
-from client import progress
+from common import progress
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from builder.steps.fp16_guard import guard_fp16
 from builder.steps.guard import guard_int8
 from builder.steps.onnx_model import copy_model, default_opset, sha256_model
 from builder.steps.results import VariantResult
-from client import progress
+from common import progress
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from builder.spec.tuned import TunedServing
 from builder.tuning.objective import Objective
 from builder.tuning.points import Point, Result, apply, mean_throughput, worst_p99
 from builder.tuning.strategies import Search
-from client.files import write_atomic
+from common.files import write_atomic
 
 log = logging.getLogger(__name__)
 

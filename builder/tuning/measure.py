@@ -17,10 +17,11 @@ from builder.tuning.control import Rejected
 from builder.tuning.energy import power_source
 from builder.tuning.points import Point, Result
 from builder.tuning.targets import LocalTarget, RemoteTarget, ServerDied, Target
-from client import progress, session
+from client import session
 from client.engine import LoadLevel, Measurement
 from client.errors import PerfClientError
 from client.session import ModelResult
+from common import progress
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from builder.tuning.points import Point, Result, mean_p99, mean_throughput, worst_p99
-from client.choices import Choice
+from common.choices import Choice
 
 
 class Goal(Choice):

@@ -10,7 +10,7 @@ from builder.tuning.page import html_report
 from builder.tuning.plot import plot_png
 from builder.tuning.points import Point, Result
 from builder.tuning.report import TuneReport
-from client.files import write_atomic, write_json
+from common.files import write_atomic, write_json
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from builder.tuning.objective import Goal, Objective
 from builder.tuning.points import Point, Result, Space, energy_note, mean_throughput, worst_p99
 from builder.tuning.strategies import Search
-from client.choices import Choice
+from common.choices import Choice
 
 log = logging.getLogger(__name__)
 

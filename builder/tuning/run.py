@@ -22,7 +22,7 @@ from builder.tuning.points import Point, Space, mean_throughput, point_of, worst
 from builder.tuning.report import Comparison, Contender, TuneReport, explain, report_points
 from builder.tuning.strategies import Search, strategy
 from builder.tuning.targets import LocalTarget, RemoteTarget, Target, read_configs
-from client import progress
+from common import progress
 
 log = logging.getLogger(__name__)
 

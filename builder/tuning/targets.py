@@ -21,7 +21,7 @@ from builder.repository.untrusted import MAX_CONFIG_BYTES, check_tree, read_text
 from builder.serving.triton_server import ModelControl, Ports, TritonServer, exit_text, free_ports
 from builder.tuning.control import Endpoints, Http, Rejected
 from builder.tuning.points import Point, apply
-from client.files import write_atomic
+from common.files import write_atomic
 
 log = logging.getLogger(__name__)
 

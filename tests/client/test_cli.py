@@ -19,10 +19,10 @@ import pytest
 from client.cli import main, parse_config
 from client.engine import Distribution, LoadLevel
 from client.inputs import InputKind
-from client.logs import configure_logging
 from client.power import PowerSource
 from client.protocol import Protocol
 from client.report import CSV_COLUMNS
+from common.logs import configure_logging
 from tests.helpers.servers import Endpoints, PrivateServer
 from tests.helpers.waiting import wait_until
 

@@ -6,7 +6,7 @@ import io
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from client import progress
+from common import progress
 
 
 @contextmanager

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from builder.tuning.strategies import grid, hill, tpe
 from builder.tuning.strategies.base import Strategy
-from client.choices import Choice
+from common.choices import Choice
 
 
 class Search(Choice):

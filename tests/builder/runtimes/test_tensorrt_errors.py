@@ -14,7 +14,7 @@ import pytest
 
 from builder.errors import BuilderError
 from builder.runtimes.tensorrt_plan import ProfileShapes, TrtBuildOptions
-from client.logs import close_log_file, configure_logging
+from common.logs import close_log_file, configure_logging
 
 
 class _ParserError:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from builder.serving.triton_server import Ports, TritonServer, free_ports
-from client import progress
+from common import progress
 
 
 @pytest.mark.server

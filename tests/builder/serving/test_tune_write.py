@@ -56,14 +56,14 @@ def test_a_winner_that_cannot_be_recorded_leaves_the_repository_as_it_was(repo_c
 CRASH = """
 import os, sys
 from pathlib import Path
-import client.files
+import common.files
 from builder.tuning.journal import write_winner
 from builder.tuning.points import Point
 from builder.spec.tuned import TunedServing
 
 repository, toml, kill_after = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
 renames = []
-real = client.files._write
+real = common.files._write
 
 def dying(path, fill):
     real(path, fill)
@@ -72,7 +72,7 @@ def dying(path, fill):
     if len(renames) == kill_after:
         os._exit(9)
 
-client.files._write = dying
+common.files._write = dying
 point = Point("mlp_fp32", 4, 500, 2)
 write_winner(repository, point, tuned=TunedServing("mlp", point.variant, 4, 500, 2), tuned_toml=toml)
 """

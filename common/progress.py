@@ -1,6 +1,6 @@
 """Progress of long work, for library code that knows nothing about terminals.
 
-    from client import progress
+    from common import progress
     with progress.task("calibrating efficientnet_lite0_int8") as t:       # unknown length: a spinner
         ...
     with progress.task("guard sensitivity", total=len(nodes)) as t:
@@ -41,7 +41,7 @@ from rich.progress import (
 )
 from rich.table import Column
 
-from client.choices import Choice
+from common.choices import Choice
 
 __all__ = ["ENV", "Mode", "Task", "configure", "echo", "mode", "pick_mode", "task"]
 
@@ -232,7 +232,7 @@ _LIVE_MAX_WIDTH = 120  # a wider terminal gets a 120-column display, not bars sp
 
 class _TerminalConsole(Console):
     """A console as wide as the terminal it writes to. rich measures descriptors 0, 1 and 2, which during a
-    build are the log file (descriptor 2, see client.logs) and maybe a pipe or /dev/null: it then assumes
+    build are the log file (descriptor 2, see common.logs) and maybe a pipe or /dev/null: it then assumes
     80 columns whatever the terminal's real width."""
 
     @property
@@ -277,7 +277,7 @@ class _Live:
     tasks leave the screen (the CLI prints its own summary)."""
 
     def __init__(self, stream: TextIO | None) -> None:
-        # Without a file, rich writes to whatever sys.stderr is at the time (see client.logs).
+        # Without a file, rich writes to whatever sys.stderr is at the time (see common.logs).
         self.console = _TerminalConsole(file=stream, stderr=stream is None)
         self.progress: Progress | None = None
         self.open = 0

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from client.choices import Choice
+from common.choices import Choice
 
 
 class Colour(Choice):

@@ -10,8 +10,8 @@ from typing import BinaryIO
 
 import pytest
 
-from client import files
-from client.files import copy_atomic, write_atomic, write_json
+from common import files
+from common.files import copy_atomic, write_atomic, write_json
 
 
 def test_written_files_have_the_umask_mode_and_no_leftovers(tmp_path: Path) -> None:

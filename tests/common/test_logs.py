@@ -1,4 +1,4 @@
-"""client.logs: libraries' lines (Python logging, warnings, native writes to fd 2) go to the log file,
+"""common.logs: libraries' lines (Python logging, warnings, native writes to fd 2) go to the log file,
 not the terminal, unless -v; ours reach the terminal at the level the flags set."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from client import progress
-from client.logs import active_log_file, close_log_file, configure_logging, native_stderr_to_log
+from common import progress
+from common.logs import active_log_file, close_log_file, configure_logging, native_stderr_to_log
 from tests.helpers.tiny_models import mlp_onnx
 
 

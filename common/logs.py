@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from client import progress
+from common import progress
 
 _FORMAT = "%(levelname)s %(name)s: %(message)s"
 _FILE_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"

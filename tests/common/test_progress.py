@@ -1,4 +1,4 @@
-"""client.progress: plain lines off a terminal, a live display on one, nothing with -q or by default."""
+"""common.progress: plain lines off a terminal, a live display on one, nothing with -q or by default."""
 
 from __future__ import annotations
 
@@ -17,13 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from client import progress
-from client.cli import main as perfclient
-from tests.helpers.servers import Endpoints
+from common import progress
 from tests.helpers.tiny_models import mlp_onnx
 from tests.helpers.waiting import wait_until
-
-QUICK = ["--measurement-interval", "300", "--max-trials", "3", "--stability-percentage", "60", "--warmup", "5"]
 
 
 @pytest.fixture(autouse=True)
@@ -200,21 +196,6 @@ def test_live_display_on_a_terminal_draws_and_clears() -> None:
     assert "\x1b[" in drawn  # cursor control: the bar is redrawn in place, then removed
 
 
-def test_perfclient_prints_window_progress_off_a_terminal(endpoints: Endpoints,
-                                                         capsys: pytest.CaptureFixture[str]) -> None:
-    assert perfclient(["-m", "mlp_fp32", "-u", endpoints.grpc, *QUICK]) == 0
-    err = capsys.readouterr().err.splitlines()
-    assert "[start] mlp_fp32 concurrency 1: windows (3 steps)" in err
-    assert any(line.startswith("[done] mlp_fp32 concurrency 1: windows (") for line in err), err
-
-
-def test_perfclient_quiet_prints_no_progress(endpoints: Endpoints, capsys: pytest.CaptureFixture[str]) -> None:
-    assert perfclient(["-m", "mlp_fp32", "-u", endpoints.grpc, *QUICK, "-q"]) == 0
-    captured = capsys.readouterr()
-    assert not any(line.startswith("[") for line in captured.err.splitlines()), captured.err
-    assert "mlp_fp32" in captured.out  # the table still prints
-
-
 def test_trtbuild_prints_plain_progress_when_piped_and_none_with_quiet(tmp_path: Path) -> None:
     """A real build in a fresh interpreter with stderr piped, progress chosen by the terminal check."""
     model = mlp_onnx(tmp_path / "mlp.onnx")
@@ -313,13 +294,3 @@ def test_live_display_is_as_wide_as_its_terminal_not_as_descriptor_2(monkeypatch
     assert "INT8 guard: sensitivity, one node quantized" in wide, wide
     assert "/blocks/blocks.2/conv/Conv" in wide, wide
     assert 80 < len(wide.rstrip()) <= 120, wide
-
-
-def test_perfclient_simultaneous_prints_each_models_window_progress(endpoints: Endpoints,
-                                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    """Models loaded at once get one progress task counting all their windows (it printed none)."""
-    assert perfclient(["-m", "mlp_fp32", "-m", "mlp_int8", "--simultaneous", "-u", endpoints.grpc,
-                       "--power-source", "none", *QUICK]) == 0
-    err = capsys.readouterr().err.splitlines()
-    assert "[start] 2 models concurrency 1: windows (6 steps)" in err, err
-    assert any(line.startswith("[done] 2 models concurrency 1: windows (") for line in err), err
