@@ -23,6 +23,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from builder.errors import BuilderError
+from builder.repository import onnx_files
 from builder.repository.model_folder import RECORD, read_record
 from builder.runtimes.onnxruntime import ort_session, ort_throughput, run_session
 from builder.spec import (
@@ -34,7 +35,7 @@ from builder.spec import (
     load_manifest,
     variant_name,
 )
-from builder.steps import accuracy, cleanup, onnx_model, precision
+from builder.steps import accuracy, cleanup, precision
 from builder.steps import samples as data
 
 
@@ -79,7 +80,7 @@ def recipe_comparison(spec: ModelSpec, samples: dict[str, NDArray[Any]], threads
                 cal_spec = replace(spec.calibration, recipe=recipe, method=method)
                 out = work / f"int8_{recipe}_{method}.onnx"
                 try:
-                    precision.to_int8(fp32, fp32_sha=onnx_model.sha256_file(fp32), calibration=calib,
+                    precision.to_int8(fp32, fp32_sha=onnx_files.sha256_file(fp32), calibration=calib,
                                       data_digest=data.digest(calib), spec=cal_spec, out_path=out,
                                       cache_dir=default_cache_dir())
                 except BuilderError as exc:

@@ -21,9 +21,11 @@ from typing import Any
 
 from builder import __version__
 from builder.errors import AccuracyError, BuilderError, DataError
+from builder.repository import onnx_files
 from builder.repository.lock import repository_lock
 from builder.repository.model_folder import read_record
 from builder.repository.staging import Staging
+from builder.repository.tuned_serving import layer
 from builder.runtimes.base import Runtime
 from builder.runtimes.onnxruntime import ort_rounds
 from builder.spec.enums import GuardSensitivity, Precision
@@ -31,7 +33,7 @@ from builder.spec.model import ModelSpec
 from builder.spec.names import variant_name
 from builder.spec.settings import default_cache_dir
 from builder.spec.shapes import Level, ModelShapes, for_model
-from builder.spec.tuned import TunedServing, layer
+from builder.spec.tuned import TunedServing
 from builder.steps import cleanup, onnx_model, precision, samples, speed
 from builder.steps.cleanup import SlimReport
 from builder.steps.context import EVAL_BATCH, LevelSamples, ModelContext, VariantContext
@@ -278,8 +280,8 @@ def _source_onnx(spec: ModelSpec, out: Path) -> None:
         export(spec, out)
         return
     assert spec.onnx is not None
-    onnx_model.load(spec.onnx)
-    onnx_model.copy_model(spec.onnx, out)  # with its external data file, if it has one
+    onnx_files.load(spec.onnx)
+    onnx_files.copy_model(spec.onnx, out)  # with its external data file, if it has one
 
 
 def build_model(spec: ModelSpec, options: BuildOptions, staging: Staging) -> ModelResult:
@@ -299,7 +301,7 @@ def build_model(spec: ModelSpec, options: BuildOptions, staging: Staging) -> Mod
         calibration_digest = samples.digest(calibration) if calibration is not None else None
         # What every variant depends on, and each variant's own settings: the digest of both is that variant's
         # build key, and a changed field names the reason. A variant whose key is unchanged is not rebuilt.
-        inputs_record = {"onnx": onnx_model.sha256_model(fp32_path), "evaluation": samples.digest(evaluation),
+        inputs_record = {"onnx": onnx_files.sha256_model(fp32_path), "evaluation": samples.digest(evaluation),
                          "calibration": calibration_digest, "spec": spec_fields(spec),
                          "runtime": {"name": options.runtime.name, **options.runtime.identity()},
                          "recipe": precision.RECIPE_VERSION, "tools": tool_versions()}
@@ -319,7 +321,7 @@ def build_model(spec: ModelSpec, options: BuildOptions, staging: Staging) -> Mod
         # The user's data first, on the graph as given (a size inside the range the graph cannot take):
         # one line here, not a traceback from the clean-up's probe run.
         onnx_model.run_fp32(fp32_path, samples.take(evaluation, 0, 4), eval_batch, what)
-        declared = onnx_model.signature(onnx_model.load(fp32_path), what)  # as the user's graph declares them
+        declared = onnx_model.signature(onnx_files.load(fp32_path), what)  # as the user's graph declares them
         slim_report = cleanup.slim(fp32_path, samples.take(evaluation, 0, 4), batch_size=eval_batch)
         onnx_model.check_runs_at_levels(fp32_path, sig.inputs, shapes, what, value_ranges=spec.input_ranges,
                                         examples=evaluation)
@@ -328,7 +330,7 @@ def build_model(spec: ModelSpec, options: BuildOptions, staging: Staging) -> Mod
         for note in onnx_model.output_shape_notes(declared, reference, batching=shapes.batching):
             log.warning("%s: %s", spec.name, note)
         model = ModelContext(
-            spec=spec, fp32_path=fp32_path, fp32_sha=onnx_model.sha256_model(fp32_path),
+            spec=spec, fp32_path=fp32_path, fp32_sha=onnx_files.sha256_model(fp32_path),
             signature=onnx_model.returned_outputs(declared, reference, batching=shapes.batching),
             evaluation=evaluation, calibration=calibration, calibration_digest=calibration_digest,
             reference=reference, build_key=key, variant_inputs={p: (keys[p], r) for p, r in per_variant.items()},

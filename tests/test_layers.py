@@ -51,26 +51,11 @@ CLIENT_API: dict[str, str] = {
 LAYER_EXCEPTIONS: dict[tuple[str, str], str] = {
     ("builder.errors", "builder.steps.accuracy"):
         "TYPE_CHECKING only: AccuracyError names steps' Violation; the type belongs in errors or spec",
-    ("builder.runtimes.onnxruntime", "builder.steps.onnx_model"):
-        "cycle: copy_model (an ONNX file with its data file) belongs below both, in repository or common",
-    ("builder.runtimes.onnxruntime_cuda", "builder.steps.onnx_model"): "cycle: copy_model, as above",
-    ("builder.runtimes.onnxruntime", "builder.steps.samples"):
-        "a runtime runs the steps' Samples (feeds, join): that data type belongs below runtimes",
-    ("builder.runtimes.tensorrt_engine", "builder.steps.samples"): "as onnxruntime: Samples' feeds and join",
-    ("builder.spec.tuned", "builder.repository.triton_config"):
-        "cycle: tuned.toml's settings are read from and written into config.pbtxt; that half belongs in repository",
-    ("builder.spec.tuned", "builder.repository.untrusted"): "reads tuned.toml with the repository's size limits",
 }
 
 # Function-level imports between project modules outside the CLIs (importer, imported): reason. A new one
 # fails: import at module level, or fix the cycle it would hide.
 FUNCTION_LEVEL: dict[tuple[str, str], str] = {
-    ("builder.runtimes.onnxruntime", "builder.steps.onnx_model"): "hides the onnx_model <-> onnxruntime cycle",
-    ("builder.runtimes.onnxruntime_cuda", "builder.steps.onnx_model"): "hides the same cycle",
-    ("builder.steps.onnx_model", "builder.runtimes.onnxruntime"): "the other half of that cycle",
-    ("builder.steps.onnx_model", "builder.errors"): "imported beside the cycle's import, not needed lazily",
-    ("builder.steps.onnx_model", "builder.steps.samples"): "imported beside the cycle's import",
-    ("builder.spec.tuned", "builder.repository.triton_config"): "hides the spec <-> repository cycle",
     ("builder.runtimes", "builder.runtimes.tensorrt"): "cost: only --runtime tensorrt imports tensorrt",
     ("builder.runtimes.tensorrt", "builder.runtimes.tensorrt_engine"): "cost: tensorrt itself, at construction",
     ("builder.pipeline", "builder.steps.export"): "cost: export imports torch, only for a model with a source",

@@ -33,7 +33,7 @@ import numpy as np
 import tomllib
 from numpy.typing import NDArray
 
-from builder.steps.onnx_model import sha256_file
+from builder.repository.onnx_files import sha256_file
 
 ROOT = Path(__file__).resolve().parents[2]
 LIST = Path(__file__).with_name("corpus.toml")

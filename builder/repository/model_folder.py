@@ -15,8 +15,8 @@ from tritonclient.grpc import model_config_pb2
 
 from builder.repository import triton_config
 from builder.repository.triton_config import ConfigInputs, TritonBackend
-from builder.repository.untrusted import MAX_RECORD_BYTES, UnsafeInput, inside, read_text
 from builder.spec.shapes import ModelShapes
+from builder.spec.untrusted import MAX_RECORD_BYTES, UnsafeInput, inside, read_text
 from common.files import write_atomic, write_json
 
 RECORD = "build.json"

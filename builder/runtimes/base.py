@@ -7,11 +7,12 @@ staleness, artifacts carried over from earlier builds, backend settings) stays b
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 from numpy.typing import NDArray
 
 from builder.repository.triton_config import BackendConfig
@@ -19,6 +20,26 @@ from builder.spec.model import DimRange, TensorSpec
 from builder.spec.shapes import ModelShapes, resolve
 
 Outputs = dict[str, NDArray[Any]]
+
+
+def feeds(samples: Mapping[str, NDArray[Any]], batch_size: int | None) -> Iterator[dict[str, NDArray[Any]]]:
+    """What to run, in order: slices of `batch_size` samples; or, for a model that does not batch
+    (`batch_size` None), each sample alone, whole (its leading index dropped)."""
+    count = len(next(iter(samples.values())))
+    if batch_size is None:
+        for index in range(count):
+            # np.require keeps a scalar input 0-d (np.ascontiguousarray would make it [1]).
+            yield {k: np.require(np.asarray(v[index]), requirements="C") for k, v in samples.items()}
+        return
+    for start in range(0, count, batch_size):
+        yield {k: v[start : start + batch_size] for k, v in samples.items()}
+
+
+def join(parts: Mapping[str, list[NDArray[Any]]], batch_size: int | None) -> dict[str, NDArray[Any]]:
+    """The outputs of `feeds` put back together: concatenated batches, or stacked whole samples."""
+    if batch_size is None:
+        return {n: np.stack(chunks) for n, chunks in parts.items()}
+    return {n: np.concatenate(chunks) for n, chunks in parts.items()}
 
 
 @dataclass(frozen=True)

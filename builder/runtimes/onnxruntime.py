@@ -12,11 +12,12 @@ import numpy as np
 import onnxruntime as ort
 from numpy.typing import NDArray
 
+from builder.repository.onnx_files import copy_model
 from builder.repository.triton_config import BackendConfig, InstanceKind, TritonBackend
 from builder.runtimes.base import CompileTarget, Outputs
+from builder.runtimes.base import feeds as sample_feeds
+from builder.runtimes.base import join as join_outputs
 from builder.spec.enums import ServingBackend
-from builder.steps.samples import feeds as sample_feeds
-from builder.steps.samples import join as join_outputs
 
 
 def _ort_errors() -> tuple[type[Exception], ...]:
@@ -110,8 +111,6 @@ class OnnxRuntimeCPU:
         """Nothing to carry: the artifact is rebuilt from the variant ONNX in a copy."""
 
     def compile(self, onnx_path: Path, out_path: Path, target: CompileTarget) -> None:
-        from builder.steps.onnx_model import copy_model
-
         copy_model(onnx_path, out_path)  # with its data file, if it has one
 
     def run(self, artifact: Path, samples: Mapping[str, NDArray[Any]], batch_size: int | None) -> Outputs:

@@ -17,6 +17,7 @@ from numpy.typing import NDArray
 
 from builder.errors import RuntimeUnavailableError
 from builder.repository import python_model
+from builder.repository.onnx_files import copy_model
 from builder.repository.triton_config import BackendConfig, InstanceKind, TritonBackend
 from builder.runtimes.base import CompileTarget, Outputs
 from builder.runtimes.onnxruntime import run_session
@@ -242,8 +243,6 @@ class OnnxRuntimeCUDA:
         """Nothing to carry: the artifact is the variant ONNX itself."""
 
     def compile(self, onnx_path: Path, out_path: Path, target: CompileTarget) -> None:
-        from builder.steps.onnx_model import copy_model
-
         copy_model(onnx_path, out_path)  # with its data file, if it has one (a model over 2 GB)
 
     def run(self, artifact: Path, samples: Mapping[str, NDArray[Any]], batch_size: int | None) -> Outputs:

@@ -19,9 +19,9 @@ import tensorrt as trt
 from numpy.typing import NDArray
 
 from builder.errors import BuilderError
+from builder.runtimes.base import feeds as sample_feeds
+from builder.runtimes.base import join as join_outputs
 from builder.runtimes.tensorrt_plan import HardwareCompatibility, ProfileShapes, TrtBuildOptions
-from builder.steps.samples import feeds as sample_feeds
-from builder.steps.samples import join as join_outputs
 from common.files import write_atomic
 from common.logs import active_log_file
 

@@ -37,8 +37,8 @@ from pathlib import Path
 from builder.errors import BuilderError, ServerError
 from builder.repository.lock import LockBusy, exclusive, repository_lock
 from builder.repository.staging import clear_leftovers, leftovers
-from builder.repository.untrusted import check_tree
 from builder.serving.exposure import Exposure, has_open, hide_key_once_parsed
+from builder.spec.untrusted import check_tree
 from common import progress
 from common.choices import Choice
 from common.files import copy_atomic, write_json

@@ -21,8 +21,10 @@ from numpy.typing import NDArray
 from tritonclient.utils import InferenceServerException
 
 from builder.errors import BuilderError, ServerError
+from builder.repository import onnx_files
 from builder.repository.model_folder import RECORD, read_record
 from builder.runtimes import select
+from builder.runtimes.base import feeds as sample_feeds
 from builder.spec.enums import Precision, RuntimeChoice, Task
 from builder.spec.model import CalibrationSpec, DataSpec, DimRange, ModelSpec, TensorSpec
 from builder.spec.names import variant_name
@@ -124,7 +126,7 @@ def check_variant(repository: Path, name: str, samples: dict[str, NDArray[Any]],
         worst = 0.0
         ok = True
         with _Client(protocol, url, key) as client:
-            for index, feed in enumerate(samples_mod.feeds(samples, step)):
+            for index, feed in enumerate(sample_feeds(samples, step)):
                 got = client.infer(name, {k: np.ascontiguousarray(v) for k, v in feed.items()}, outputs)
                 for out in outputs:
                     want = expected[out][index * batch : (index + 1) * batch] if step else expected[out][index]
@@ -201,7 +203,7 @@ def _signature_inputs(spec: ModelSpec, repository: Path) -> tuple[TensorSpec, ..
         record = read_record(repository / variant_name(spec.name, prec))
         if record is not None and record.artifact.endswith(".onnx"):
             what = f"model {spec.name!r}"
-            return onnx_model.signature(onnx_model.load(repository / record.artifact), what).inputs
+            return onnx_model.signature(onnx_files.load(repository / record.artifact), what).inputs
     raise BuilderError(f"model {spec.name!r}: no evaluation data, no declared inputs and no ONNX artifact in "
                        f"{repository} to make synthetic samples from; expected [model.evaluation] in the manifest")
 

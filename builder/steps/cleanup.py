@@ -14,8 +14,8 @@ import onnx
 from numpy.typing import NDArray
 
 from builder.errors import last_line
+from builder.repository import onnx_files
 from builder.runtimes.onnxruntime import ORT_ERRORS, run_file
-from builder.steps import onnx_model
 from common import progress
 
 log = logging.getLogger(__name__)
@@ -55,13 +55,13 @@ def _slim(path: Path, probe: Mapping[str, NDArray[Any]], batch_size: int | None)
         return SlimReport(applied=False, reason=str(exc))
     candidate = path.with_suffix(".slim.onnx")
     nodes_after = len(slimmed.graph.node)
-    onnx_model.save(slimmed, candidate)  # its weights beside it where they exceed one protobuf
+    onnx_files.save(slimmed, candidate)  # its weights beside it where they exceed one protobuf
     # batch_size None: a model that does not batch runs each probe sample whole.
     reference = run_file(path, probe, batch_size)
     try:
         result = run_file(candidate, probe, batch_size)
     except ORT_ERRORS as exc:  # onnxslim wrote a graph ONNX Runtime rejects: keep the exported one
-        onnx_model.remove_model(candidate)
+        onnx_files.remove_model(candidate)
         log.warning("onnxslim's graph does not run under ONNX Runtime (%s); keeping the exported graph",
                     last_line(exc, 200))
         return SlimReport(applied=False, reason=f"slimmed graph does not run: {type(exc).__name__}",
@@ -70,7 +70,7 @@ def _slim(path: Path, probe: Mapping[str, NDArray[Any]], batch_size: int | None)
     # another shape (onnxslim trusted a declared output shape the graph contradicts) is not kept.
     reshaped = [k for k in reference if k not in result or reference[k].shape != result[k].shape]
     if reshaped:
-        onnx_model.remove_model(candidate)
+        onnx_files.remove_model(candidate)
         name = reshaped[0]
         had, got = list(reference[name].shape), list(result[name].shape) if name in result else "nothing"
         log.warning("onnxslim changed the shape of output %r (%s -> %s); keeping the exported graph", name, had, got)
@@ -80,11 +80,11 @@ def _slim(path: Path, probe: Mapping[str, NDArray[Any]], batch_size: int | None)
                  for k in reference), default=0.0)
     same = all(np.allclose(reference[k], result[k], atol=_ATOL, rtol=_RTOL) for k in reference)
     if not same:
-        onnx_model.remove_model(candidate)
+        onnx_files.remove_model(candidate)
         log.warning("onnxslim changed outputs (max abs diff %.3g); keeping the exported graph", worst)
         return SlimReport(applied=False, reason=f"outputs changed by {worst:.3g}", nodes_before=nodes_before,
                           max_abs_diff=worst)
-    onnx_model.move_model(candidate, path)
-    onnx_model.load(path)
+    onnx_files.move_model(candidate, path)
+    onnx_files.load(path)
     log.debug("onnxslim: %d -> %d nodes (max abs diff %.2g)", nodes_before, nodes_after, worst)
     return SlimReport(applied=True, nodes_before=nodes_before, nodes_after=nodes_after, max_abs_diff=worst)

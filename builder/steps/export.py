@@ -11,6 +11,7 @@ import onnx
 import torch
 
 from builder.errors import BuilderError, ManifestError
+from builder.repository import onnx_files
 from builder.spec.model import ModelSpec
 from builder.spec.shapes import for_model
 from builder.steps import onnx_model
@@ -71,7 +72,7 @@ def export(spec: ModelSpec, out_path: Path) -> onnx.ModelProto:
             )
         except (RuntimeError, TypeError, ValueError) as exc:
             raise BuilderError(f"model {spec.name!r}: ONNX export failed: {exc}") from exc
-    model = onnx_model.load(out_path)
+    model = onnx_files.load(out_path)
     model = onnx_model.infer_shapes(model, f"model {spec.name!r}")
-    onnx_model.save(model, out_path)
+    onnx_files.save(model, out_path)
     return model

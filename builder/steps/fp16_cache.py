@@ -16,7 +16,8 @@ from typing import Any
 
 from numpy.typing import NDArray
 
-from builder.steps import onnx_model, precision, samples
+from builder.repository import onnx_files
+from builder.steps import precision, samples
 
 log = logging.getLogger(__name__)
 
@@ -57,11 +58,11 @@ def cached_conversion(cache_dir: Path, key: str, out: Path,
             settings = None
         if isinstance(settings, dict):
             log.debug("FP16: reusing conversion %s (inputs unchanged)", key[:12])
-            onnx_model.copy_model(model, out)
+            onnx_files.copy_model(model, out)
             return settings, True
     settings = make(out)
     folder.mkdir(parents=True, exist_ok=True)
-    onnx_model.copy_model(out, model)  # the graph first: a record without its graph is never read
+    onnx_files.copy_model(out, model)  # the graph first: a record without its graph is never read
     temporary = record.with_name(f".{record.name}.tmp")
     temporary.write_text(json.dumps(settings, sort_keys=True, default=str), encoding="utf-8")
     temporary.replace(record)

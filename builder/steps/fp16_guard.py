@@ -34,12 +34,12 @@ import onnx
 from numpy.typing import NDArray
 
 from builder.errors import ToolError
+from builder.repository.onnx_files import copy_model, save, sha256_model
 from builder.spec.enums import GuardSensitivity, Precision
 from builder.spec.model import Tolerance
 from builder.steps import accuracy
 from builder.steps.accuracy import Metrics
 from builder.steps.fp16_cache import cached_conversion, feeds_digest, fp16_key
-from builder.steps.onnx_model import copy_model, save, sha256_model
 from builder.steps.precision import Fp16Settings, to_fp16
 from builder.steps.resources import peak_rss_mib
 from builder.steps.sensitivity import FIGURES, SensitivityRecord, one_pass

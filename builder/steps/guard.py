@@ -28,10 +28,12 @@ from typing import Any
 import onnx
 from numpy.typing import NDArray
 
+from builder.repository import onnx_files
+from builder.runtimes.base import feeds as sample_feeds
 from builder.runtimes.onnxruntime import ort_throughput, run_file
 from builder.spec.enums import GuardSensitivity, Precision, Task
 from builder.spec.model import CalibrationSpec, Tolerance
-from builder.steps import accuracy, onnx_model, precision, samples
+from builder.steps import accuracy, precision
 from builder.steps.accuracy import Metrics
 from builder.steps.resources import peak_rss_mib
 from builder.steps.sensitivity import FIGURES, SensitivityRecord, one_pass
@@ -210,7 +212,7 @@ def throughput(path: Path, evaluation: Mapping[str, NDArray[Any]], seconds: floa
                batching: bool = True) -> float:
     """Batch-1 inferences per second under ONNX Runtime on this CPU (a quick cost estimate); one whole
     sample for a model that does not batch."""
-    feed = next(samples.feeds(evaluation, 1 if batching else None))
+    feed = next(sample_feeds(evaluation, 1 if batching else None))
     return ort_throughput(path, feed, seconds=seconds)
 
 
@@ -263,7 +265,7 @@ def guard_int8(*, fp32_path: Path, fp32_sha: str, calibration: Mapping[str, NDAr
     """Replace variant_onnx by the guarded INT8 mix, or by FP16 when none meets the tolerance. `measure`:
     how the gate scores a candidate (all its shape levels), so the search's pick is the one the gate passes."""
     plain = work / "int8_plain.onnx"
-    onnx_model.copy_model(variant_onnx, plain)
+    onnx_files.copy_model(variant_onnx, plain)
     search_dir = work / "guard"
     search_dir.mkdir(exist_ok=True)
     quantize = make_quantizer(fp32_path, fp32_sha, calibration, calibration_digest, cache_dir)
@@ -272,7 +274,7 @@ def guard_int8(*, fp32_path: Path, fp32_sha: str, calibration: Mapping[str, NDAr
                             method=method, fp32=fp32_path, measure=measure)
     fallback = None
     if guarded is not None:
-        onnx_model.copy_model(guarded, variant_onnx)
+        onnx_files.copy_model(guarded, variant_onnx)
     else:
         precision.to_fp16(fp32_path, variant_onnx, feeds=fp16_feeds, what=what)
         fallback = Precision.FP16

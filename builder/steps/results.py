@@ -7,13 +7,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from builder.repository.onnx_files import model_size, sha256_model
 from builder.spec.enums import Precision
 from builder.spec.model import Tolerance
 from builder.steps.accuracy import Metrics
 from builder.steps.context import VariantContext
 from builder.steps.fp16_guard import Fp16GuardReport
 from builder.steps.guard import GuardReport
-from builder.steps.onnx_model import model_size, sha256_model
 from builder.steps.precision import CalibrationResult
 from builder.steps.resources import StepFigures
 from builder.steps.speed import Speed

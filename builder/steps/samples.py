@@ -6,7 +6,7 @@ import hashlib
 import importlib
 import math
 import zipfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -189,26 +189,6 @@ def shape_sets(inputs: tuple[TensorSpec, ...], shapes: ModelShapes, count: int, 
     return {level: synthetic(inputs, shapes, count, seed + i, level=level, value_ranges=value_ranges,
                              integers=integers, what=what)
             for i, level in enumerate(shapes.levels())}
-
-
-def feeds(samples: Mapping[str, NDArray[Any]], batch_size: int | None) -> Iterator[Samples]:
-    """What to run, in order: slices of `batch_size` samples; or, for a model that does not batch
-    (`batch_size` None), each sample alone, whole (its leading index dropped)."""
-    count = len(next(iter(samples.values())))
-    if batch_size is None:
-        for index in range(count):
-            # np.require keeps a scalar input 0-d (np.ascontiguousarray would make it [1]).
-            yield {k: np.require(np.asarray(v[index]), requirements="C") for k, v in samples.items()}
-        return
-    for start in range(0, count, batch_size):
-        yield {k: v[start : start + batch_size] for k, v in samples.items()}
-
-
-def join(parts: Mapping[str, list[NDArray[Any]]], batch_size: int | None) -> dict[str, NDArray[Any]]:
-    """The outputs of `feeds` put back together: concatenated batches, or stacked whole samples."""
-    if batch_size is None:
-        return {n: np.stack(chunks) for n, chunks in parts.items()}
-    return {n: np.concatenate(chunks) for n, chunks in parts.items()}
 
 
 def spatial_axes(sample_shape: tuple[int, ...] | list[int], dtype: str) -> tuple[int, ...]:

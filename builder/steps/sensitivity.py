@@ -35,9 +35,9 @@ import numpy as np
 import onnx
 from numpy.typing import NDArray
 
+from builder.runtimes.base import feeds as sample_feeds
 from builder.runtimes.onnxruntime import ort_session
 from builder.spec.enums import GuardSensitivity
-from builder.steps import samples as sample_sets
 from common import progress
 
 log = logging.getLogger(__name__)
@@ -208,7 +208,7 @@ def one_pass(fp32_path: Path, candidate_path: Path, nodes: Sequence[str], evalua
     try:
         sessions = [ort_session(path) for path in exposed]
         names = [[o.name for o in s.get_outputs()] for s in sessions]
-        feeds = list(sample_sets.feeds(used, batch))
+        feeds = list(sample_feeds(used, batch))
         description = f"{what}: sensitivity, one pass over {len(feeds)} held-out batches"
         with progress.task(description, total=len(feeds)) as bar:
             for feed in feeds:

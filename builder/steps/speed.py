@@ -19,6 +19,7 @@ from typing import Any
 
 from numpy.typing import NDArray
 
+from builder.runtimes.base import feeds as sample_feeds
 from builder.runtimes.onnxruntime import ort_rounds
 from builder.spec.enums import Precision
 from builder.spec.model import TensorSpec
@@ -83,7 +84,7 @@ def opt_feed(inputs: tuple[TensorSpec, ...], shapes: ModelShapes,
                               integers=True)
     if shapes.batching:
         return found, batch
-    return next(samples.feeds(found, None)), 1
+    return next(sample_feeds(found, None)), 1
 
 
 def measure(precision: Precision, variant: Path, fp32: Path, feed: Mapping[str, NDArray[Any]], *, batch: int,

@@ -16,7 +16,8 @@ from typing import Protocol
 import onnx
 
 from builder.errors import AccuracyError, BuilderError, DataError, ToolError, tool_cause
-from builder.repository import model_folder
+from builder.repository import model_folder, onnx_files
+from builder.repository.onnx_files import copy_model, sha256_model
 from builder.repository.triton_config import ConfigInputs
 from builder.runtimes.onnxruntime import ORT_ERRORS, OnnxRuntimeCPU, run_file
 from builder.spec.enums import Precision
@@ -29,7 +30,7 @@ from builder.steps.fp16_fallback import TOOL as FALLBACK_TOOL
 from builder.steps.fp16_fallback import to_fp16_checked
 from builder.steps.fp16_guard import guard_fp16
 from builder.steps.guard import guard_int8
-from builder.steps.onnx_model import copy_model, default_opset, sha256_model
+from builder.steps.onnx_model import default_opset
 from builder.steps.results import VariantResult
 from common import progress
 
@@ -192,8 +193,8 @@ class MeasureSpeed:
             feed, batch = speed.opt_feed(model.signature.inputs, model.input_shapes, model.spec.input_ranges)
             ctx.speed = speed.measure(ctx.precision, ctx.artifact, model.fp32_path, feed, batch=batch,
                                       threads=model.spec.serving.ort_intra_op_threads,
-                                      size=onnx_model.model_size(ctx.artifact),
-                                      fp32_size=onnx_model.model_size(model.fp32_path), meter=model.speed_meter)
+                                      size=onnx_files.model_size(ctx.artifact),
+                                      fp32_size=onnx_files.model_size(model.fp32_path), meter=model.speed_meter)
         except _SPEED_ERRORS as exc:
             log.warning("%s: throughput not measured: %s", ctx.name, tool_cause(exc))
             return

@@ -15,6 +15,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from builder.errors import BuilderError
+from builder.repository import model_folder, tuned_serving
 from builder.repository.lock import repository_lock
 from builder.spec import tuned as tuned_file
 from builder.spec.tuned import TunedServing
@@ -61,12 +62,12 @@ def write_winner(repository: Path, point: Point, *, wait: bool = True, tuned: Tu
     (`recover_interrupted_write`)."""
     with repository_lock(repository, what=f"tune's winner for {point.variant}", wait=wait):
         recover_interrupted_write(repository)
-        target = repository / point.variant / tuned_file.CONFIG
+        target = repository / point.variant / model_folder.CONFIG
         original = target.read_text(encoding="utf-8")
-        built = tuned_file.as_built(target.parent) or tuned_file.serving_of(original)
+        built = tuned_serving.as_built(target.parent) or tuned_serving.serving_of(original)
         new: dict[Path, bytes] = {target: apply(original, point).encode("utf-8")}
         if tuned is not None:
-            new[target.parent / tuned_file.RECORD] = _record_after(target.parent, tuned, built)
+            new[target.parent / model_folder.RECORD] = _record_after(target.parent, tuned, built)
             if tuned_toml is not None:
                 new[tuned_toml.absolute()] = tuned_file.render(tuned_toml, tuned)[1].encode("utf-8")
         previous = {path: path.read_bytes() if path.exists() else None for path in new}
@@ -87,15 +88,15 @@ def write_winner(repository: Path, point: Point, *, wait: bool = True, tuned: Tu
     return target
 
 
-def _record_after(model_dir: Path, tuned: TunedServing, built: tuned_file.Serving) -> bytes:
+def _record_after(model_dir: Path, tuned: TunedServing, built: tuned_serving.Serving) -> bytes:
     """build.json as `record_tuned` would leave it, computed in a scratch folder so that it can be
     journalled before anything in the repository changes."""
     with tempfile.TemporaryDirectory(prefix="trtbuild-tune-record-") as scratch:
-        record = model_dir / tuned_file.RECORD
+        record = model_dir / model_folder.RECORD
         if record.exists():
-            shutil.copyfile(record, Path(scratch) / tuned_file.RECORD)
-        tuned_file.record_tuned(Path(scratch), tuned, built)
-        written = Path(scratch) / tuned_file.RECORD
+            shutil.copyfile(record, Path(scratch) / model_folder.RECORD)
+        tuned_serving.record_tuned(Path(scratch), tuned, built)
+        written = Path(scratch) / model_folder.RECORD
         return written.read_bytes() if written.exists() else b""
 
 

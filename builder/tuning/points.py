@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from builder.spec import tuned as tuned_file
+from builder.repository import tuned_serving
 
 log = logging.getLogger(__name__)
 
@@ -129,15 +129,15 @@ class Space:
 
 Measure = Callable[[Point], list[Result]]
 
-def serving(point: Point) -> tuned_file.Serving:
-    return tuned_file.Serving(point.max_batch_size, point.queue_delay_us, point.instances)
+def serving(point: Point) -> tuned_serving.Serving:
+    return tuned_serving.Serving(point.max_batch_size, point.queue_delay_us, point.instances)
 
 
 def apply(config_text: str, point: Point) -> str:
     """The variant's config with the point's serving settings, through Triton's schema."""
-    return tuned_file.configure(config_text, serving(point))
+    return tuned_serving.configure(config_text, serving(point))
 
 
 def point_of(variant: str, config_text: str) -> Point:
-    s = tuned_file.serving_of(config_text)
+    s = tuned_serving.serving_of(config_text)
     return Point(variant, s.max_batch_size, s.queue_delay_us, s.instances)

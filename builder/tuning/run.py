@@ -10,8 +10,8 @@ from dataclasses import KW_ONLY, dataclass, replace
 from pathlib import Path
 
 from builder.errors import BuilderError, ServerError
+from builder.repository import tuned_serving
 from builder.repository.model_folder import load_shapes
-from builder.spec import tuned as tuned_file
 from builder.tuning.control import Endpoints
 from builder.tuning.energy import require_gpus, require_power
 from builder.tuning.journal import planned_changes, tuned_entry, write_winner
@@ -75,10 +75,10 @@ def tune(config: TuneConfig) -> TuneReport:
     configs = read_configs(config.repository, space.variants)
     # The builder's own settings (build.json keeps them once a tune replaced them): where hill climbing
     # and TPE start, and the "default" of the side-by-side comparison.
-    built = tuned_file.as_built(config.repository / config.default_variant)
+    built = tuned_serving.as_built(config.repository / config.default_variant)
     default = (point_of(config.default_variant, configs[config.default_variant]) if built is None
                else Point(config.default_variant, built.max_batch_size, built.queue_delay_us, built.instances))
-    limit = min(tuned_file.max_batch_limit(config.repository / v) for v in space.variants)
+    limit = min(tuned_serving.max_batch_limit(config.repository / v) for v in space.variants)
     search = strategy(config.search)
     if search.starts_at_default:
         space = space.including(default)  # where hill climbing and TPE start

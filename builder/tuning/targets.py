@@ -17,8 +17,8 @@ from google.protobuf import json_format
 
 from builder.errors import BuilderError, ServerError
 from builder.repository import triton_config
-from builder.repository.untrusted import MAX_CONFIG_BYTES, check_tree, read_text
 from builder.serving.triton_server import ModelControl, Ports, TritonServer, exit_text, free_ports
+from builder.spec.untrusted import MAX_CONFIG_BYTES, check_tree, read_text
 from builder.tuning.control import Endpoints, Http, Rejected
 from builder.tuning.points import Point, apply
 from common.files import write_atomic

@@ -15,9 +15,9 @@ import pytest
 
 from builder.cli import main
 from builder.pipeline import BuildOptions, ModelStatus, build_all
+from builder.repository import onnx_files
 from builder.runtimes.onnxruntime import OnnxRuntimeCPU, run_file
 from builder.spec import CalibrationSpec, DataSpec, DimRange, Int8Recipe, ModelSpec, Precision
-from builder.steps import onnx_model
 from tests.helpers.foreign_models import ForeignModel, external_data
 
 
@@ -34,7 +34,7 @@ def _build(model: ForeignModel, *extra: str) -> int:
 
 def test_over_the_protobuf_limit_every_copy_keeps_its_weights_in_a_data_file(
         model: ForeignModel, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(onnx_model, "PROTOBUF_LIMIT", 1000)  # the weights are 48 kB
+    monkeypatch.setattr(onnx_files, "PROTOBUF_LIMIT", 1000)  # the weights are 48 kB
     assert _build(model) == 0
     held_out = {k: v[-4:] for k, v in np.load(model.calibration).items()}
     reference = run_file(model.onnx, held_out, 4)["y"]
@@ -85,7 +85,7 @@ def test_the_int8_quantizers_keep_the_weights_of_a_model_over_the_limit_in_a_dat
         model: ForeignModel, recipe: Int8Recipe, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     # Over 2 GB a quantizer that writes its result inline fails (ONNX Runtime's writes inline unless told);
     # told, both write a data file beside their output, which the build keeps beside the served model.
-    monkeypatch.setattr(onnx_model, "PROTOBUF_LIMIT", 1000)
+    monkeypatch.setattr(onnx_files, "PROTOBUF_LIMIT", 1000)
     spec = ModelSpec(name="external", onnx=model.onnx, batch=DimRange(1, 8, 16), precisions=(Precision.INT8,),
                      calibration=CalibrationSpec(DataSpec(str(model.calibration), 16), recipe=recipe))
     options = BuildOptions(repository=tmp_path / "repo", runtime=OnnxRuntimeCPU(), cache_dir=tmp_path / "cache")

@@ -16,7 +16,8 @@ import pytest
 
 from builder.cli import main
 from builder.errors import ManifestError
-from builder.spec.tuned import Serving, TunedServing, layer, load_tuned, serving_of
+from builder.repository.tuned_serving import Serving, layer, serving_of
+from builder.spec.tuned import TunedServing, load_tuned
 from tests.helpers.files import snapshot
 from tests.helpers.servers import served as served_requests
 from tests.helpers.tiny_models import mlp_onnx

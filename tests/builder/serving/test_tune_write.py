@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from builder.repository.lock import LOCK_FILE
-from builder.spec.tuned import TunedServing, as_built, load_tuned
+from builder.repository.tuned_serving import as_built
+from builder.spec.tuned import TunedServing, load_tuned
 from builder.tuning.journal import JOURNAL, recover_interrupted_write, write_winner
 from builder.tuning.points import Point, apply, point_of
 from tests.helpers.files import snapshot

@@ -12,6 +12,7 @@ import pytest
 
 from builder.errors import AccuracyError
 from builder.pipeline import BuildOptions, build_all
+from builder.repository.onnx_files import sha256_file
 from builder.runtimes.onnxruntime import OnnxRuntimeCPU, ort_session, run_session
 from builder.spec import (
     CalibrationMethod,
@@ -29,7 +30,6 @@ from builder.steps import accuracy, precision
 from builder.steps.accuracy import Metrics
 from builder.steps.context import ModelContext
 from builder.steps.guard import guard, quantized_nodes
-from builder.steps.onnx_model import sha256_file
 from tests.helpers.tiny_models import mlp_samples, outlier_mlp_onnx
 
 TOLERANCE = Tolerance(cosine_min=0.995)

@@ -3,6 +3,7 @@ from pathlib import Path
 import pytest
 
 from builder.errors import OnnxModelError
+from builder.repository import onnx_files
 from builder.spec import DimRange
 from builder.steps import onnx_model
 from tests.helpers.tiny_models import mlp_onnx, sequence_onnx
@@ -10,20 +11,20 @@ from tests.helpers.tiny_models import mlp_onnx, sequence_onnx
 
 def test_missing_foreign_and_truncated_files_give_one_clear_error(tmp_path: Path) -> None:
     with pytest.raises(OnnxModelError, match="file not found"):
-        onnx_model.load(tmp_path / "nope.onnx")
+        onnx_files.load(tmp_path / "nope.onnx")
     text = tmp_path / "notes.onnx"
     text.write_text("this is not a model\n" * 20)
     with pytest.raises(OnnxModelError, match="not"):
-        onnx_model.load(text)
+        onnx_files.load(text)
     full = mlp_onnx(tmp_path / "mlp.onnx")
     cut = tmp_path / "cut.onnx"
     cut.write_bytes(full.read_bytes()[: full.stat().st_size // 2])
     with pytest.raises(OnnxModelError, match=str(cut)):
-        onnx_model.load(cut)
+        onnx_files.load(cut)
 
 
 def test_signature_reads_dtypes_and_dynamic_dims(tmp_path: Path) -> None:
-    sig = onnx_model.signature(onnx_model.load(sequence_onnx(tmp_path / "seq.onnx")), "seq")
+    sig = onnx_model.signature(onnx_files.load(sequence_onnx(tmp_path / "seq.onnx")), "seq")
     (ids,) = sig.inputs
     assert ids.name == "ids" and ids.dtype == "int64" and ids.shape == ("batch", "seq")
     assert sig.outputs[0].shape == ("batch", 8)
@@ -32,9 +33,9 @@ def test_signature_reads_dtypes_and_dynamic_dims(tmp_path: Path) -> None:
 def test_dims_keep_their_names_and_unnamed_ones_are_minus_one(tmp_path: Path) -> None:
     from tests.helpers.foreign_models import detector, ocr_classifier
 
-    x = onnx_model.signature(onnx_model.load(ocr_classifier(tmp_path).onnx), "ocr").inputs[0]
+    x = onnx_model.signature(onnx_files.load(ocr_classifier(tmp_path).onnx), "ocr").inputs[0]
     assert x.shape == (-1, 3, "?", "?")
-    images = onnx_model.signature(onnx_model.load(detector(tmp_path).onnx), "det").inputs[0]
+    images = onnx_model.signature(onnx_files.load(detector(tmp_path).onnx), "det").inputs[0]
     assert images.shape == ("p2o.DynamicDimension.0", 3, "p2o.DynamicDimension.1", "p2o.DynamicDimension.2")
 
 
@@ -45,8 +46,8 @@ def test_a_model_with_external_data_is_copied_with_its_weights(tmp_path: Path) -
     assert (source.parent / "model.weights").is_file()
     target = tmp_path / "elsewhere" / "copy.onnx"
     target.parent.mkdir()
-    onnx_model.copy_model(source, target)
-    copied = onnx_model.load(target)
+    onnx_files.copy_model(source, target)
+    copied = onnx_files.load(target)
     assert sum(t.ByteSize() for t in copied.graph.initializer) > 64 * 128 * 4
 
 
@@ -55,7 +56,7 @@ def test_the_fp32_graph_is_run_at_min_opt_and_max_shapes(tmp_path: Path) -> None
     from tests.helpers.foreign_models import detector
 
     model = detector(tmp_path)
-    sig = onnx_model.signature(onnx_model.load(model.onnx), "det")
+    sig = onnx_model.signature(onnx_files.load(model.onnx), "det")
     good = resolve(sig.inputs, batch=DimRange(1, 1, 1), batch_given=False, dims={}, what="det", shapes={
         "images": ShapeRange((1, 3, 64, 64), (2, 3, 96, 96), (2, 3, 128, 128), "--opt-shapes")})
     onnx_model.check_runs_at_levels(model.onnx, sig.inputs, good, "model 'det'")
@@ -81,8 +82,8 @@ def test_a_constant_node_s_external_value_is_copied_with_the_model(tmp_path: Pat
     source.parent.mkdir()
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(source),
               save_as_external_data=True, location="const.bin", convert_attribute=True)
-    assert onnx_model.has_external_data(source)
+    assert onnx_files.has_external_data(source)
     target = tmp_path / "copy.onnx"
-    onnx_model.copy_model(source, target)
-    copied = onnx_model.load(target)
+    onnx_files.copy_model(source, target)
+    copied = onnx_files.load(target)
     assert numpy_helper.to_array(copied.graph.node[0].attribute[0].t)[0, -1] == 4095.0

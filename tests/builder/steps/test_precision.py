@@ -15,9 +15,9 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from builder.errors import BuilderError, ToolError, tool_cause
+from builder.repository.onnx_files import sha256_file
 from builder.spec import CalibrationMethod, CalibrationSpec, DataSpec, Int8Recipe
 from builder.steps import precision
-from builder.steps.onnx_model import sha256_file
 from tests.helpers.tiny_models import mlp_onnx, mlp_samples
 
 

@@ -2,6 +2,7 @@ import numpy as np
 import pytest
 
 from builder.errors import DataError
+from builder.runtimes.base import feeds, join
 from builder.spec import DimRange, TensorSpec
 from builder.spec.shapes import Level, ModelShapes, ShapeRange, ValueRange, resolve
 from builder.steps import samples as data
@@ -72,9 +73,9 @@ def test_whole_samples_of_a_model_that_does_not_batch() -> None:
     made = data.synthetic(STATE_INPUTS, STATE, 5, 0, level=Level.MAX, value_ranges={"sr": ValueRange(8000, 8000)})
     assert made["state"].shape == (5, 2, 3, 8) and made["sr"].shape == (5,)
     assert data.validate(made, STATE_INPUTS, STATE, "cal") == 5
-    feeds = list(data.feeds(made, None))
-    assert len(feeds) == 5 and feeds[0]["state"].shape == (2, 3, 8) and feeds[0]["sr"].shape == ()
-    joined = data.join({"y": [f["state"] for f in feeds]}, None)
+    whole = list(feeds(made, None))
+    assert len(whole) == 5 and whole[0]["state"].shape == (2, 3, 8) and whole[0]["sr"].shape == ()
+    joined = join({"y": [f["state"] for f in whole]}, None)
     assert np.array_equal(joined["y"], made["state"])
     with pytest.raises(DataError, match=r"expected \[samples, 2, 1..3, 8\] \(one sample per leading index"):
         data.validate({**made, "state": made["state"][:, 0]}, STATE_INPUTS, STATE, "cal")
@@ -82,9 +83,9 @@ def test_whole_samples_of_a_model_that_does_not_batch() -> None:
 
 def test_feeds_in_batches_join_back() -> None:
     made = good(5)
-    parts = list(data.feeds(made, 2))
+    parts = list(feeds(made, 2))
     assert [len(p["x"]) for p in parts] == [2, 2, 1]
-    assert np.array_equal(data.join({"x": [p["x"] for p in parts]}, 2)["x"], made["x"])
+    assert np.array_equal(join({"x": [p["x"] for p in parts]}, 2)["x"], made["x"])
 
 
 def test_synthetic_samples_refuse_a_shape_beyond_memory_and_a_range_beyond_the_dtype() -> None:

@@ -12,12 +12,12 @@ import pytest
 from onnx import helper
 
 from builder.pipeline import BuildOptions, build_all
+from builder.repository.onnx_files import sha256_file
 from builder.runtimes.onnxruntime import OnnxRuntimeCPU
 from builder.spec import CalibrationMethod, CalibrationSpec, DataSpec, GuardSensitivity, Int8Recipe
 from builder.steps import precision
 from builder.steps.fp16_guard import fp16_nodes
 from builder.steps.guard import quantized_nodes
-from builder.steps.onnx_model import sha256_file
 from builder.steps.sensitivity import node_tensors, one_pass
 from tests.builder.steps.test_fp16_guard import offset_model, offset_samples, spec_for
 from tests.helpers.tiny_models import mlp_samples, offset_graph, outlier_mlp_onnx

@@ -11,6 +11,7 @@ import onnx
 import pytest
 
 from builder.errors import AccuracyError
+from builder.repository import onnx_files
 from builder.repository.triton_config import BackendConfig, TritonBackend, parse
 from builder.runtimes.base import CompileTarget
 from builder.runtimes.onnxruntime import OnnxRuntimeCPU, run_file
@@ -29,8 +30,8 @@ def model_context(tmp_path: Path, tolerances: dict[Precision, Tolerance] | None 
                      precisions=(Precision.FP32, Precision.FP16), tolerances=tolerances or {})
     evaluation = mlp_samples(16, seed=3)
     return ModelContext(
-        spec=spec, fp32_path=fp32, fp32_sha=onnx_model.sha256_file(fp32),
-        signature=onnx_model.signature(onnx_model.load(fp32), "m"), evaluation=evaluation, calibration=None,
+        spec=spec, fp32_path=fp32, fp32_sha=onnx_files.sha256_file(fp32),
+        signature=onnx_model.signature(onnx_files.load(fp32), "m"), evaluation=evaluation, calibration=None,
         calibration_digest=None, reference=run_file(fp32, evaluation, 8), build_key="k" * 64,
         inputs_record={"tools": {"builder": "test"}}, work=tmp_path, cache_dir=tmp_path / "cache",
         repository=tmp_path / "repository",
@@ -59,7 +60,7 @@ def test_compile_then_measure_an_fp32_variant_matches_the_reference_exactly(tmp_
     Compile().run(ctx)
     assert ctx.artifact == ctx.version_dir / "model.onnx"
     assert ctx.artifact.read_bytes() == ctx.variant_onnx.read_bytes()
-    assert ctx.variant_sha == onnx_model.sha256_file(ctx.variant_onnx)
+    assert ctx.variant_sha == onnx_files.sha256_file(ctx.variant_onnx)
     Measure().run(ctx)
     assert ctx.metrics is not None and ctx.metrics.max_abs == 0.0 and ctx.metrics.top1_agreement == 1.0
 
@@ -101,7 +102,7 @@ def test_write_model_folder_writes_config_runner_and_record(tmp_path: Path) -> N
     assert (ctx.version_dir / "model.py").read_text().startswith('"""Triton python-backend model')
     record = json.loads((ctx.model_dir / "build.json").read_text())
     assert record["build_key"] == "k" * 64 and record["precision"] == "fp32"
-    assert record["sha256"] == onnx_model.sha256_file(ctx.artifact) and record["accuracy"]["max_abs"] == 0.0
+    assert record["sha256"] == onnx_files.sha256_file(ctx.artifact) and record["accuracy"]["max_abs"] == 0.0
     assert record["accuracy"]["top1_agreement"] == 1.0
 
 

@@ -12,8 +12,8 @@ import pytest
 from builder.cli import main
 from builder.errors import ManifestError
 from builder.repository.model_folder import RECORD, read_record
-from builder.repository.untrusted import MAX_RECORD_BYTES, MAX_TUNED_BYTES, UnsafeInput, check_tree, inside
 from builder.spec.tuned import load_tuned
+from builder.spec.untrusted import MAX_RECORD_BYTES, MAX_TUNED_BYTES, UnsafeInput, check_tree, inside
 from builder.tuning.targets import read_configs
 
 
