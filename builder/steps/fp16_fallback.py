@@ -19,6 +19,8 @@ import onnx
 from numpy.typing import NDArray
 
 from builder.errors import OnnxModelError, ToolError, tool_cause
+from builder.repository import onnx_files
+from builder.runtimes.onnxruntime import ORT_ERRORS
 from builder.steps import onnx_model, precision
 
 log = logging.getLogger(__name__)
@@ -63,14 +65,29 @@ def to_fp16_onnxconverter(fp32_path: Path, out_path: Path, *, what: str) -> dict
     made it FP16; the converter's shape annotations are dropped and inferred again."""
     from onnxconverter_common import float16  # type: ignore[import-untyped]
 
-    block = sorted({*float16.DEFAULT_OP_BLOCK_LIST, *CONTROL_FLOW})
-    model = onnx_model.load(fp32_path)
+    model = onnx_files.load(fp32_path)
+    # Ops of other domains (com.microsoft's DynamicQuantizeLSTM, ...) rarely take FP16: kept in FP32 from the start.
+    custom = {node.op_type for node in model.graph.node if node.domain not in ("", "ai.onnx")}
+    ops = {*float16.DEFAULT_OP_BLOCK_LIST, *CONTROL_FLOW, *custom}
+    nodes: set[str] = set()
     try:
         with _quiet() as sink:
-            converted = float16.convert_float_to_float16(model, keep_io_types=True, op_block_list=block)
-            feed_subgraphs_fp32(converted.graph)
-            converted = onnx_model.refresh_value_info(converted)
-            if converted.ByteSize() < onnx_model.PROTOBUF_LIMIT:
+            for _ in range(MAX_REPAIRS + 1):
+                converted = float16.convert_float_to_float16(onnx_files.load(fp32_path), keep_io_types=True,
+                                                             op_block_list=sorted(ops), node_block_list=sorted(nodes))
+                feed_subgraphs_fp32(converted.graph)
+                converted = onnx_model.refresh_value_info(converted)
+                refused = _type_error(converted)
+                if refused is None:
+                    break
+                op_type, node = refused
+                if op_type is not None and op_type not in ops:
+                    ops.add(op_type)
+                elif node is not None and node not in nodes:
+                    nodes.add(node)
+                else:
+                    break  # blocking cannot mend it: the graph goes to the check, which says why it fails
+            if converted.ByteSize() < onnx_files.PROTOBUF_LIMIT:
                 onnx.checker.check_model(converted)
     except precision.TOOL_ERRORS as exc:
         record = precision.failure_log(f"fp16 onnxconverter-common {what}", sink.getvalue(), exc)
@@ -79,8 +96,48 @@ def to_fp16_onnxconverter(fp32_path: Path, out_path: Path, *, what: str) -> dict
             tool_cause(exc, hide={fp32_path: "the model"})
         raise ToolError(f"{what}: FP16 conversion (onnxconverter-common) failed: {cause[:300]} "
                         f"(full output: {record})") from exc
-    onnx_model.save(converted, out_path)
-    return {"tool": TOOL, "keep_io_types": True, "op_block_list": block}
+    if nodes or ops - {*float16.DEFAULT_OP_BLOCK_LIST, *CONTROL_FLOW}:
+        log.debug("%s: onnxconverter-common's FP16 keeps in FP32 the op types %s and the nodes %s (ONNX Runtime "
+                  "refused their mixed or FP16 inputs)", what, sorted(ops - set(float16.DEFAULT_OP_BLOCK_LIST)),
+                  sorted(nodes))
+    onnx_files.save(converted, out_path)
+    return {"tool": TOOL, "keep_io_types": True, "op_block_list": sorted(ops), "node_block_list": sorted(nodes)}
+
+
+# Rounds of "convert, let ONNX Runtime type-check the graph, keep the node it refuses in FP32": each round
+# mends one node (the converter misjudges the type of a value an If, a custom op or an FP32-only op such as
+# DynamicQuantizeLinear produces, and leaves a node with FP16 and FP32 inputs).
+MAX_REPAIRS = 64
+
+# ONNX Runtime's type errors when it loads a graph: an op that does not take FP16 at all, or a node whose
+# inputs are bound to two types ("Type parameter (T) of Optype (Add) bound to different types ... in node (/Add)").
+_REFUSED_OP = re.compile(r"of operator \((\w+)\) in node")
+_REFUSED_NODE = re.compile(r"Type Error: .* in node \((.*)\)\.?\s*$", re.DOTALL)
+
+
+def _type_error(model: onnx.ModelProto) -> tuple[str | None, str | None] | None:
+    """None where ONNX Runtime loads the graph, else what its type check refused: (op type that takes no FP16,
+    None) or (None, the node with mixed inputs); (None, None) for any other refusal. Models over protobuf's
+    limit are not checked here (the run check after the conversion still is)."""
+    import onnxruntime as ort
+
+    if model.ByteSize() >= onnx_files.PROTOBUF_LIMIT:
+        return None
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.log_severity_level = 4
+    try:
+        ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    except ORT_ERRORS as exc:
+        text = str(exc)
+        if "Type Error" not in text:
+            return None, None
+        op = _REFUSED_OP.search(text)
+        if op is not None and "is invalid" in text:
+            return op.group(1), None
+        node = _REFUSED_NODE.search(text)
+        return None, node.group(1) if node is not None else None
+    return None
 
 
 @contextlib.contextmanager

@@ -20,7 +20,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -30,12 +30,13 @@ import onnx
 from numpy.typing import NDArray
 
 from builder.errors import ToolError, tool_cause
+from builder.repository import onnx_files
+from builder.runtimes.base import feeds as sample_feeds
 from builder.runtimes.onnxruntime import ORT_ERRORS
 from builder.spec.enums import CalibrationMethod, Int8Recipe
 from builder.spec.model import CalibrationSpec
 from builder.spec.settings import default_cache_dir
 from builder.steps import onnx_model
-from builder.steps import samples as sample_sets
 from common import progress
 from common.logs import active_log_file
 
@@ -88,10 +89,26 @@ def raised_by_tool(exc: BaseException) -> bool:
     return False
 
 
+# A tool's code naming a module it could not import: ModelOpt imports tensorrt where it can and calls it
+# anyway for graphs with custom ops (com.microsoft): "name 'trt' is not defined". The tool cannot handle this
+# graph here (a missing optional dependency), which is a tool failure like TOOL_ERRORS, not a bug of ours.
+MISSING_DEPENDENCY_ERRORS: tuple[type[BaseException], ...] = (NameError, ImportError)
+
+
 def _is_tool_failure(exc: BaseException) -> bool:
-    """A TOOL_ERRORS type, or ModelOpt's bare Exception ("ONNX Runtime failed", the reason in its log),
-    raised by a tool."""
-    return (isinstance(exc, TOOL_ERRORS) or type(exc) is Exception) and raised_by_tool(exc)
+    """A TOOL_ERRORS type, ModelOpt's bare Exception ("ONNX Runtime failed", the reason in its log), or a
+    missing optional dependency (MISSING_DEPENDENCY_ERRORS), raised by a tool."""
+    return (isinstance(exc, (*TOOL_ERRORS, *MISSING_DEPENDENCY_ERRORS)) or type(exc) is Exception) \
+        and raised_by_tool(exc)
+
+
+def _dependency_hint(exc: BaseException) -> str:
+    """Where a tool failed for want of a module it imports optionally, which one (said after the cause)."""
+    if isinstance(exc, NameError) and exc.name == "trt":
+        return " (ModelOpt calls TensorRT for graphs with custom ops; TensorRT is not installed here)"
+    if isinstance(exc, ImportError) and exc.name:
+        return f" (the tool needs the module {exc.name!r}, not installed here)"
+    return ""
 
 
 # The ONNX Runtime quantizer runs in a subprocess; a calibration that takes longer is stuck.
@@ -198,9 +215,9 @@ Feed = dict[str, NDArray[Any]]
 def autocast_feeds(sets: Sequence[Mapping[str, NDArray[Any]]], batch_size: int | None, *,
                    limit: int = AUTOCAST_FEEDS) -> list[Feed]:
     """Feeds for autocast's reference run, each exactly as the model takes it (batches of `batch_size`
-    samples, or whole samples for a model that does not batch: samples.feeds), at most `limit`, taken
+    samples, or whole samples for a model that does not batch: runtimes.base.feeds), at most `limit`, taken
     evenly from every set (e.g. the min, opt and max shapes) so each one's ranges are seen."""
-    per_set = [list(sample_sets.feeds(one, batch_size)) for one in sets if one]
+    per_set = [list(sample_feeds(one, batch_size)) for one in sets if one]
     chosen: list[Feed] = []
     quota = max(1, limit // max(1, len(per_set)))
     for feeds in per_set:
@@ -245,12 +262,12 @@ def to_fp16(fp32_path: Path, out_path: Path, *, feeds: Sequence[Mapping[str, NDA
             output = sink.getvalue()
             record = failure_log(f"fp16 {what}", output, exc)
             raise ToolError(f"{what}: FP16 conversion (ModelOpt autocast) failed: "
-                            f"{tool_cause(exc, output, hide={fp32_path: 'the model', Path(tmp): 'its feeds'})} "
-                            f"(full output: {record})") from exc
+                            f"{tool_cause(exc, output, hide={fp32_path: 'the model', Path(tmp): 'its feeds'})}"
+                            f"{_dependency_hint(exc)} (full output: {record})") from exc
     # Autocast's shape annotations can hold the shapes of the feeds it ran on: ONNX Runtime plans buffers by
     # them and fails at other shapes ("Shape mismatch attempting to re-use buffer"). Inferred again instead.
-    onnx_model.save(onnx_model.refresh_value_info(model), out_path)
-    onnx_model.load(out_path)
+    onnx_files.save(onnx_model.refresh_value_info(model), out_path)
+    onnx_files.load(out_path)
     return settings.record()
 
 
@@ -282,8 +299,80 @@ def to_int8(
     what: str = "",
 ) -> CalibrationResult:
     """INT8 Q/DQ by post-training quantization (ModelOpt or ONNX Runtime); reuses a cached result.
-    `what` names the model in errors (default: the file's name)."""
+    `what` names the model in errors (default: the file's name).
+
+    Where ModelOpt fails on the model (a graph its loader rejects, custom ops it hands to TensorRT), ONNX
+    Runtime's recipe is tried instead, with one warning line; build.json records which ran and why."""
     what = what or fp32_path.name
+    quantized = already_quantized(fp32_path)
+    if quantized is not None:
+        # Nothing left to calibrate: the INT8 variant is the model as given (the gate and the speed check
+        # still judge it), said in one line and recorded.
+        log.warning("%s: the model is already quantized (%s) with no float Conv/MatMul/Gemm left; the INT8 "
+                    "variant is the model as given", what, quantized)
+        onnx_files.copy_model(fp32_path, out_path)
+        return CalibrationResult(spec.recipe, spec.method, len(next(iter(calibration.values()))), "", False, 0,
+                                 {"tool": None, "as_given": True, "why": f"already quantized ({quantized})"})
+
+    def quantize(with_spec: CalibrationSpec) -> CalibrationResult:
+        return _to_int8(fp32_path, fp32_sha=fp32_sha, calibration=calibration, data_digest=data_digest,
+                        spec=with_spec, out_path=out_path, cache_dir=cache_dir, what=what)
+
+    try:
+        return quantize(spec)
+    except QuantizationFailed as exc:
+        if spec.recipe is not Int8Recipe.MODELOPT:
+            raise
+        first = exc
+    log.debug("%s; trying ONNX Runtime's INT8 recipe", first)
+    fallback = replace(spec, recipe=Int8Recipe.ONNXRUNTIME)
+    why = re.sub(r"\.? \(full output: [^()]*\)$", "", str(first).removeprefix(f"{what}: "))
+    try:
+        result = quantize(fallback)
+    except QuantizationFailed as exc:
+        second = re.sub(r"\.? \(full output: [^()]*\)$", "", str(exc).removeprefix(f"{what}: "))
+        raise ToolError(f"{what}: {why}; ONNX Runtime's INT8 recipe neither: {second} "
+                        f"(full output: {exc.record})") from exc
+    log.warning("%s: %s; the INT8 variant is ONNX Runtime's recipe instead", what, why)
+    return replace(result, settings={**result.settings, "instead_of": "modelopt.onnx.quantization", "why": why})
+
+
+# Ops that compute in integers (dynamic or static quantization already applied), and the float ops INT8 targets.
+_QUANTIZED_OPS = frozenset({"ConvInteger", "MatMulInteger", "QLinearConv", "QLinearMatMul", "DynamicQuantizeLSTM",
+                            "DynamicQuantizeMatMul", "MatMulIntegerToFloat", "QGemm", "QAttention"})
+_FLOAT_COMPUTE_OPS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm", "LSTM", "GRU", "Attention"})
+
+
+def already_quantized(fp32_path: Path) -> str | None:
+    """What makes the graph an already quantized one (its integer compute ops, counted) where it has no float
+    Conv/MatMul/Gemm left to quantize (subgraphs included); None otherwise."""
+    model = onnx.load(str(fp32_path), load_external_data=False)
+    counts: dict[str, int] = {}
+
+    def walk(graph: onnx.GraphProto) -> None:
+        for node in graph.node:
+            counts[node.op_type] = counts.get(node.op_type, 0) + 1
+            for attribute in node.attribute:
+                for sub in ([attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else attribute.graphs):
+                    walk(sub)
+
+    walk(model.graph)
+    integer = {op: n for op, n in counts.items() if op in _QUANTIZED_OPS}
+    if not integer or any(op in _FLOAT_COMPUTE_OPS for op in counts):
+        return None
+    return ", ".join(f"{n} {op}" for op, n in sorted(integer.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+class QuantizationFailed(ToolError):
+    """The quantizer failed on this model (its output is in `record`)."""
+
+    def __init__(self, message: str, record: Path | str) -> None:
+        super().__init__(message)
+        self.record = record
+
+
+def _to_int8(fp32_path: Path, *, fp32_sha: str, calibration: Mapping[str, NDArray[Any]], data_digest: str,
+             spec: CalibrationSpec, out_path: Path, cache_dir: Path, what: str) -> CalibrationResult:
     key = calibration_key(fp32_sha, data_digest, spec)
     samples = len(next(iter(calibration.values())))
     settings: dict[str, object] = {
@@ -301,7 +390,7 @@ def to_int8(
     cached = cache_dir / "calibration" / f"{key}.onnx"
     if cached.is_file():
         log.debug("INT8: reusing calibration %s (inputs unchanged)", key[:12])
-        onnx_model.copy_model(cached, out_path)
+        onnx_files.copy_model(cached, out_path)
         return CalibrationResult(spec.recipe, spec.method, samples, key, True, _count_q(out_path), settings)
     log.debug("INT8: calibrating on %d samples (%s, %s recipe)", samples, spec.method, spec.recipe)
     with progress.task(f"INT8 calibration: {samples} samples, {spec.method}, {spec.recipe}"), \
@@ -323,17 +412,17 @@ def to_int8(
             output = sink.getvalue() + (exc.output if isinstance(exc, QuantizerFailed) else "")
             record = failure_log(f"int8 {spec.recipe} {what}", output, exc)
             cause = tool_cause(exc, output, hide={fp32_path: "the model", Path(tmp): "its work folder"})
-            raise ToolError(f"{what}: INT8 calibration ({spec.recipe}) failed: {cause} (full output: {record})"
-                            ) from exc
-        quantized = onnx_model.load(tmp_out)
+            raise QuantizationFailed(f"{what}: INT8 calibration ({spec.recipe}) failed: {cause} "
+                                     f"(full output: {record})", record) from exc
+        quantized = onnx_files.load(tmp_out)
         qdq = sum(1 for n in quantized.graph.node if n.op_type == "QuantizeLinear")
         if qdq == 0 and not spec.nodes_to_quantize:
             log.warning("INT8: %s quantized no node of %s (ModelOpt skips GEMV-shaped and small MatMuls); "
                         "the int8 variant computes in FP32", spec.recipe, fp32_path.name)
         # With the data file ModelOpt writes beside a model over 2 GB.
         cached.parent.mkdir(parents=True, exist_ok=True)
-        onnx_model.copy_model(tmp_out, cached)
-        onnx_model.copy_model(tmp_out, out_path)
+        onnx_files.copy_model(tmp_out, cached)
+        onnx_files.copy_model(tmp_out, out_path)
     return CalibrationResult(spec.recipe, spec.method, samples, key, False, qdq, settings)
 
 
@@ -363,7 +452,7 @@ def _quantize_modelopt(fp32_path: Path, calibration: Mapping[str, NDArray[Any]],
         output_path=str(out),
         # Weights kept beside the model (over 2 GB): ModelOpt writes its result the same way (it decides
         # by itself only from the size of what it loaded).
-        use_external_data_format=onnx_model.has_external_data(fp32_path),
+        use_external_data_format=onnx_files.has_external_data(fp32_path),
         log_level="WARNING",
     )
 
@@ -380,7 +469,7 @@ class _WholeSamples:
     """A calibration data reader (ONNX Runtime's get_next/rewind, ModelOpt's get_first) over whole samples."""
 
     def __init__(self, calibration: Mapping[str, NDArray[Any]]) -> None:
-        self.feeds = list(sample_sets.feeds(calibration, None))
+        self.feeds = list(sample_feeds(calibration, None))
         self.index = 0
 
     def get_next(self) -> dict[str, NDArray[Any]] | None:
@@ -413,7 +502,8 @@ def _quantize_ort(fp32_path: Path, calibration: Mapping[str, NDArray[Any]], spec
                                "method": spec.method.value, "op_types_to_quantize": list(spec.op_types_to_quantize),
                                "nodes_to_exclude": list(spec.nodes_to_exclude),
                                "nodes_to_quantize": list(spec.nodes_to_quantize),
-                               "external": onnx_model.has_external_data(fp32_path)}))
+                               "external": onnx_files.has_external_data(fp32_path),
+                               "whole": _whole_samples(fp32_path, calibration)}))
     try:
         proc = subprocess.run([sys.executable, "-m", "builder.steps.precision", str(job)], capture_output=True,
                               text=True, timeout=QUANTIZER_TIMEOUT_S)
@@ -469,9 +559,10 @@ def _ort_quantize_worker(job_path: str) -> None:
     quant_pre_process(job["fp32"], prepared, skip_symbolic_shape=True, save_as_external_data=external,
                       all_tensors_to_one_file=True, external_data_location="prepared.onnx.data" if external else None)
     count = len(next(iter(calibration.values())))
+    whole = bool(job.get("whole"))  # one whole input per leading index (a model that does not batch)
 
     class Reader(CalibrationDataReader):  # type: ignore[misc]
-        """One sample per call, like a serving request at batch 1."""
+        """One sample per call, like a serving request at batch 1 (or as a whole input)."""
 
         def __init__(self) -> None:
             self.index = 0
@@ -480,7 +571,7 @@ def _ort_quantize_worker(job_path: str) -> None:
             if self.index >= count:
                 return None
             self.index += 1
-            return {k: v[self.index - 1 : self.index] for k, v in calibration.items()}
+            return {k: v[self.index - 1] if whole else v[self.index - 1 : self.index] for k, v in calibration.items()}
 
     with contextlib.redirect_stdout(io.StringIO()):  # ORT's calibrator prints its progress
         quantize_static(
@@ -503,7 +594,7 @@ def _ort_quantize_worker(job_path: str) -> None:
 if __name__ == "__main__":
     try:
         _ort_quantize_worker(sys.argv[1])
-    except TOOL_ERRORS as exc:
+    except (*TOOL_ERRORS, KeyError, IndexError) as exc:  # type: ignore[misc]  # ORT's quantizer also fails so on graphs it misreads
         if not raised_by_tool(exc):  # a bug of ours: exit 1 with the traceback (QuantizerCrashed)
             raise
         traceback.print_exc()

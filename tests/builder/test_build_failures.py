@@ -20,19 +20,22 @@ from builder.runtimes.base import CompileTarget
 from builder.runtimes.onnxruntime import OnnxRuntimeCPU
 from builder.spec import CalibrationSpec, DataSpec, DimRange, ModelSpec, Precision, Tolerance
 from builder.spec.tolerances import parse_tolerances, with_tolerances
+from builder.steps import fp16_fallback
 from tests.helpers.files import snapshot
 from tests.helpers.foreign_models import detector
 from tests.helpers.tiny_models import mlp_samples, outlier_mlp_onnx
 
 
 def contrib_gelu_onnx(path: Path) -> Path:
-    """MatMul → com.microsoft Gelu → Celu: ONNX Runtime runs it; ModelOpt autocast rewrites the Gelu to the
+    """MatMul → com.microsoft Gelu → MatMul → Celu: ONNX Runtime runs it; ModelOpt autocast rewrites the Gelu to the
     standard one, which opset 17 lacks, and fails; onnxconverter-common's FP16 (the fallback) gives the Celu
-    an FP16 input, which Celu does not take, and ONNX Runtime refuses its graph."""
+    an FP16 input, which Celu does not take, and ONNX Runtime refuses its graph until the repair keeps the
+    Celu in FP32 (fp16_fallback.MAX_REPAIRS rounds)."""
     graph = helper.make_graph(
         [helper.make_node("MatMul", ["x", "w"], ["h"], name="fc"),
          helper.make_node("Gelu", ["h"], ["g"], name="gelu", domain="com.microsoft"),
-         helper.make_node("Celu", ["g"], ["y"], name="celu")], "g",
+         helper.make_node("MatMul", ["g", "w"], ["h2"], name="fc2"),
+         helper.make_node("Celu", ["h2"], ["y"], name="celu")], "g",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 8])],
         initializer=[numpy_helper.from_array(np.eye(8, dtype=np.float32), "w")])
@@ -50,8 +53,10 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
-def test_a_library_failure_is_one_line_naming_model_step_cause_and_log(workdir: Path,
-                                                                      capfd: pytest.CaptureFixture[str]) -> None:
+def test_a_library_failure_is_one_line_naming_model_step_cause_and_log(
+        workdir: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    # No repair round: the fallback's graph keeps the FP16 Celu that ONNX Runtime refuses (both tools fail).
+    monkeypatch.setattr(fp16_fallback, "MAX_REPAIRS", 0)
     contrib_gelu_onnx(workdir / "gelu.onnx")
     code = main(["build", "-q", "--onnx", "gelu.onnx", "--name", "gelu", "--repository", "repo", "--log", "build.log"])
     err = capfd.readouterr().err

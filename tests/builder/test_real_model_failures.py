@@ -25,13 +25,14 @@ import pytest
 
 from builder.cli import main
 from builder.pipeline import BuildOptions, ModelStatus, build_all
+from builder.repository import onnx_files
 from builder.runtimes.base import CompileTarget
 from builder.runtimes.onnxruntime import OnnxRuntimeCPU, run_file
 from builder.spec import DataSpec, DimRange, ModelSpec, Precision
 from builder.spec.shapes import ShapeRange
-from builder.steps import onnx_model
 from builder.steps.fp16_fallback import to_fp16_onnxconverter
-from tests.helpers.foreign_models import control_flow, ctc_recognizer, split_detector
+from tests.builder.test_build_failures import contrib_gelu_onnx
+from tests.helpers.foreign_models import control_flow, ctc_recognizer, float_cast, prequantized, split_detector
 
 
 @pytest.fixture
@@ -176,7 +177,7 @@ class _StaleFp16Artifact(OnnxRuntimeCPU):
         if not any(n.op_type == "Cast" for n in model.graph.node):
             super().compile(onnx_path, out_path, target)
             return
-        onnx_model.save(_stale(onnx.shape_inference.infer_shapes(model)), out_path)
+        onnx_files.save(_stale(onnx.shape_inference.infer_shapes(model)), out_path)
 
 
 def test_a_converted_graph_onnx_runtime_cannot_run_is_one_line_naming_model_variant_and_step(
@@ -214,7 +215,7 @@ class _RenamedFp16Input(OnnxRuntimeCPU):
         model.graph.input[0].name = f"{old}_renamed"
         for node in model.graph.node:
             node.input[:] = [f"{old}_renamed" if name == old else name for name in node.input]
-        onnx_model.save(model, out_path)
+        onnx_files.save(model, out_path)
 
 
 def test_an_exception_onnx_runtime_raises_in_python_is_one_line_too(tmp_path: Path) -> None:
@@ -229,3 +230,52 @@ def test_an_exception_onnx_runtime_raises_in_python_is_one_line_too(tmp_path: Pa
     line = failure.line()
     assert line.startswith("det_fp16 not written: model 'det': det_fp16: accuracy check (running the variant) "
                            "failed: Required inputs (['images_renamed']) are missing"), line
+
+
+def test_onnxconverter_common_keeps_in_fp32_the_node_onnx_runtime_refuses_mixed(tmp_path: Path) -> None:
+    """An exporter's Cast to float before an Add with a weight: the converter makes the weight FP16 and keeps
+    the Cast's float, so ONNX Runtime refused the Add ("bound to different types"); the repair keeps that one
+    node in FP32 and the graph runs, within FP16's error of the FP32 graph."""
+    model = float_cast(tmp_path)
+    out = tmp_path / "fp16.onnx"
+    settings = to_fp16_onnxconverter(model.onnx, out, what="model 'float_cast'")
+    assert settings["node_block_list"] == ["/Add"], settings
+    with np.load(model.calibration) as data:
+        samples = {k: data[k][:4] for k in data.files}
+    reference, converted = run_file(model.onnx, samples, 4), run_file(out, samples, 4)
+    assert np.allclose(reference["y"], converted["y"], atol=2e-2)
+    half = onnx.TensorProto.FLOAT16
+    assert any(init.data_type == half for init in onnx.load(str(out)).graph.initializer)  # FP16 is left elsewhere
+
+
+def test_an_already_quantized_model_keeps_its_own_int8_and_gets_an_fp16_that_runs(
+        workdir: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """A model its exporter quantized (DynamicQuantizeLinear + MatMulInteger, a com.microsoft Gelu): nothing is
+    left to calibrate, so the INT8 variant is the model as given, said in one line and recorded; the FP16
+    fallback keeps the FP32-only DynamicQuantizeLinear and the custom op in FP32 instead of failing."""
+    model = prequantized(workdir)
+    code = main([*model.build_args(workdir / "repo"), "--log", "build.log"])
+    err = capfd.readouterr().err
+    assert code == 0, err
+    assert "Traceback" not in err
+    said = [ln for ln in err.splitlines() if "already quantized" in ln]
+    assert len(said) == 1 and "1 MatMulInteger" in said[0], err
+    int8 = json.loads((workdir / "repo" / "prequantized_int8" / "build.json").read_text())
+    assert int8["precision_settings"]["as_given"] is True
+    fp16 = json.loads((workdir / "repo" / "prequantized_fp16" / "build.json").read_text())["precision_settings"]
+    assert {"DynamicQuantizeLinear", "Gelu"} <= set(fp16["op_block_list"]), fp16
+    assert fp16["tool"] == "onnxconverter_common.float16"
+
+
+def test_the_fp16_fallback_repairs_an_op_that_takes_no_fp16(workdir: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """MatMul → com.microsoft Gelu → MatMul → Celu: autocast fails on the Gelu; onnxconverter-common's graph
+    mixes the FP32 Gelu's output with FP16 weights, which ONNX Runtime refuses; the repair keeps the refused
+    nodes in FP32, round by round, until the graph loads, and the variant is written with what was kept
+    recorded (with no repair round, tests/builder/test_build_failures.py shows the one-line failure)."""
+    contrib_gelu_onnx(workdir / "gelu.onnx")
+    code = main(["build", "-q", "--onnx", "gelu.onnx", "--name", "gelu", "--precision", "fp32,fp16",
+                 "--repository", "repo", "--log", "build.log"])
+    assert code == 0, capfd.readouterr().err
+    settings = json.loads((workdir / "repo" / "gelu_fp16" / "build.json").read_text())["precision_settings"]
+    assert "Gelu" in settings["op_block_list"] and settings["node_block_list"] == ["fc", "fc2"], settings
+    assert settings["instead_of"] == "modelopt.onnx.autocast"

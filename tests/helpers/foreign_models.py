@@ -425,3 +425,58 @@ def rate_gated(folder: Path) -> ForeignModel:
     return ForeignModel(
         "rate_gated", "If on an int64 scalar sample rate; the other rate's branch cannot run this window", path,
         data, ("--shapes", "x:1x32,sr:[]"), '[model.shapes]\nx = [1, 32]\nsr = []\n', False)
+
+
+def prequantized(folder: Path) -> ForeignModel:
+    """An OCR model already quantized dynamically by its exporter, with a contrib op: x[1, 8] (no batching) →
+    DynamicQuantizeLinear → MatMulInteger (int8 weights) → Cast to float → Mul by the scales → Add bias →
+    com.microsoft Gelu → y[1, 6]. No float Conv/MatMul/Gemm is left; ModelOpt hands the custom op to TensorRT
+    (absent: "name 'trt' is not defined"), and onnxconverter-common's FP16 mixes FP16 with the float the Casts
+    and the FP32-only DynamicQuantizeLinear produce."""
+    rng = np.random.default_rng(12)
+    weights = rng.integers(-127, 128, (8, 6)).astype(np.int8)
+    nodes = [
+        helper.make_node("DynamicQuantizeLinear", ["x"], ["xq", "xs", "xz"], name="x_quant"),
+        helper.make_node("MatMulInteger", ["xq", "wq", "xz", "wz"], ["acc"], name="matmul_int"),
+        helper.make_node("Cast", ["acc"], ["accf"], to=TensorProto.FLOAT, name="acc_float"),
+        helper.make_node("Mul", ["xs", "ws"], ["scale"], name="scale"),
+        helper.make_node("Mul", ["accf", "scale"], ["mm"], name="scale_mul"),
+        helper.make_node("Add", ["mm", "bias"], ["pre"], name="bias"),
+        helper.make_node("Gelu", ["pre"], ["y"], domain="com.microsoft", name="gelu"),
+    ]
+    graph = helper.make_graph(
+        nodes, "prequantized",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 6])],
+        initializer=[numpy_helper.from_array(weights, "wq"), numpy_helper.from_array(np.array(0, np.int8), "wz"),
+                     numpy_helper.from_array(np.array(0.01, np.float32), "ws"), _init(rng, "bias", 6, scale=0.1)],
+    )
+    path = _save(graph, folder / "prequantized.onnx", 13, domains=(("com.microsoft", 1),))
+    data = _npz(folder / "prequantized.npz", {"x": rng.standard_normal((SAMPLES, 1, 8)).astype(np.float32)})
+    return ForeignModel("prequantized", "already quantized (MatMulInteger) with a com.microsoft op", path, data,
+                        ("--shapes", "x:1x8"), '[model.shapes]\nx = [1, 8]\n', False)
+
+
+def float_cast(folder: Path) -> ForeignModel:
+    """An exporter's explicit Cast to float feeding a node whose other input is a weight (silero's STFT
+    magnitude into the first Conv, its decoder's Cast into an Add): x[batch, 16] → Relu → Cast(to float) → Add
+    bias → MatMul → y[batch, 4]. onnxconverter-common keeps a Cast to float as float and makes the bias FP16:
+    ONNX Runtime refuses the Add ("bound to different types")."""
+    rng = np.random.default_rng(13)
+    nodes = [
+        helper.make_node("Relu", ["x"], ["h"], name="relu"),
+        helper.make_node("Cast", ["h"], ["hf"], to=TensorProto.FLOAT, name="/Cast"),
+        helper.make_node("Add", ["hf", "bias"], ["biased"], name="/Add"),
+        helper.make_node("MatMul", ["biased", "w"], ["y"], name="/MatMul"),
+    ]
+    graph = helper.make_graph(
+        nodes, "float_cast",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
+        initializer=[_init(rng, "bias", 16, scale=0.1), _init(rng, "w", 16, 4)],
+    )
+    path = _save(graph, folder / "float_cast.onnx")
+    data = _npz(folder / "float_cast.npz", {"x": rng.standard_normal((SAMPLES, 16)).astype(np.float32)})
+    return ForeignModel("float_cast", "an explicit Cast to float before a node with a weight", path, data,
+                        ("--min-shapes", "x:1x16", "--opt-shapes", "x:2x16", "--max-shapes", "x:4x16"),
+                        "", True)
