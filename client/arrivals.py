@@ -2,7 +2,8 @@
 
 One run seed (`--seed N`, else drawn once at random and recorded in the JSON report) is the root of a
 `numpy.random.SeedSequence` tree: a child per model (its synthetic inputs), and under it a child per
-load level and worker process (its Poisson arrivals). Children are named by explicit spawn keys, not by
+load level and worker process (its Poisson arrivals), and one per load level for a sequence model's
+lengths. Children are named by explicit spawn keys, not by
 `SeedSequence.spawn`'s running counter, so a stream's seed depends on where it is, never on how many
 were drawn before. `--processes N --distribution poisson` therefore merges N independent Poisson
 streams at rate/N each: a Poisson stream at the total rate.
@@ -17,6 +18,7 @@ import numpy as np
 # The branches under a model's seed.
 _INPUTS = 0
 _ARRIVALS = 1
+_LENGTHS = 2
 
 
 def random_seed() -> int:
@@ -38,3 +40,8 @@ def inputs_seed(seed: int, model_index: int) -> np.random.SeedSequence:
 def arrivals_seed(seed: int, model_index: int, level_index: int) -> np.random.SeedSequence:
     """The seed of one load level's arrivals on one model; worker i's stream is `child(that, i)`."""
     return child(seed, model_index, _ARRIVALS, level_index)
+
+
+def lengths_seed(seed: int, model_index: int, level_index: int) -> np.random.SeedSequence:
+    """The seed of one load level's sequence lengths on one model (sequence models: client.sequences)."""
+    return child(seed, model_index, _LENGTHS, level_index)

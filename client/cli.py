@@ -19,6 +19,13 @@ from client.plot import plot
 from client.power import PowerSource, parse_gpus
 from client.protocol import REQUEST_TIMEOUT_S, Protocol
 from client.report import documents, table, write_csv, write_json
+from client.sequences import (
+    DEFAULT_LENGTH,
+    DEFAULT_NUM_SEQUENCES,
+    DEFAULT_VARIATION_PCT,
+    SequenceOptions,
+    parse_id_range,
+)
 from client.session import WHOLE_RUN, ModelResult, SessionConfig, run
 from client.shared_memory import DEFAULT_OUTPUT_SIZE, SharedMemory, SharedMemoryKind
 from client.tls import Tls
@@ -117,7 +124,43 @@ def _parser() -> argparse.ArgumentParser:
                    help="-v: our debug messages; -vv: third-party libraries' too")
     p.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only, no progress")
     _add_transport_flags(p)
+    _add_sequence_flags(p)
     return p
+
+
+def _add_sequence_flags(p: argparse.ArgumentParser) -> None:
+    """perf_analyzer's sequence-model flags (a model whose config has sequence_batching)."""
+    seq = p.add_argument_group("sequence models (perf_analyzer's flags; a sequence model without them gets their "
+                               "defaults)")
+    seq.add_argument("--sequence-length", type=int, default=None, metavar="N",
+                     help=f"requests per sequence, around N (default {DEFAULT_LENGTH})")
+    seq.add_argument("--sequence-length-variation", type=float, default=None, metavar="PCT",
+                     help="each sequence's length is drawn uniformly within ±PCT %% of --sequence-length, from "
+                          f"--seed (default {DEFAULT_VARIATION_PCT:g})")
+    seq.add_argument("--sequence-id-range", default=None, metavar="START[:END]",
+                     help="correlation ids from START up to END (excluded; default 1, no end), reused once their "
+                          "sequence ended")
+    seq.add_argument("--num-of-sequences", type=int, default=None, metavar="N",
+                     help=f"open loop: N sequences live at once, taking the sends in turn (default "
+                          f"{DEFAULT_NUM_SEQUENCES}; closed loop: one per concurrency slot)")
+
+
+def _sequence(args: argparse.Namespace) -> SequenceOptions | None:
+    """The sequence flags given; None without any."""
+    given = (args.sequence_length, args.sequence_length_variation, args.sequence_id_range, args.num_of_sequences)
+    if all(value is None for value in given):
+        return None
+    open_loop = args.request_rate is not None or args.request_intervals is not None or args.model_request_rate
+    if args.num_of_sequences is not None and not open_loop:
+        raise PerfClientError(f"--num-of-sequences {args.num_of_sequences}: only with --request-rate or "
+                              "--request-intervals (closed loop: one sequence per concurrency slot)")
+    start, end = parse_id_range(args.sequence_id_range) if args.sequence_id_range is not None else (1, None)
+    return SequenceOptions(
+        length=args.sequence_length if args.sequence_length is not None else DEFAULT_LENGTH,
+        variation_pct=(args.sequence_length_variation if args.sequence_length_variation is not None
+                       else DEFAULT_VARIATION_PCT),
+        id_start=start, id_end=end,
+        num_sequences=args.num_of_sequences if args.num_of_sequences is not None else DEFAULT_NUM_SEQUENCES)
 
 
 # perf_analyzer's TLS flags (those it has); --ssl-server-name is ours (SNI and the name checked).
@@ -301,6 +344,7 @@ def parse_config(argv: Sequence[str] | None) -> CliConfig:
                                    headers=request_headers(str(protocol), args.header)),
         request_timeout_ms=args.request_timeout_ms, time_limit_s=args.time_limit, processes=args.processes,
         seed=args.seed, gpus=_gpus(args.gpus), tls=_tls(args, protocol), compression=_compression(args, protocol),
+        sequence=_sequence(args),
     )
     return CliConfig(session=session, json_path=args.json, csv_path=args.csv, plot_path=args.plot, html_path=args.html,
                      progress=not args.no_progress and not args.quiet, verbose=args.verbose, quiet=args.quiet)

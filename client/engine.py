@@ -21,6 +21,7 @@ from client.errors import PerfClientError
 from client.intervals import RequestIntervals
 from client.power import Meter, PowerFigures, PowerSource, Reading, window_power
 from client.protocol import TRANSPORT_ERRORS, Connection, Prepared, error_kind
+from client.sequences import Sequences, Slot
 from client.server_stats import ServerBreakdown, ServerStats, server_breakdown
 from client.stats import Records, Tally, Window, close, is_stable, merge
 from client.validate import MISMATCH
@@ -226,10 +227,13 @@ class LoadRun:
                  measurement: Measurement, on_window: WindowFn | None = None,
                  cross_checks: Sequence[Meter] = (), abort: Abort | None = None, keep_records: bool = False,
                  together: Together | None = None, pool: WorkerPool | None = None,
-                 seed: np.random.SeedSequence | None = None) -> None:
+                 seed: np.random.SeedSequence | None = None, sequences: Sequences | None = None) -> None:
         """`pool`: worker processes generate the load instead of this loop (--processes); this loop
         only sets the window boundaries, reads the server and the meters, and merges their tallies.
-        `seed`: this loop's Poisson arrivals (client.arrivals; None: seed 0)."""
+        `seed`: this loop's Poisson arrivals (client.arrivals; None: seed 0).
+        `sequences`: a sequence model's: every request is a step of a sequence (client.sequences), one
+        sequence per concurrency slot (closed loop) or `num_sequences` taking the sends in turn (open loop);
+        a sequence the level's end cuts short is ended by one more request, not counted."""
         self.conn = conn
         self._retries_seen = getattr(conn, "retries", 0)
         self.model = model
@@ -254,6 +258,10 @@ class LoadRun:
         self.together = together
         self.pool = pool
         self.seed = seed
+        self.sequences = sequences
+        self._slots: list[Slot] = []
+        if pool is not None and sequences is not None:
+            raise PerfClientError("--processes: not with a sequence model (one loop holds its sequences)")
         if pool is not None and measurement.request_count > 0:
             raise PerfClientError("--processes: not with --request-count (windows are timed by the parent)")
         self.started = asyncio.Event()  # the first window opened
@@ -312,9 +320,37 @@ class LoadRun:
                 backoff = min(max(2 * backoff, _BACKOFF_FIRST_S), _BACKOFF_MAX_S)
                 await asyncio.sleep(backoff)
 
+    async def _sequence_worker(self, slot: Slot, first: int) -> None:
+        """A closed-loop worker of a sequence model: one sequence after another, each step after the last's answer."""
+        payloads, n, index, backoff = self.payloads, len(self.payloads), first, 0.0
+        while not self._stop.is_set():
+            request = self.conn.flagged(payloads[index % n], slot.next())
+            index += 1
+            sent = time.monotonic_ns()
+            error = await self._request(request)
+            slot.done()
+            self._done(sent, sent, error)
+            if error is None or error == MISMATCH:
+                backoff = 0.0
+            else:
+                backoff = min(max(2 * backoff, _BACKOFF_FIRST_S), _BACKOFF_MAX_S)
+                await asyncio.sleep(backoff)
+
     async def _scheduled_send(self, scheduled: int, late_ns: float) -> None:
         request = self.payloads[self._count % len(self.payloads)]
+        if self._slots:  # a sequence model: the next slot in turn, once its step in flight is answered
+            slot = self._slots[self._count % len(self._slots)]
+            self._count += 1
+            async with slot.lock:
+                if self._stop.is_set():  # the level ended while this send waited for its sequence: not sent
+                    return
+                await self._timed_send(self.conn.flagged(request, slot.next()), scheduled, late_ns)
+                slot.done()
+            return
         self._count += 1
+        await self._timed_send(request, scheduled, late_ns)
+
+    async def _timed_send(self, request: Prepared, scheduled: int, late_ns: float) -> None:
         sent = time.monotonic_ns()
         lag = sent - scheduled
         self._tally.lag(lag, late=lag >= late_ns)
@@ -352,10 +388,36 @@ class LoadRun:
 
     def start_drivers(self, level: LoadLevel, *, offset_ns: float = 0.0) -> list[asyncio.Task[None]]:
         """The tasks that generate `level`'s load on this loop (`offset_ns` delays an open loop's schedule)."""
+        if self.sequences is not None:
+            live = self.sequences.options.live_sequences(level.concurrency)
+            self.sequences.options.check_live(live, level.label)
+            self._slots = self.sequences.slots(live)
         if level.concurrency is not None:
             step = max(len(self.payloads) // level.concurrency, 1)  # workers start on different payloads
+            if self._slots:
+                return [asyncio.create_task(self._sequence_worker(slot, i * step))
+                        for i, slot in enumerate(self._slots)]
             return [asyncio.create_task(self._closed_loop_worker(i * step)) for i in range(level.concurrency)]
         return [asyncio.create_task(self._open_loop(level, offset_ns))]
+
+    async def _end_sequences(self, limit_s: float) -> None:
+        """End every sequence the level's end cut short, with one request each (in no window; an error is
+        only logged: the server drops an idle sequence after its max_sequence_idle_microseconds anyway)."""
+        live = [slot for slot in self._slots if slot.live]
+        if not live:
+            return
+
+        async def end(slot: Slot) -> None:
+            try:
+                await self.conn.send(self.conn.flagged(self.payloads[0], slot.closing()))
+            except TRANSPORT_ERRORS as exc:
+                log.debug("%s: ending sequence %s: %s", self.model, slot.sequence_id, error_kind(exc))
+            slot.done()
+
+        try:
+            await asyncio.wait_for(asyncio.gather(*(end(slot) for slot in live)), limit_s)
+        except asyncio.TimeoutError:
+            log.debug("%s: %d sequences not ended within %.1f s", self.model, len(live), limit_s)
 
     @property
     def completed_so_far(self) -> int:
@@ -384,6 +446,7 @@ class LoadRun:
         for task in [*drivers, *self._tasks]:
             task.cancel()
         outcomes = await asyncio.gather(*drivers, *self._tasks, return_exceptions=True)
+        await self._end_sequences(max(drain_s, DRAIN_S))
         if self._failed is not None:
             outcomes.insert(0, self._failed.exception())
         for outcome in outcomes:

@@ -15,7 +15,7 @@ import errno
 import logging
 import socket
 from collections.abc import Awaitable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
@@ -29,6 +29,7 @@ from client.compression import ALGORITHMS, compress, decompress
 from client.errors import PerfClientError
 from client.grpc_h2 import Channel as GrpcH2Channel
 from client.http1 import Pool, request_bytes
+from client.sequences import Flags
 from client.server_stats import ServerStats, parse_statistics
 from client.shared_memory import SharedMemory, SharedMemoryPool
 from client.tls import Tls
@@ -38,9 +39,11 @@ from client.wire import (
     ResponseFormatError,
     grpc_infer_outputs,
     grpc_infer_request,
+    grpc_sequence_parameters,
     http_error_message,
     http_infer_outputs,
     http_infer_request,
+    http_sequence_header,
 )
 from common.choices import Choice
 
@@ -79,6 +82,8 @@ class ModelMeta:
     max_batch_size: int
     inputs: tuple[TensorMeta, ...]
     outputs: tuple[TensorMeta, ...]
+    sequence: bool = False  # served by Triton's sequence batcher (its config has sequence_batching)
+    decoupled: bool = False  # model_transaction_policy { decoupled: true }: any number of answers per request
 
 
 @dataclass(frozen=True)
@@ -217,7 +222,9 @@ class Connection:
                 out.append(TensorMeta(item["name"], item["datatype"], shape[1:] if max_batch > 0 else shape))
             return tuple(out)
 
-        return ModelMeta(name, max_batch, tensors(meta.get("inputs", [])), tensors(meta.get("outputs", [])))
+        policy = config.get("model_transaction_policy") or {}
+        return ModelMeta(name, max_batch, tensors(meta.get("inputs", [])), tensors(meta.get("outputs", [])),
+                         sequence="sequence_batching" in config, decoupled=bool(policy.get("decoupled", False)))
 
     async def model_config(self, name: str) -> dict[str, Any]:
         """The model's configuration as the server serves it (Triton's JSON form: `instance_group`, ...)."""
@@ -259,6 +266,28 @@ class Connection:
         # The whole request, request line and headers included: the hot path writes it as it is.
         return Prepared(model, request_bytes(self._host, f"/v2/models/{quote(model)}/infer", body, headers),
                         headers, expected)
+
+    def flagged(self, prepared: Prepared, flags: Flags) -> Prepared:
+        """`prepared` as one step of a sequence: its correlation id and start/end flags added (a new request;
+        the payload itself is not serialized again)."""
+        if self.protocol is Protocol.GRPC:
+            extra = grpc_sequence_parameters(flags.sequence_id, start=flags.start, end=flags.end)
+            if prepared.encoding is None:
+                return replace(prepared, body=prepared.body + extra)
+            message = decompress(prepared.body, prepared.encoding) + extra
+            return replace(prepared, body=compress(message, prepared.encoding))
+        _, _, body = prepared.body.partition(b"\r\n\r\n")
+        encoding = prepared.headers.get("Content-Encoding")
+        if encoding is not None:
+            body = decompress(body, encoding)
+        split = int(prepared.headers[HTTP_HEADER_LENGTH])
+        header = http_sequence_header(body[:split], flags.sequence_id, start=flags.start, end=flags.end)
+        body = header + body[split:]
+        if encoding is not None:
+            body = compress(body, encoding)
+        headers = {**prepared.headers, HTTP_HEADER_LENGTH: str(len(header))}
+        return replace(prepared, body=request_bytes(self._host, f"/v2/models/{quote(prepared.model)}/infer", body,
+                                                    headers), headers=headers)
 
     async def send(self, prepared: Prepared) -> None:
         """Send a prepared request; raise on any error the server or the transport reports."""

@@ -97,6 +97,10 @@ def document(model: str, config: SessionConfig, results: Sequence[LevelResult],
     doc: dict[str, Any] = {"model": model, "protocol": str(config.protocol), "url": config.url,
                            "batch_size": config.batch, "seed": config.seed,
                            "results": [result_dict(r) for r in results]}
+    if config.sequence is not None:  # the sequence flags given (a sequence model without them: their defaults)
+        seq = config.sequence
+        doc["sequence"] = {"length": seq.length, "length_variation_pct": seq.variation_pct,
+                           "id_range": [seq.id_start, seq.id_end], "num_of_sequences": seq.num_sequences}
     if config.validate is not None:
         doc["validate"] = str(config.validate)  # answers checked; mismatches are counted in "errors"
     if error:

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from client.arrivals import arrivals_seed, inputs_seed, random_seed
+from client.arrivals import arrivals_seed, inputs_seed, lengths_seed, random_seed
 from client.engine import (
     Abort,
     Distribution,
@@ -61,6 +61,7 @@ from client.protocol import (
     describe,
     host_port,
 )
+from client.sequences import Flags, SequenceOptions, Sequences
 from client.server_stats import ServerBreakdown
 from client.shared_memory import SharedMemory
 from client.stats import Latency, Window, latency_summary
@@ -71,8 +72,8 @@ from common import progress as progress_display
 
 __all__ = [
     "Distribution", "InputData", "InputKind", "Latency", "LevelResult", "LoadLevel", "Measurement", "ModelResult",
-    "PerfClientError", "PowerFigures", "PowerSource", "ProgressFn", "Protocol", "RunAborted", "ServerBreakdown",
-    "SessionConfig", "Window", "measure", "run",
+    "PerfClientError", "PowerFigures", "PowerSource", "ProgressFn", "Protocol", "RunAborted", "SequenceOptions",
+    "ServerBreakdown", "SessionConfig", "Window", "measure", "run",
 ]
 
 log = logging.getLogger(__name__)
@@ -101,6 +102,9 @@ class SessionConfig:
     own client and server figures, energy is measured for the whole run (row WHOLE_RUN).
     `seed`: the root of every random draw (Poisson arrivals per model, level and worker process; synthetic
     inputs per model: client.arrivals); None draws one at random, kept here (and in the JSON report).
+    `sequence`: the sequence flags (client.sequences); a sequence model (its config has sequence_batching) is
+    driven as sequences with these, or perf_analyzer's defaults when None; given for a model that is not one,
+    the run is refused.
     """
 
     models: tuple[str, ...]
@@ -125,6 +129,7 @@ class SessionConfig:
     gpus: tuple[str, ...] | None = None  # --gpus (indices or UUIDs) metered; None: chosen by choose_gpus
     tls: Tls | None = None  # --ssl-grpc-* / --ssl-https-*: every connection over TLS
     compression: str | None = None  # --grpc/--http-compression-algorithm: gzip | deflate
+    sequence: SequenceOptions | None = None  # --sequence-length & co. (None: defaults, for sequence models only)
 
     def __post_init__(self) -> None:
         # Plain strings ("http", "nvml") and lists work too: stored as the enum members and tuples.
@@ -180,6 +185,14 @@ class SessionConfig:
             raise PerfClientError(f"--processes {self.processes}: not with --request-count")
         if self.processes > 1 and self.validate is not None:
             raise PerfClientError(f"--processes {self.processes}: not with --validate")
+        if self.sequence is not None:
+            self.sequence.check()
+            if self.processes > 1:
+                raise PerfClientError(f"--processes {self.processes}: not with the sequence flags (one loop holds "
+                                      "a model's sequences)")
+            for model in self.models:
+                for level in self.levels_of(model):
+                    self.sequence.check_live(self.sequence.live_sequences(level.concurrency), level.label)
         if self.simultaneous:
             if len(self.models) < 2:
                 raise PerfClientError(f"--simultaneous: expected two or more -m models, got {len(self.models)}")
@@ -234,7 +247,7 @@ async def measure(config: SessionConfig, progress: ProgressFn | None = None,
     async with await Connection.open(config.protocol, config.url, timeout_s=config.request_timeout_ms / 1000,
                                      shared_memory=config.shared_memory, tls=config.tls,
                                      compression=config.compression) as conn:
-        plans = await _prepare(conn, config)
+        plans, sequence_models = await _prepare(conn, config)
         # Off the event loop: opening a meter reads it (the Triton meter over blocking HTTP, up to its timeout).
         gpus = await _gpus(conn, config)
         meter = await asyncio.to_thread(open_meter, config.power_source, config.metrics_endpoint, gpus=gpus)
@@ -250,7 +263,8 @@ async def measure(config: SessionConfig, progress: ProgressFn | None = None,
             if config.simultaneous:
                 for step in range(len(config.levels_of(config.models[0]))):
                     rows.extend(await _measure_together(conn, plans, step, config, meter=meter, abort=abort,
-                                                        progress=progress, done=rows))
+                                                        progress=progress, done=rows,
+                                                        sequence_models=sequence_models))
                 return rows
             for model_index, (model, payloads) in enumerate(plans):
                 for level_index, level in enumerate(config.levels_of(model)):
@@ -266,7 +280,9 @@ async def measure(config: SessionConfig, progress: ProgressFn | None = None,
                         run_level = LoadRun(conn, model=model, payloads=payloads, batch=config.batch, meter=meter,
                                             measurement=config.measurement,
                                             on_window=_bind(progress, model, level, bar),
-                                            cross_checks=cross_checks, abort=abort, pool=pool, seed=seed)
+                                            cross_checks=cross_checks, abort=abort, pool=pool, seed=seed,
+                                            sequences=_sequences(config, sequence_models, model_index,
+                                                                 level_index))
                         try:
                             result = await run_level.run(level)
                         except LevelStopped as exc:
@@ -284,7 +300,8 @@ async def measure(config: SessionConfig, progress: ProgressFn | None = None,
 
 async def _measure_together(conn: Connection, plans: list[tuple[str, list[Prepared]]], step: int,
                             config: SessionConfig, *, meter: Meter, abort: Abort, progress: ProgressFn | None,
-                            done: list[ModelResult]) -> list[ModelResult]:
+                            done: list[ModelResult], sequence_models: frozenset[str] = frozenset()
+                            ) -> list[ModelResult]:
     """Load level `step` of every model at once; one row per model and a WHOLE_RUN row with the energy.
 
     The meter reads the whole device: it is read once when every model's first window has opened and
@@ -297,12 +314,13 @@ async def _measure_together(conn: Connection, plans: list[tuple[str, list[Prepar
     with progress_display.task(f"{len(plans)} models {', '.join(labels)}: windows",
                                total=config.measurement.max_trials * len(plans)) as bar:
         return await _measure_together_shown(conn, plans, step, config, meter=meter, abort=abort, progress=progress,
-                                             done=done, bar=bar)
+                                             done=done, bar=bar, sequence_models=sequence_models)
 
 
 async def _measure_together_shown(conn: Connection, plans: list[tuple[str, list[Prepared]]], step: int,
                                   config: SessionConfig, *, meter: Meter, abort: Abort, progress: ProgressFn | None,
-                                  done: list[ModelResult], bar: progress_display.Task) -> list[ModelResult]:
+                                  done: list[ModelResult], bar: progress_display.Task,
+                                  sequence_models: frozenset[str] = frozenset()) -> list[ModelResult]:
     together = Together()
     shared = NoMeter("energy is measured for the whole run with --simultaneous")
     runs, tasks = [], []
@@ -310,7 +328,8 @@ async def _measure_together_shown(conn: Connection, plans: list[tuple[str, list[
         level = config.levels_of(model)[step]
         run_level = LoadRun(conn, model=model, payloads=payloads, batch=config.batch, meter=shared,
                             measurement=config.measurement, on_window=_bind(progress, model, level, bar),
-                            abort=abort, together=together, seed=arrivals_seed(config.run_seed, model_index, step))
+                            abort=abort, together=together, seed=arrivals_seed(config.run_seed, model_index, step),
+                            sequences=_sequences(config, sequence_models, model_index, step))
         runs.append(run_level)
         tasks.append(asyncio.create_task(run_level.run(level)))
 
@@ -479,9 +498,37 @@ def _bind(progress: ProgressFn | None, model: str, level: LoadLevel,
     return on_window
 
 
-async def _prepare(conn: Connection, config: SessionConfig) -> list[tuple[str, list[Prepared]]]:
-    """Every model's payloads, serialized, each model probed once: bad input fails before any load."""
+def _sequences(config: SessionConfig, sequence_models: frozenset[str], model_index: int,
+               level_index: int) -> Sequences | None:
+    """A sequence model's sequences for one load level (lengths seeded by the run's seed); None for other models."""
+    if config.models[model_index] not in sequence_models:
+        return None
+    return Sequences(config.sequence or SequenceOptions(), lengths_seed(config.run_seed, model_index, level_index))
+
+
+def _check_sequence_models(metas: list[ModelMeta], config: SessionConfig) -> frozenset[str]:
+    """The sequence models among `metas`; the sequence flags on a model that is not one, or what a sequence
+    model cannot do, refused in one line."""
+    sequence_models = frozenset(meta.name for meta in metas if meta.sequence)
+    others = [meta.name for meta in metas if not meta.sequence]
+    if config.sequence is not None and others:
+        raise PerfClientError(f"--sequence-length/--sequence-id-range/--num-of-sequences: -m {', '.join(others)} "
+                              "is not a sequence model (its config has no sequence_batching)")
+    if sequence_models and config.processes > 1:
+        raise PerfClientError(f"--processes {config.processes}: -m {', '.join(sorted(sequence_models))} is a "
+                              "sequence model (one loop holds its sequences); expected --processes 1")
+    if sequence_models and config.validate is not None:
+        raise PerfClientError(f"--validate {config.validate}: -m {', '.join(sorted(sequence_models))} is a "
+                              "sequence model (its answers depend on the sequence's state, not on the sample alone)")
+    return sequence_models
+
+
+async def _prepare(conn: Connection,
+                   config: SessionConfig) -> tuple[list[tuple[str, list[Prepared]]], frozenset[str]]:
+    """Every model's payloads, serialized, each model probed once: bad input fails before any load. Also the
+    sequence models among them."""
     metas = [await conn.model(model) for model in config.models]
+    sequence_models = _check_sequence_models(metas, config)
     unknown = sorted(set(config.shapes) - {t.name for meta in metas for t in meta.inputs})
     if unknown:
         raise PerfClientError(f"--shape {', '.join(unknown)}: not an input of {', '.join(config.models)}")
@@ -496,12 +543,17 @@ async def _prepare(conn: Connection, config: SessionConfig) -> list[tuple[str, l
             payloads += await _validated(conn, meta, config, expected[meta.name])
         plans.append((meta.name, payloads))
     for name, payloads in plans:
-        # One request first: wrong names, shapes or dtypes fail here with the server's reason.
+        # One request first: wrong names, shapes or dtypes fail here with the server's reason. A sequence
+        # model's is a whole sequence of one step, on the range's first id.
+        probe = payloads[0]
+        if name in sequence_models:
+            first = (config.sequence or SequenceOptions()).id_start
+            probe = conn.flagged(probe, Flags(first, start=True, end=True))
         try:
-            await conn.send(payloads[0])
+            await conn.send(probe)
         except TRANSPORT_ERRORS as exc:
             raise PerfClientError(f"-m {name}: the server rejected the request: {describe(exc)}") from exc
-    return plans
+    return plans, sequence_models
 
 
 def _payloads(meta: ModelMeta, config: SessionConfig) -> list[dict[str, NDArray[Any]]]:

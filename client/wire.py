@@ -212,3 +212,24 @@ def http_infer_outputs(body: bytes, header_length: str | None) -> dict[str, NDAr
             except (KeyError, ValueError, TypeError) as exc:
                 raise ResponseFormatError(f"output {name!r}: no binary data and no readable data list") from exc
     return arrays
+
+
+def grpc_sequence_parameters(sequence_id: int, *, start: bool, end: bool) -> bytes:
+    """The serialized `parameters` of a ModelInferRequest that carry a sequence's correlation id and flags.
+
+    Appended to a serialized request they merge into it (protobuf parses concatenated messages as one, map
+    entries added), so a payload serialized once is sent as any step of any sequence.
+    """
+    request = service_pb2.ModelInferRequest()
+    request.parameters["sequence_id"].int64_param = sequence_id
+    request.parameters["sequence_start"].bool_param = start
+    request.parameters["sequence_end"].bool_param = end
+    return bytes(request.SerializeToString())
+
+
+def http_sequence_header(header: bytes, sequence_id: int, *, start: bool, end: bool) -> bytes:
+    """A binary-tensor request's JSON header with the sequence's correlation id and flags in its parameters."""
+    document = json.loads(header)
+    parameters = document.setdefault("parameters", {})
+    parameters.update(sequence_id=sequence_id, sequence_start=start, sequence_end=end)
+    return json.dumps(document, separators=(",", ":")).encode("ascii")
