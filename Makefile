@@ -38,13 +38,27 @@ PIP_LOCKED := -q --disable-pip-version-check --require-hashes --no-deps
 UV_COMPILE := $(BIN)/uv pip compile --quiet --generate-hashes --python-platform x86_64-manylinux_2_28 \
   -c $(LOCK_DIR)/pins.txt $(if $(wildcard /opt/wheels),--find-links /opt/wheels)
 
+# A GPU host whose own Python holds a CUDA torch (the lent H100/H200 machines: torch 2.11+cu130 and the CUDA 13
+# libraries onnxruntime-gpu loads) keeps it: a .pth file appends the folder holding that torch to the venv's
+# sys.path (after the venv's own packages, which win), and the venv installs lock-gpu.txt less
+# requirements/gpu-host.txt (torch and its CUDA wheels, about 3.5 GB, which the product uses only to export the
+# examples: docs/gpu.md). Not --system-site-packages: the host's python3 can itself be a venv, whose packages
+# that flag does not reach. SYSTEM_TORCH=0 installs the lock's torch instead; on a CPU host it is never on.
+SYSTEM_TORCH ?= $(if $(GPU_DEP),$(shell $(PYTHON) -c "import sys, torch; sys.exit(torch.version.cuda is None)" \
+  2>/dev/null && echo 1))
+SYSTEM_TORCH_ON := $(if $(GPU_DEP),$(filter 1 yes true,$(strip $(SYSTEM_TORCH))))
+SYSTEM_TORCH_SITE = $(shell $(PYTHON) -c "import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))")
+LOCK_HOST := $(VENV)/lock-host.txt
+# What the venv installs: lock.txt (CPU), lock-gpu.txt (GPU), or that less the host's torch (GPU, SYSTEM_TORCH).
+INSTALL_LOCK := $(if $(GPU_DEP),$(if $(SYSTEM_TORCH_ON),$(LOCK_HOST),$(LOCK_GPU)),$(LOCK))
+
 install-gpu: $(GPU_STAMP)
 
 # GPU hosts install lock-gpu.txt (the package with [dev,gpu], for their Python 3.12). onnxruntime and
 # onnxruntime-gpu both install the `onnxruntime` module: remove the CPU wheel, then reinstall the GPU one
 # so none of its files is missing. Runs again after every CPU reinstall.
 $(GPU_STAMP): $(STAMP) $(LOCK_GPU)
-	$(PIP) install $(PIP_LOCKED) -r $(LOCK_GPU)
+	$(PIP) install $(PIP_LOCKED) -r $(INSTALL_LOCK)
 	$(BIN)/python -m pip uninstall -q -y onnxruntime
 	$(PIP) install $(PIP_LOCKED) --force-reinstall -r $(LOCK_DIR)/onnxruntime-gpu.txt
 	$(BIN)/python -c "import onnxruntime as o; p = o.get_available_providers(); assert 'CUDAExecutionProvider' in p, p"
@@ -54,11 +68,15 @@ $(GPU_STAMP): $(STAMP) $(LOCK_GPU)
 # the project itself, built with the locked setuptools. The lock on a GPU host is lock-gpu.txt.
 $(STAMP): pyproject.toml $(LOCK) $(LOCK_DIR)/triton.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(if $(SYSTEM_TORCH_ON),echo "$(SYSTEM_TORCH_SITE)" > "$$($(BIN)/python -c \
+	  'import sysconfig; print(sysconfig.get_paths()["purelib"])')/host-torch.pth")
 	$(BIN)/python -m builder.lockcheck $(if $(GPU_DEP),$(LOCK_GPU),$(LOCK)) --python-only
-	$(PIP) install $(PIP_LOCKED) -r $(if $(GPU_DEP),$(LOCK_GPU),$(LOCK))
+	$(if $(SYSTEM_TORCH_ON),$(BIN)/python -m builder.lockcheck $(LOCK_GPU) --without $(LOCK_DIR)/gpu-host.txt \
+	  --output $(LOCK_HOST))
+	$(PIP) install $(PIP_LOCKED) -r $(INSTALL_LOCK)
 	$(PIP) install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	$(PIP) install $(PIP_LOCKED) -r $(LOCK_DIR)/triton.txt
-	$(BIN)/python -m builder.lockcheck $(if $(GPU_DEP),$(LOCK_GPU),$(LOCK)) --what installed
+	$(BIN)/python -m builder.lockcheck $(INSTALL_LOCK) --what installed
 	touch $@
 
 # TensorRT's type stubs live apart from the venv: installed there, their `tensorrt` package of
@@ -80,6 +98,7 @@ lock: $(BIN)/uv
 	$(UV_COMPILE) --python-version 3.12 --extra dev --extra gpu -o $(LOCK_GPU) pyproject.toml $(LOCK_DIR)/build.in
 	$(UV_COMPILE) --python-version 3.12 --no-deps -o $(LOCK_DIR)/onnxruntime-gpu.txt $(LOCK_DIR)/onnxruntime-gpu.in
 	$(UV_COMPILE) --python-version 3.11 -o $(LOCK_DIR)/checkov.txt $(LOCK_DIR)/checkov.in
+	$(UV_COMPILE) --python-version 3.11 -o $(LOCK_DIR)/docs.txt $(LOCK_DIR)/docs.in
 	$(UV_COMPILE) --python-version 3.11 --no-deps -o $(LOCK_DIR)/typestubs.txt $(LOCK_DIR)/typestubs.in
 	$(BIN)/uv pip compile --quiet --generate-hashes --no-deps --python-version 3.11 \
 	  --python-platform x86_64-manylinux_2_35 -o $(LOCK_DIR)/triton.txt $(LOCK_DIR)/triton.in
@@ -140,14 +159,28 @@ scan-tools: $(CHECKOV_STAMP)
 scan: $(STAMP) $(CHECKOV_STAMP)
 	$(BIN)/python -m pytest -q tests/deploy/test_checkov.py
 
-test: $(STAMP) $(CHECKOV_STAMP)
+# The reference (docs/, mkdocs.yml) built into site/ (git-ignored) with --strict: a broken link or anchor, or a page
+# missing from the nav, fails. mkdocs lives in a virtualenv of its own (.tools/mkdocs), locked like the rest
+# (requirements/docs.txt, from docs.in by `make lock`). .ci/run runs it between lint and test.
+.PHONY: docs
+DOCS_STAMP := .tools/mkdocs/.installed
+$(DOCS_STAMP): $(LOCK_DIR)/docs.txt
+	rm -rf .tools/mkdocs
+	$(PYTHON) -m venv .tools/mkdocs
+	.tools/mkdocs/bin/python -m pip install $(PIP_LOCKED) -r $(LOCK_DIR)/docs.txt
+	touch $@
+
+docs: $(DOCS_STAMP)
+	.tools/mkdocs/bin/mkdocs build --strict --quiet --site-dir site
+
+test: $(STAMP) $(GPU_DEP) $(CHECKOV_STAMP)
 	$(BIN)/python -m pytest -q tests
 
 # Unit tests only: no Triton server, no real pretrained model (markers set in tests/conftest.py).
-test-fast: $(STAMP)
+test-fast: $(STAMP) $(GPU_DEP)
 	$(BIN)/python -m pytest -q -m "not server and not slow" tests
 
-test-gpu: $(STAMP)
+test-gpu: $(STAMP) $(GPU_DEP)
 	$(BIN)/python -m pytest -q -m "gpu or tensorrt" tests
 
 lint: $(STAMP) .typestubs/.installed

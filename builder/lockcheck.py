@@ -33,6 +33,28 @@ def locked_versions(lock: Path) -> dict[str, str]:
     return pins
 
 
+def names_file(path: Path) -> set[str]:
+    """Normalized distribution names of a file of one name a line (`#` comments and blank lines skipped)."""
+    names = set()
+    for line in path.read_text(encoding="utf-8").splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            names.add(_normalized(line))
+    return names
+
+
+def without(lock_text: str, names: set[str]) -> str:
+    """The lock's text less the pins of `names`: each pin's block (its hash and `# via` lines) goes with it."""
+    kept, skipping = [], False
+    for line in lock_text.splitlines(keepends=True):
+        if line[:1] not in (" ", "\t"):  # a line at column 0 starts a pin's block or is a comment of the file's own
+            match = _PIN.match(line)
+            skipping = match is not None and _normalized(match.group(1)) in names
+        if not skipping:
+            kept.append(line)
+    return "".join(kept)
+
+
 def lock_python(lock: Path) -> str | None:
     """The Python version (3.11) the lock was resolved for, from uv's header; None when it names none."""
     for line in lock.read_text(encoding="utf-8").splitlines()[:10]:
@@ -74,11 +96,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--what", default="tools", help="word used in the message (default: tools)")
     parser.add_argument("--python-only", action="store_true",
                         help="only check that this Python is the one the lock was resolved for (status 1 if not)")
+    parser.add_argument("--without", type=Path, metavar="NAMES",
+                        help="write the lock less the distributions this file names (one a line) to --output")
+    parser.add_argument("--output", type=Path, help="where --without writes the lock it makes")
     args = parser.parse_args(argv)
     if not args.lock.is_file():
         print(f"lockcheck: {args.lock}: no such lock file (expected requirements/lock.txt from the checkout)",
               file=sys.stderr)
         return 1
+    if args.without is not None:
+        if args.output is None:
+            parser.error("--without needs --output")
+        args.output.write_text(without(args.lock.read_text(encoding="utf-8"), names_file(args.without)),
+                               encoding="utf-8")
+        return 0
     if args.python_only:
         # Its wheels (torch's one hash, packages for older Pythons left out) fit that Python only: elsewhere
         # pip fails with a resolver error that does not say why.
