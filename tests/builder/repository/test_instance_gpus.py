@@ -122,6 +122,9 @@ def test_trtbuild_serve_gpus_rewrites_before_the_server_starts(tmp_path: Path, m
             raise Started
 
     monkeypatch.setattr(triton_server, "TritonServer", NoServer)
+    # Four GPUs, whatever this host has (on a one-GPU host GPU 3 would be refused, as the next test shows).
+    monkeypatch.setattr(triton_server, "gpu_ids", lambda: [0, 1, 2, 3])
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     with pytest.raises(Started):
         main(["serve", "--repository", str(repo), "--state-dir", str(tmp_path / "run"), "--gpus", "0,3"])
     assert "m_fp16: instances on GPUs 0, 3" in capsys.readouterr().out

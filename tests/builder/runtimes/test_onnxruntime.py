@@ -12,7 +12,14 @@ import pytest
 
 from builder.errors import RuntimeUnavailableError
 from builder.repository.triton_config import BackendConfig, InstanceKind, TritonBackend
-from builder.runtimes import CompileTarget, OnnxRuntimeCPU, select, tensorrt_available
+from builder.runtimes import (
+    CompileTarget,
+    OnnxRuntimeCPU,
+    OnnxRuntimeCUDA,
+    cuda_available,
+    select,
+    tensorrt_available,
+)
 from builder.runtimes.onnxruntime import ort_session, run_file, run_session
 from builder.spec import DimRange, RuntimeChoice, ServingBackend, TensorSpec
 from tests.helpers.tiny_models import mlp_onnx, mlp_samples, sequence_onnx
@@ -75,7 +82,9 @@ def test_select_onnxruntime_keeps_the_serving_backend(serving: ServingBackend) -
 @pytest.mark.skipif(tensorrt_available(), reason="TensorRT is available here")
 def test_select_without_tensorrt() -> None:
     auto = select(RuntimeChoice.AUTO, serving_backend=ServingBackend.ONNXRUNTIME)
-    assert isinstance(auto, OnnxRuntimeCPU) and auto.serving_backend is ServingBackend.ONNXRUNTIME
+    # auto takes ONNX Runtime's CUDA provider where it and a GPU exist (a GPU host), else the CPU
+    expected = OnnxRuntimeCUDA if cuda_available() else OnnxRuntimeCPU
+    assert type(auto) is expected and auto.serving_backend is ServingBackend.ONNXRUNTIME
     with pytest.raises(RuntimeUnavailableError, match=r"^--runtime tensorrt: TensorRT with a CUDA GPU is not"):
         select(RuntimeChoice.TENSORRT)
 

@@ -19,7 +19,7 @@ from builder.repository.triton_config import (
     parse,
     to_text,
 )
-from builder.runtimes import select, tensorrt_available
+from builder.runtimes import cuda_available, select, tensorrt_available
 from builder.runtimes.tensorrt_plan import (
     HardwareCompatibility,
     PlanMetadata,
@@ -151,4 +151,5 @@ def test_asking_for_tensorrt_where_it_is_missing_says_how_to_install_it() -> Non
         pytest.skip("TensorRT is available here")
     with pytest.raises(RuntimeUnavailableError, match=r"pip install '\.\[tensorrt\]'.*NGC Triton container"):
         select(RuntimeChoice.TENSORRT)
-    assert select(RuntimeChoice.AUTO).name == "onnxruntime"
+    # auto falls back to ONNX Runtime: its CUDA provider on a GPU host, else the CPU
+    assert select(RuntimeChoice.AUTO).name == ("onnxruntime-cuda" if cuda_available() else "onnxruntime")
