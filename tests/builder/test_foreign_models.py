@@ -58,6 +58,7 @@ def server(foreign: tuple[Path, list[ForeignModel], dict[str, int]],
     triton.stop()
 
 
+@pytest.mark.slow  # the module's builds of every class take ~20 s: full tier (make test) only
 def test_every_class_builds_fp32_fp16_and_int8(foreign: tuple[Path, list[ForeignModel], dict[str, int]]) -> None:
     repository, models, codes = foreign
     assert codes == {m.name: 0 for m in models}
@@ -72,6 +73,7 @@ def test_every_class_builds_fp32_fp16_and_int8(foreign: tuple[Path, list[Foreign
             assert ("dynamic_batching" in config) is model.batching, config
 
 
+@pytest.mark.slow  # the module's builds of every class take ~20 s: full tier (make test) only
 def test_shapes_reach_config_and_the_record(foreign: tuple[Path, list[ForeignModel], dict[str, int]]) -> None:
     repository, _, _ = foreign
     detector_cfg = (repository / "detector_fp32" / "config.pbtxt").read_text()
@@ -85,6 +87,7 @@ def test_shapes_reach_config_and_the_record(foreign: tuple[Path, list[ForeignMod
     assert 'string_value: "sr"' in vad and "dims: 2\n  dims: 1\n  dims: 128" in vad
 
 
+@pytest.mark.slow  # the module's builds of every class take ~20 s: full tier (make test) only
 def test_plain_fp16_misses_on_the_sensitive_model_and_the_guard_keeps_one_node_in_fp32(
         foreign: tuple[Path, list[ForeignModel], dict[str, int]]) -> None:
     repository, _, _ = foreign
@@ -97,6 +100,7 @@ def test_plain_fp16_misses_on_the_sensitive_model_and_the_guard_keeps_one_node_i
     assert record["accuracy"]["cosine_min"] == guard["after"]["cosine_min"]
 
 
+@pytest.mark.slow  # the module's builds of every class take ~20 s: full tier (make test) only
 def test_an_opset_21_model_with_ai_onnx_ml_5_is_served_at_its_opsets(
         foreign: tuple[Path, list[ForeignModel], dict[str, int]]) -> None:
     repository, _, _ = foreign
