@@ -17,6 +17,7 @@ from typing import Any
 from builder.repository import triton_config
 from builder.repository.model_folder import CONFIG, RECORD
 from builder.spec.tuned import TUNED_FILE, TunedServing
+from builder.spec.untrusted import MAX_RECORD_BYTES, UnsafeInput, read_text
 from common.files import write_atomic
 
 log = logging.getLogger(__name__)
@@ -68,8 +69,9 @@ def configure(config_text: str, serving: Serving) -> str:
 
 def _record(model_dir: Path) -> dict[str, Any] | None:
     try:
-        data = json.loads((model_dir / RECORD).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        # Bounded and inside the repository, as model_folder.read_record reads it (a crafted build.json).
+        data = json.loads(read_text(model_dir / RECORD, limit=MAX_RECORD_BYTES, root=model_dir.parent))
+    except (OSError, ValueError, UnsafeInput):
         return None
     return data if isinstance(data, dict) else None
 

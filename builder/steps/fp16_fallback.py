@@ -66,14 +66,21 @@ def to_fp16_onnxconverter(fp32_path: Path, out_path: Path, *, what: str) -> dict
     from onnxconverter_common import float16  # type: ignore[import-untyped]
 
     model = onnx_files.load(fp32_path)
+    # ONNX Runtime names a refused node by its name: unnamed ones get one here ("" would block nothing, and
+    # onnxconverter-common fails on an empty name in its node block list).
+    named = _name_unnamed_nodes(model.graph)
     # Ops of other domains (com.microsoft's DynamicQuantizeLSTM, ...) rarely take FP16: kept in FP32 from the start.
     custom = {node.op_type for node in model.graph.node if node.domain not in ("", "ai.onnx")}
     ops = {*float16.DEFAULT_OP_BLOCK_LIST, *CONTROL_FLOW, *custom}
     nodes: set[str] = set()
+    initial = set(ops)
+    refused: tuple[str | None, str | None] | None = None
     try:
         with _quiet() as sink:
             for _ in range(MAX_REPAIRS + 1):
-                converted = float16.convert_float_to_float16(onnx_files.load(fp32_path), keep_io_types=True,
+                source = onnx.ModelProto()
+                source.CopyFrom(model)  # the converter edits the model it is given
+                converted = float16.convert_float_to_float16(source, keep_io_types=True,
                                                              op_block_list=sorted(ops), node_block_list=sorted(nodes))
                 feed_subgraphs_fp32(converted.graph)
                 converted = onnx_model.refresh_value_info(converted)
@@ -83,10 +90,14 @@ def to_fp16_onnxconverter(fp32_path: Path, out_path: Path, *, what: str) -> dict
                 op_type, node = refused
                 if op_type is not None and op_type not in ops:
                     ops.add(op_type)
-                elif node is not None and node not in nodes:
+                elif node and node not in nodes:
                     nodes.add(node)
                 else:
                     break  # blocking cannot mend it: the graph goes to the check, which says why it fails
+            if refused is not None:
+                log.warning("%s: onnxconverter-common's FP16: ONNX Runtime still refuses %s after %d repair rounds",
+                            what, f"node {refused[1]!r}" if refused[1] else f"op {refused[0]!r}" if refused[0]
+                            else "the graph", len(nodes) + len(ops - initial))
             if converted.ByteSize() < onnx_files.PROTOBUF_LIMIT:
                 onnx.checker.check_model(converted)
     except precision.TOOL_ERRORS as exc:
@@ -101,7 +112,31 @@ def to_fp16_onnxconverter(fp32_path: Path, out_path: Path, *, what: str) -> dict
                   "refused their mixed or FP16 inputs)", what, sorted(ops - set(float16.DEFAULT_OP_BLOCK_LIST)),
                   sorted(nodes))
     onnx_files.save(converted, out_path)
-    return {"tool": TOOL, "keep_io_types": True, "op_block_list": sorted(ops), "node_block_list": sorted(nodes)}
+    return {"tool": TOOL, "keep_io_types": True, "op_block_list": sorted(ops), "node_block_list": sorted(nodes),
+            "named_nodes": named}
+
+
+def _name_unnamed_nodes(graph: onnx.GraphProto) -> int:
+    """Give every unnamed node of the graph (its subgraphs too) a name not used elsewhere; how many were named."""
+    used = {node.name for node in graph.node if node.name}
+    count = 0
+
+    def walk(g: onnx.GraphProto) -> None:
+        nonlocal count
+        for node in g.node:
+            if not node.name:
+                index = count
+                while f"{node.op_type}_{index}" in used:
+                    index += 1
+                node.name = f"{node.op_type}_{index}"
+                used.add(node.name)
+                count += 1
+            for attribute in node.attribute:
+                for sub in ([attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else attribute.graphs):
+                    walk(sub)
+
+    walk(graph)
+    return count
 
 
 # Rounds of "convert, let ONNX Runtime type-check the graph, keep the node it refuses in FP32": each round

@@ -217,10 +217,10 @@ def throughput(path: Path, evaluation: Mapping[str, NDArray[Any]], seconds: floa
 
 
 def make_quantizer(fp32_path: Path, fp32_sha: str, calibration: Mapping[str, NDArray[Any]], calib_digest: str,
-                   cache_dir: Path) -> Callable[[CalibrationSpec, Path], None]:
+                   cache_dir: Path, what: str = "") -> Callable[[CalibrationSpec, Path], None]:
     def quantize(spec: CalibrationSpec, out: Path) -> None:
         precision.to_int8(fp32_path, fp32_sha=fp32_sha, calibration=calibration, data_digest=calib_digest,
-                          spec=spec, out_path=out, cache_dir=cache_dir)
+                          spec=spec, out_path=out, cache_dir=cache_dir, what=what)
 
     return quantize
 
@@ -268,7 +268,7 @@ def guard_int8(*, fp32_path: Path, fp32_sha: str, calibration: Mapping[str, NDAr
     onnx_files.copy_model(variant_onnx, plain)
     search_dir = work / "guard"
     search_dir.mkdir(exist_ok=True)
-    quantize = make_quantizer(fp32_path, fp32_sha, calibration, calibration_digest, cache_dir)
+    quantize = make_quantizer(fp32_path, fp32_sha, calibration, calibration_digest, cache_dir, what)
     result, guarded = guard(quantize, spec=spec, plain=plain, evaluation=evaluation, reference=reference,
                             task=task, tolerance=tolerance, work=search_dir, batch_size=batch_size,
                             method=method, fp32=fp32_path, measure=measure)

@@ -43,7 +43,7 @@ from common.logs import active_log_file
 log = logging.getLogger(__name__)
 
 # Bump when the way a variant is produced changes, so caches and repositories rebuild.
-RECIPE_VERSION = "2"  # 2: the gate also measures min/max shapes beside user data; speed records
+RECIPE_VERSION = "3"  # 3: FP16 fallback repairs, INT8 as given / recipe fallback; 2: min/max shape levels
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ TOOL_ERRORS: tuple[type[BaseException], ...] = (
     onnx.shape_inference.InferenceError, *ORT_ERRORS,
 )
 # The tools, by top-level package; our own code, likewise ("__main__": the quantizer subprocess).
-_TOOL_PACKAGES = frozenset({"modelopt", "onnxruntime", "onnx"})
+_TOOL_PACKAGES = frozenset({"modelopt", "onnxruntime", "onnx", "onnxconverter_common"})
 _OUR_PACKAGES = frozenset({"builder", "client", "__main__"})
 
 
@@ -309,9 +309,9 @@ def to_int8(
         # Nothing left to calibrate: the INT8 variant is the model as given (the gate and the speed check
         # still judge it), said in one line and recorded.
         log.warning("%s: the model is already quantized (%s) with no float Conv/MatMul/Gemm left; the INT8 "
-                    "variant is the model as given", what, quantized)
+                    "variant is the model as given (the FP32 graph itself)", what, quantized)
         onnx_files.copy_model(fp32_path, out_path)
-        return CalibrationResult(spec.recipe, spec.method, len(next(iter(calibration.values()))), "", False, 0,
+        return CalibrationResult(spec.recipe, spec.method, 0, "", False, 0,
                                  {"tool": None, "as_given": True, "why": f"already quantized ({quantized})"})
 
     def quantize(with_spec: CalibrationSpec) -> CalibrationResult:
@@ -571,7 +571,10 @@ def _ort_quantize_worker(job_path: str) -> None:
             if self.index >= count:
                 return None
             self.index += 1
-            return {k: v[self.index - 1] if whole else v[self.index - 1 : self.index] for k, v in calibration.items()}
+            i = self.index - 1
+            # A whole sample of a scalar input (a VAD's `sr`) stays a 0-d array: ORT refuses a numpy scalar.
+            return {k: np.require(np.asarray(v[i]), requirements="C") if whole else v[i : i + 1]
+                    for k, v in calibration.items()}
 
     with contextlib.redirect_stdout(io.StringIO()):  # ORT's calibrator prints its progress
         quantize_static(

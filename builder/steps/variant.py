@@ -10,6 +10,7 @@ in a test given a context that holds what it reads.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Protocol
 
@@ -212,9 +213,13 @@ class Guard:
         spec = model.spec
         assert spec.calibration is not None and model.calibration is not None
         assert model.calibration_digest is not None
+        # The recipe that made the plain INT8: ONNX Runtime's where ModelOpt's failed on this model (to_int8's
+        # fallback), so the guard's candidates do not run the failing recipe again, each with its warning.
+        recipe = ctx.calibration.recipe if ctx.calibration is not None else spec.calibration.recipe
         ctx.guard = guard_int8(
             fp32_path=model.fp32_path, fp32_sha=model.fp32_sha, calibration=model.calibration,
-            calibration_digest=model.calibration_digest, spec=spec.calibration, variant_onnx=ctx.variant_onnx,
+            calibration_digest=model.calibration_digest, spec=replace(spec.calibration, recipe=recipe),
+            variant_onnx=ctx.variant_onnx,
             evaluation=model.evaluation, reference=model.reference, task=spec.task,
             tolerance=spec.tolerance(ctx.precision), cache_dir=model.cache_dir, work=model.work,
             fp16_feeds=fp16_feeds(model), what=what(model), batch_size=model.eval_batch,

@@ -7,6 +7,7 @@ the user's samples."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -41,3 +42,18 @@ def test_an_integer_control_input_takes_its_input_range_without_data(
     err = capfd.readouterr().err
     assert code == 0, err
     assert (workdir / "repo" / "rate_gated_fp32" / "config.pbtxt").is_file()
+
+
+def test_onnx_runtimes_int8_recipe_calibrates_a_scalar_input_of_a_model_that_does_not_batch(
+        workdir: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """The ORT quantizer's reader gave a whole sample's scalar `sr` as a numpy scalar, which ONNX Runtime refuses
+    ("Unable to handle object of type <class 'numpy.int64'>"): the INT8 variant was not written."""
+    model = rate_gated(workdir)
+    entry = model.manifest_entry().replace('precisions = ["fp32", "fp16", "int8"]', 'precisions = ["fp32", "int8"]')
+    (workdir / "models.toml").write_text(entry + 'recipe = "onnxruntime"\nmethod = "max"\n')
+    code = main(["engines", "--manifest", "models.toml", "--repository", "repo", "--no-guard"])
+    err = capfd.readouterr().err
+    assert code == 0, err
+    record = json.loads((workdir / "repo" / "rate_gated_int8" / "build.json").read_text())
+    assert record["precision_settings"]["tool"] == "onnxruntime.quantization.quantize_static"
+    assert record["calibration"]["samples"] > 0  # calibrated on the user's samples, scalar sr included

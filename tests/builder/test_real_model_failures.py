@@ -279,3 +279,20 @@ def test_the_fp16_fallback_repairs_an_op_that_takes_no_fp16(workdir: Path, capfd
     settings = json.loads((workdir / "repo" / "gelu_fp16" / "build.json").read_text())["precision_settings"]
     assert "Gelu" in settings["op_block_list"] and settings["node_block_list"] == ["fc", "fc2"], settings
     assert settings["instead_of"] == "modelopt.onnx.autocast"
+
+
+def test_the_fp16_repair_names_unnamed_nodes_before_blocking_one(tmp_path: Path) -> None:
+    """Exporters leave nodes unnamed; ONNX Runtime then names the refused node '' ("in node ()"), and blocking
+    '' made onnxconverter-common fail with an AttributeError (a traceback). The repair names them first."""
+    model = float_cast(tmp_path)
+    graph = onnx.load(str(model.onnx))
+    for node in graph.graph.node:
+        node.name = ""
+    unnamed = tmp_path / "unnamed.onnx"
+    onnx.save(graph, str(unnamed))
+    out = tmp_path / "fp16.onnx"
+    settings = to_fp16_onnxconverter(unnamed, out, what="model 'float_cast'")
+    assert settings["named_nodes"] == 4 and settings["node_block_list"] == ["Add_2"], settings
+    with np.load(model.calibration) as data:
+        samples = {k: data[k][:4] for k in data.files}
+    assert np.allclose(run_file(unnamed, samples, 4)["y"], run_file(out, samples, 4)["y"], atol=2e-2)

@@ -188,3 +188,25 @@ def test_an_int8_graph_with_no_quantized_node_is_not_searched(tmp_path: Path) ->
                              method=method, fp32=plain, measure=lambda _path: far)
         assert path is None and not result.met and result.quantizations == 0 and quantized == []
         assert result.ranking is not None and result.ranking.nodes == 0 and not result.ranking.escalated
+
+
+def test_where_modelopt_fails_onnx_runtimes_recipe_makes_the_int8_and_its_guard_candidates(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """ModelOpt failing on the model (here: raised from onnx's own checker, as a tool failure is): the plain INT8
+    is ONNX Runtime's recipe, said in one warning and recorded, and the guard's candidates use that recipe too
+    instead of running the failing one again for each (one warning, not one per candidate)."""
+    calls = []
+
+    def failing_modelopt(*args: object, **kwargs: object) -> None:
+        calls.append(args)
+        onnx.checker.check_model(onnx.ModelProto())  # raises inside onnx: a tool's failure
+
+    monkeypatch.setattr(precision, "_quantize_modelopt", failing_modelopt)
+    spec = outlier_spec(tmp_path, Int8Recipe.MODELOPT, ORT_TOLERANCE)
+    record = build(tmp_path, spec)
+    assert len(calls) == 1
+    warned = [r.getMessage() for r in caplog.records if "ONNX Runtime's recipe instead" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith("model 'outlier': "), warned
+    settings = record["precision_settings"]
+    assert settings["instead_of"] == "modelopt.onnx.quantization" and "ir_version" in settings["why"]
+    assert record["guard"]["quantizations"] > 0 and record["guard"]["fallback"] is None
