@@ -12,6 +12,7 @@ from client.admin_key import KEY_ENV, request_headers
 from client.compression import ALGORITHMS
 from client.engine import DEFAULT_MAX_INFLIGHT, Distribution, LoadLevel, Measurement
 from client.errors import PerfClientError, RunAborted
+from client.grpc_aio import GrpcClient
 from client.html_report import write_html
 from client.inputs import InputData, parse_shapes
 from client.intervals import load_intervals
@@ -170,7 +171,13 @@ _HTTPS_TLS = ("--ssl-https-ca-certificates-file", "--ssl-https-client-certificat
 
 
 def _add_transport_flags(p: argparse.ArgumentParser) -> None:
-    """TLS and compression, perf_analyzer's names where it has them."""
+    """The gRPC client, streaming, TLS and compression, perf_analyzer's names where it has them."""
+    p.add_argument("--grpc-client", default=str(GrpcClient.NATIVE), choices=GrpcClient.values(),
+                   help="-i grpc: the client that sends inference requests: native (our own HTTP/2 client, the "
+                        "default) or aio (grpc-core through grpc.aio: the fallback if native misbehaves with a server)")
+    p.add_argument("--streaming", action="store_true",
+                   help="-i grpc: drive decoupled models over gRPC streams (ModelStreamInfer), closed loop; reports "
+                        "first-response and inter-response latency and responses per request")
     tls = p.add_argument_group("TLS (perf_analyzer's flags; -i grpc: --ssl-grpc-*, -i http: --ssl-https-*)")
     tls.add_argument("--ssl-grpc-use-ssl", action="store_true", help="gRPC over TLS (implied by the files below)")
     for flag, what in zip(_GRPC_TLS + _HTTPS_TLS, ("server CA (PEM)", "client certificate (PEM)",
@@ -344,7 +351,8 @@ def parse_config(argv: Sequence[str] | None) -> CliConfig:
                                    headers=request_headers(str(protocol), args.header)),
         request_timeout_ms=args.request_timeout_ms, time_limit_s=args.time_limit, processes=args.processes,
         seed=args.seed, gpus=_gpus(args.gpus), tls=_tls(args, protocol), compression=_compression(args, protocol),
-        sequence=_sequence(args),
+        sequence=_sequence(args), grpc_client=args.grpc_client,
+        streaming=args.streaming,
     )
     return CliConfig(session=session, json_path=args.json, csv_path=args.csv, plot_path=args.plot, html_path=args.html,
                      progress=not args.no_progress and not args.quiet, verbose=args.verbose, quiet=args.quiet)

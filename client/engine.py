@@ -24,6 +24,7 @@ from client.protocol import TRANSPORT_ERRORS, Connection, Prepared, error_kind
 from client.sequences import Sequences, Slot
 from client.server_stats import ServerBreakdown, ServerStats, server_breakdown
 from client.stats import Records, Tally, Window, close, is_stable, merge
+from client.streaming import RESPONSE_ERROR, Stream
 from client.validate import MISMATCH
 from common.choices import Choice
 
@@ -227,13 +228,17 @@ class LoadRun:
                  measurement: Measurement, on_window: WindowFn | None = None,
                  cross_checks: Sequence[Meter] = (), abort: Abort | None = None, keep_records: bool = False,
                  together: Together | None = None, pool: WorkerPool | None = None,
-                 seed: np.random.SeedSequence | None = None, sequences: Sequences | None = None) -> None:
+                 seed: np.random.SeedSequence | None = None, sequences: Sequences | None = None,
+                 streaming: bool = False) -> None:
         """`pool`: worker processes generate the load instead of this loop (--processes); this loop
         only sets the window boundaries, reads the server and the meters, and merges their tallies.
         `seed`: this loop's Poisson arrivals (client.arrivals; None: seed 0).
         `sequences`: a sequence model's: every request is a step of a sequence (client.sequences), one
         sequence per concurrency slot (closed loop) or `num_sequences` taking the sends in turn (open loop);
-        a sequence the level's end cuts short is ended by one more request, not counted."""
+        a sequence the level's end cuts short is ended by one more request, not counted.
+        `streaming`: a decoupled model's: each closed-loop worker sends its requests on one ModelStreamInfer call
+        (client.streaming); a request's latency runs to its final response, its response timings go to the
+        tally's `stream`."""
         self.conn = conn
         self._retries_seen = getattr(conn, "retries", 0)
         self.model = model
@@ -260,6 +265,9 @@ class LoadRun:
         self.seed = seed
         self.sequences = sequences
         self._slots: list[Slot] = []
+        self.streaming = streaming
+        if streaming and (pool is not None or sequences is not None):
+            raise PerfClientError("--streaming: not with --processes nor a sequence model")
         if pool is not None and sequences is not None:
             raise PerfClientError("--processes: not with a sequence model (one loop holds its sequences)")
         if pool is not None and measurement.request_count > 0:
@@ -319,6 +327,41 @@ class LoadRun:
             else:
                 backoff = min(max(2 * backoff, _BACKOFF_FIRST_S), _BACKOFF_MAX_S)
                 await asyncio.sleep(backoff)
+
+    async def _stream_request(self, stream: Stream, message: bytes) -> str | None:
+        """One streamed request (counted in flight as `_request`'s); its error kind, or None with its response
+        timings in the open window's tally."""
+        self._in_flight += 1
+        self._idle.clear()
+        try:
+            timing = await stream.request(message)
+        except asyncio.CancelledError:
+            raise
+        except TRANSPORT_ERRORS as exc:
+            return error_kind(exc)
+        finally:
+            self._in_flight -= 1
+            if not self._in_flight:
+                self._idle.set()
+        if timing.error is None:
+            self._tally.streamed(timing.first_ns, timing.gaps_ns, timing.responses)
+        return timing.error
+
+    async def _stream_worker(self, messages: list[bytes], first: int) -> None:
+        """A closed-loop worker of a decoupled model: its requests one after another on one stream."""
+        stream, n, index, backoff = self.conn.open_stream(), len(messages), first, 0.0
+        try:
+            while not self._stop.is_set():
+                message = messages[index % n]
+                index += 1
+                sent = time.monotonic_ns()
+                error = await self._stream_request(stream, message)
+                self._done(sent, sent, error)
+                backoff = _backoff(backoff, error)
+                if backoff:
+                    await asyncio.sleep(backoff)
+        finally:
+            await asyncio.shield(stream.aclose())
 
     async def _sequence_worker(self, slot: Slot, first: int) -> None:
         """A closed-loop worker of a sequence model: one sequence after another, each step after the last's answer."""
@@ -392,8 +435,13 @@ class LoadRun:
             live = self.sequences.options.live_sequences(level.concurrency)
             self.sequences.options.check_live(live, level.label)
             self._slots = self.sequences.slots(live)
+        if self.streaming and level.concurrency is None:
+            raise PerfClientError(f"--streaming: not with {level.label} (closed loop only: --concurrency)")
         if level.concurrency is not None:
             step = max(len(self.payloads) // level.concurrency, 1)  # workers start on different payloads
+            if self.streaming:
+                messages = [self.conn.stream_message(p) for p in self.payloads]  # each built once, for every worker
+                return [asyncio.create_task(self._stream_worker(messages, i * step)) for i in range(level.concurrency)]
             if self._slots:
                 return [asyncio.create_task(self._sequence_worker(slot, i * step))
                         for i, slot in enumerate(self._slots)]
@@ -621,6 +669,14 @@ def send_times_ns(level: LoadLevel, seed: np.random.SeedSequence | int | None,
     while True:
         yield t
         t += mean_ns
+
+
+def _backoff(previous: float, error: str | None) -> float:
+    """The wait after a request: none when the server answered (OK, a mismatch, an error response), else
+    doubling from _BACKOFF_FIRST_S up to _BACKOFF_MAX_S while failures repeat."""
+    if error is None or error in (MISMATCH, RESPONSE_ERROR):
+        return 0.0
+    return min(max(2 * previous, _BACKOFF_FIRST_S), _BACKOFF_MAX_S)
 
 
 def _completed_windows(windows: list[Window], answered: list[bool]) -> list[Window]:

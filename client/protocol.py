@@ -27,11 +27,13 @@ from tritonclient.utils import InferenceServerException
 
 from client.compression import ALGORITHMS, compress, decompress
 from client.errors import PerfClientError
+from client.grpc_aio import AioChannel, GrpcClient, open_channel
 from client.grpc_h2 import Channel as GrpcH2Channel
 from client.http1 import Pool, request_bytes
 from client.sequences import Flags
 from client.server_stats import ServerStats, parse_statistics
 from client.shared_memory import SharedMemory, SharedMemoryPool
+from client.streaming import Stream, stream_parameters
 from client.tls import Tls
 from client.wire import (
     GRPC_INFER_METHOD,
@@ -118,16 +120,20 @@ class Connection:
 
     def __init__(self, protocol: Protocol, url: str, *, timeout_s: float = REQUEST_TIMEOUT_S,
                  shared_memory: SharedMemory | None = None, tls: Tls | None = None,
-                 compression: str | None = None) -> None:
+                 compression: str | None = None, grpc_client: GrpcClient = GrpcClient.NATIVE) -> None:
         """Call from a running event loop (aiohttp and grpc.aio bind to it). `tls`: every connection over TLS.
-        `compression` (gzip, deflate): requests prepared compressed, compressed answers asked for."""
+        `compression` (gzip, deflate): requests prepared compressed (with grpc.aio: compressed by grpc-core as
+        they go), compressed answers asked for. `grpc_client`: which client carries gRPC inference requests."""
         if compression is not None and compression not in ALGORITHMS:
             flag = "--grpc-compression-algorithm" if protocol is Protocol.GRPC else "--http-compression-algorithm"
             raise PerfClientError(f"{flag} {compression}: expected one of {', '.join(ALGORITHMS)}")
         self.compression = compression
         self.protocol = protocol
         self.url = url
+        self.grpc_client = GrpcClient.parse(grpc_client, "--grpc-client", error=PerfClientError)
         self._timeout_s = timeout_s
+        self._tls = tls
+        self._stream_channel: Any = None  # grpc.aio's, opened by the first open_stream()
         # A bad -u is refused before anything is opened (a control session left unclosed otherwise).
         address = host_port(url)
         # --shared-memory: payloads' tensors go through registered regions, released by close().
@@ -139,11 +145,16 @@ class Connection:
             import tritonclient.grpc.aio as grpc_aio
 
             self._control = grpc_aio.InferenceServerClient(url=url, **_grpc_tls(tls))
-            # The hot path's own HTTP/2 client: the request goes out as the bytes given, the response
-            # comes back as bytes.
-            self._h2 = GrpcH2Channel(*address, method=GRPC_INFER_METHOD, timeout_s=timeout_s, authority=url,
-                                     ssl=tls.context("h2") if tls is not None else None,
-                                     server_hostname=tls.server_name if tls is not None else None)
+            # The hot path's own HTTP/2 client (or grpc-core's with --grpc-client aio): the request goes out as
+            # the bytes given, the response comes back as bytes.
+            self._h2: GrpcH2Channel | AioChannel
+            if self.grpc_client is GrpcClient.AIO:
+                self._h2 = AioChannel(url, method=GRPC_INFER_METHOD, timeout_s=timeout_s, tls=tls,
+                                      compression=compression)
+            else:
+                self._h2 = GrpcH2Channel(*address, method=GRPC_INFER_METHOD, timeout_s=timeout_s, authority=url,
+                                         ssl=tls.context("h2") if tls is not None else None,
+                                         server_hostname=tls.server_name if tls is not None else None)
         else:
             import tritonclient.http.aio as http_aio
 
@@ -158,8 +169,9 @@ class Connection:
     @classmethod
     async def open(cls, protocol: Protocol, url: str, *, timeout_s: float = REQUEST_TIMEOUT_S,
                    shared_memory: SharedMemory | None = None, tls: Tls | None = None,
-                   compression: str | None = None) -> Connection:
-        return cls(protocol, url, timeout_s=timeout_s, shared_memory=shared_memory, tls=tls, compression=compression)
+                   compression: str | None = None, grpc_client: GrpcClient = GrpcClient.NATIVE) -> Connection:
+        return cls(protocol, url, timeout_s=timeout_s, shared_memory=shared_memory, tls=tls, compression=compression,
+                   grpc_client=grpc_client)
 
     async def __aenter__(self) -> Connection:
         return self
@@ -176,6 +188,8 @@ class Connection:
         await self._control.close()
         if self.protocol is Protocol.GRPC:
             await self._h2.aclose()  # draining connections finish the streams they took first
+            if self._stream_channel is not None and not isinstance(self._h2, AioChannel):
+                await self._stream_channel.close(grace=None)
         else:
             self._pool.close()
 
@@ -255,7 +269,7 @@ class Connection:
                if self._shm is not None else None)
         if self.protocol is Protocol.GRPC:
             message = grpc_infer_request(model, arrays, shm)
-            if self.compression is not None:
+            if self.compression is not None and self.grpc_client is GrpcClient.NATIVE:  # grpc.aio compresses itself
                 return Prepared(model, compress(message, self.compression), expected=expected,
                                 encoding=self.compression)
             return Prepared(model, message, expected=expected)
@@ -316,6 +330,24 @@ class Connection:
             except ValueError as exc:
                 raise ResponseFormatError(f"answer does not decompress: {exc}") from exc
         return http_infer_outputs(body, response.headers.get(HTTP_HEADER_LENGTH.lower()))
+
+    def stream_message(self, prepared: Prepared) -> bytes:
+        """`prepared` as a --streaming request: its ModelInferRequest (inflated if it was prepared compressed: the
+        stream's channel compresses as it sends) asking for the empty final response."""
+        if self.protocol is not Protocol.GRPC:
+            raise PerfClientError(f"--streaming: not with -i {self.protocol} (streaming is gRPC's)")
+        message = decompress(prepared.body, prepared.encoding) if prepared.encoding is not None else prepared.body
+        return message + stream_parameters()
+
+    def open_stream(self) -> Stream:
+        """A new ModelStreamInfer call (opened by its first request) on this connection's grpc.aio channel: the
+        --grpc-client aio channel itself, else one opened for the streams (TLS and compression as the others)."""
+        if self.protocol is not Protocol.GRPC:
+            raise PerfClientError(f"--streaming: not with -i {self.protocol} (streaming is gRPC's)")
+        if self._stream_channel is None:
+            self._stream_channel = (self._h2.channel if isinstance(self._h2, AioChannel)
+                                    else open_channel(self.url, tls=self._tls, compression=self.compression))
+        return Stream(self._stream_channel, timeout_s=self._timeout_s)
 
     async def statistics(self, model: str) -> ServerStats | None:
         """The model's cumulative counters; None when the server does not answer (best effort mid-run)."""

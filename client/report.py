@@ -14,10 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from client.engine import LevelResult
+from client.grpc_aio import GrpcClient
 from client.power import PowerFigures
 from client.server_stats import ServerBreakdown
 from client.session import ModelResult, SessionConfig
-from client.stats import Latency
+from client.stats import Latency, StreamFigures
 from common import files
 
 # perf_analyzer's `-f FILE --verbose-csv` columns (its default CSV is the first 13), so existing tooling reads it.
@@ -27,10 +28,22 @@ CSV_COLUMNS = [
     "p50 latency", "p90 latency", "p95 latency", "p99 latency", "Avg latency", "request/response",
     "response wait",
 ]
+# Appended with --streaming (perf_analyzer has no such columns): µs, and the mean responses per request.
+STREAM_CSV_COLUMNS = ["p50 first response", "p99 first response", "p50 inter response", "p99 inter response",
+                      "Responses/Request"]
 
 
 def latency_dict(latency: Latency | None) -> dict[str, float] | None:
     return dataclasses.asdict(latency) if latency is not None else None
+
+
+def stream_dict(stream: StreamFigures | None) -> dict[str, Any]:
+    """--streaming's figures: first-response and inter-response latency (µs), responses per request (mean)."""
+    if stream is None:
+        return {"first_response_us": None, "inter_response_us": None, "responses_per_request": None}
+    return {"first_response_us": latency_dict(stream.first_response_us),
+            "inter_response_us": latency_dict(stream.inter_response_us),
+            "responses_per_request": stream.responses_per_request}
 
 
 def server_dict(server: ServerBreakdown) -> dict[str, float | None]:
@@ -59,7 +72,7 @@ def power_dict(power: PowerFigures) -> dict[str, Any]:
     return out
 
 
-def result_dict(result: LevelResult) -> dict[str, Any]:
+def result_dict(result: LevelResult, streaming: bool = False) -> dict[str, Any]:
     s = result.summary
     out: dict[str, Any] = {}
     if result.level.concurrency is not None:
@@ -80,6 +93,7 @@ def result_dict(result: LevelResult) -> dict[str, Any]:
         "requests": s.requests,
         "errors": dict(s.errors),
         "retries": s.retries,  # sent once more by the transport (GOAWAY, REFUSED_STREAM, idle close): not errors
+        **({"streaming": stream_dict(s.stream)} if streaming else {}),
         "stable": result.stable,
         "partial": not result.complete,
         "windows": len(result.windows),
@@ -96,7 +110,11 @@ def document(model: str, config: SessionConfig, results: Sequence[LevelResult],
              error: str | None = None) -> dict[str, Any]:
     doc: dict[str, Any] = {"model": model, "protocol": str(config.protocol), "url": config.url,
                            "batch_size": config.batch, "seed": config.seed,
-                           "results": [result_dict(r) for r in results]}
+                           "results": [result_dict(r, config.streaming) for r in results]}
+    if config.grpc_client is not GrpcClient.NATIVE:  # --grpc-client aio
+        doc["grpc_client"] = str(config.grpc_client)
+    if config.streaming:  # every result has its "streaming" figures
+        doc["streaming"] = True
     if config.sequence is not None:  # the sequence flags given (a sequence model without them: their defaults)
         seq = config.sequence
         doc["sequence"] = {"length": seq.length, "length_variation_pct": seq.variation_pct,
@@ -141,13 +159,15 @@ def write_csv(path: Path, rows: Sequence[ModelResult]) -> None:
     mixed = named and len(open_loop) > 1
     load_columns = (["Concurrency", "Request Rate"] if mixed
                     else ["Request Rate"] if True in open_loop else ["Concurrency"])
-    writer.writerow([*(["Model"] if named else []), *load_columns, *CSV_COLUMNS[1:]])
+    streaming = any(row.result.summary.stream is not None for row in rows)
+    writer.writerow([*(["Model"] if named else []), *load_columns, *CSV_COLUMNS[1:],
+                     *(STREAM_CSV_COLUMNS if streaming else [])])
     for model in models:
         results = [row.result for row in rows if row.model == model]
         for r in sorted(results, key=lambda r: r.summary.throughput):
             load, *rest = _csv_row(r)
             loads = ([load, ""] if r.level.concurrency is not None else ["", load]) if mixed else [load]
-            writer.writerow([*([model] if named else []), *loads, *rest])
+            writer.writerow([*([model] if named else []), *loads, *rest, *(_stream_cells(r) if streaming else [])])
     files.write_atomic(path, handle.getvalue())
 
 
@@ -165,6 +185,15 @@ def _csv_row(r: LevelResult) -> list[Any]:
         *(_us(getattr(lat, k)) if lat is not None else "" for k in ("p50", "p90", "p95", "p99", "avg")),
         "", "",
     ]
+
+
+def _stream_cells(r: LevelResult) -> list[Any]:
+    stream = r.summary.stream
+    first = stream.first_response_us if stream is not None else None
+    gaps = stream.inter_response_us if stream is not None else None
+    mean = stream.responses_per_request if stream is not None else None
+    return [_us(first.p50 if first else None), _us(first.p99 if first else None), _us(gaps.p50 if gaps else None),
+            _us(gaps.p99 if gaps else None), round(mean, 3) if mean is not None else ""]
 
 
 MISSING = "–"  # a figure that was not measured, in the table
@@ -198,7 +227,23 @@ def table(rows: Sequence[ModelResult]) -> str:
     reasons = sorted({row.result.power.reason for row in rows if row.result.power.reason})
     lines.append(f"power source: {', '.join(sources)}" + (f" ({'; '.join(reasons)})" if reasons else ""))
     lines += gpu_lines(rows)
+    lines += stream_lines(rows)
     return "\n".join(lines)
+
+
+def stream_lines(rows: Sequence[ModelResult]) -> list[str]:
+    """One line per streamed row: first-response and inter-response p50/p99 (ms), responses per request."""
+    lines = []
+    for row in rows:
+        stream = row.result.summary.stream
+        if stream is None:
+            continue
+        first, gaps = stream.first_response_us, stream.inter_response_us
+        lines.append(f"  {row.model} {row.result.level.label} streaming: first response p50 "
+                     f"{_fmt(_ms(first, 'p50'), '.2f')} p99 {_fmt(_ms(first, 'p99'), '.2f')} ms, between responses "
+                     f"p50 {_fmt(_ms(gaps, 'p50'), '.2f')} p99 {_fmt(_ms(gaps, 'p99'), '.2f')} ms, "
+                     f"{_fmt(stream.responses_per_request, '.2f')} responses/request")
+    return lines
 
 
 def gpu_lines(rows: Sequence[ModelResult]) -> list[str]:

@@ -38,6 +38,7 @@ from client.engine import (
     Together,
 )
 from client.errors import PerfClientError, RunAborted
+from client.grpc_aio import GrpcClient
 from client.inputs import InputData, InputKind, build_payloads
 from client.power import (
     GpuSelection,
@@ -105,6 +106,9 @@ class SessionConfig:
     `sequence`: the sequence flags (client.sequences); a sequence model (its config has sequence_batching) is
     driven as sequences with these, or perf_analyzer's defaults when None; given for a model that is not one,
     the run is refused.
+    `grpc_client`: which client carries gRPC inference requests (client.grpc_aio: our own HTTP/2 one, or grpc.aio).
+    `streaming`: every model is decoupled and driven over gRPC streams (client.streaming), closed loop only; a
+    decoupled model without it, or it with a model that is not decoupled, is refused.
     """
 
     models: tuple[str, ...]
@@ -130,6 +134,8 @@ class SessionConfig:
     tls: Tls | None = None  # --ssl-grpc-* / --ssl-https-*: every connection over TLS
     compression: str | None = None  # --grpc/--http-compression-algorithm: gzip | deflate
     sequence: SequenceOptions | None = None  # --sequence-length & co. (None: defaults, for sequence models only)
+    grpc_client: GrpcClient = GrpcClient.NATIVE  # --grpc-client
+    streaming: bool = False  # --streaming
 
     def __post_init__(self) -> None:
         # Plain strings ("http", "nvml") and lists work too: stored as the enum members and tuples.
@@ -144,6 +150,8 @@ class SessionConfig:
         object.__setattr__(self, "protocol", Protocol.parse(self.protocol, "-i", error=PerfClientError))
         object.__setattr__(self, "power_source",
                            PowerSource.parse(self.power_source, "--power-source", error=PerfClientError))
+        object.__setattr__(self, "grpc_client", GrpcClient.parse(self.grpc_client, "--grpc-client",
+                                                                 error=PerfClientError))
         self.check()
 
     def check(self) -> None:
@@ -193,6 +201,7 @@ class SessionConfig:
             for model in self.models:
                 for level in self.levels_of(model):
                     self.sequence.check_live(self.sequence.live_sequences(level.concurrency), level.label)
+        self._check_transport()
         if self.simultaneous:
             if len(self.models) < 2:
                 raise PerfClientError(f"--simultaneous: expected two or more -m models, got {len(self.models)}")
@@ -210,6 +219,33 @@ class SessionConfig:
             if not self.validate_options.mix and (self.input_data != InputData() or self.shapes):
                 raise PerfClientError(f"--validate {self.validate}: the inputs come from the file; "
                                       "drop --input-data and --shape")
+
+    def _check_transport(self) -> None:
+        """--grpc-client and --streaming against the other options, one line naming the flag."""
+        if self.grpc_client is GrpcClient.AIO:
+            if self.protocol is not Protocol.GRPC:
+                raise PerfClientError(f"--grpc-client {self.grpc_client}: not with -i {self.protocol} "
+                                      "(expected -i grpc)")
+            if self.processes > 1:
+                raise PerfClientError(f"--grpc-client {self.grpc_client}: not with --processes {self.processes} "
+                                      "(the worker processes send with the native client)")
+        if not self.streaming:
+            return
+        if self.protocol is not Protocol.GRPC:
+            raise PerfClientError(f"--streaming: not with -i {self.protocol} (Triton streams over gRPC only; "
+                                  "expected -i grpc)")
+        if self.processes > 1:
+            raise PerfClientError(f"--streaming: not with --processes {self.processes}")
+        if self.shared_memory.enabled:
+            raise PerfClientError(f"--streaming: not with --shared-memory {self.shared_memory.kind}")
+        if self.validate is not None:
+            raise PerfClientError(f"--streaming: not with --validate {self.validate}")
+        if self.sequence is not None:
+            raise PerfClientError("--streaming: not with the sequence flags")
+        for model in self.models:
+            for level in self.levels_of(model):
+                if level.concurrency is None:
+                    raise PerfClientError(f"--streaming: not with {level.label} (closed loop only: --concurrency)")
 
     @property
     def run_seed(self) -> int:
@@ -246,7 +282,7 @@ async def measure(config: SessionConfig, progress: ProgressFn | None = None,
     rows: list[ModelResult] = []
     async with await Connection.open(config.protocol, config.url, timeout_s=config.request_timeout_ms / 1000,
                                      shared_memory=config.shared_memory, tls=config.tls,
-                                     compression=config.compression) as conn:
+                                     compression=config.compression, grpc_client=config.grpc_client) as conn:
         plans, sequence_models = await _prepare(conn, config)
         # Off the event loop: opening a meter reads it (the Triton meter over blocking HTTP, up to its timeout).
         gpus = await _gpus(conn, config)
@@ -282,7 +318,7 @@ async def measure(config: SessionConfig, progress: ProgressFn | None = None,
                                             on_window=_bind(progress, model, level, bar),
                                             cross_checks=cross_checks, abort=abort, pool=pool, seed=seed,
                                             sequences=_sequences(config, sequence_models, model_index,
-                                                                 level_index))
+                                                                 level_index), streaming=config.streaming)
                         try:
                             result = await run_level.run(level)
                         except LevelStopped as exc:
@@ -329,7 +365,8 @@ async def _measure_together_shown(conn: Connection, plans: list[tuple[str, list[
         run_level = LoadRun(conn, model=model, payloads=payloads, batch=config.batch, meter=shared,
                             measurement=config.measurement, on_window=_bind(progress, model, level, bar),
                             abort=abort, together=together, seed=arrivals_seed(config.run_seed, model_index, step),
-                            sequences=_sequences(config, sequence_models, model_index, step))
+                            sequences=_sequences(config, sequence_models, model_index, step),
+                            streaming=config.streaming)
         runs.append(run_level)
         tasks.append(asyncio.create_task(run_level.run(level)))
 
@@ -529,6 +566,7 @@ async def _prepare(conn: Connection,
     sequence models among them."""
     metas = [await conn.model(model) for model in config.models]
     sequence_models = _check_sequence_models(metas, config)
+    _check_decoupled(metas, config)
     unknown = sorted(set(config.shapes) - {t.name for meta in metas for t in meta.inputs})
     if unknown:
         raise PerfClientError(f"--shape {', '.join(unknown)}: not an input of {', '.join(config.models)}")
@@ -550,10 +588,36 @@ async def _prepare(conn: Connection,
             first = (config.sequence or SequenceOptions()).id_start
             probe = conn.flagged(probe, Flags(first, start=True, end=True))
         try:
-            await conn.send(probe)
+            if config.streaming:
+                await _probe_stream(conn, name, probe)
+            else:
+                await conn.send(probe)
         except TRANSPORT_ERRORS as exc:
             raise PerfClientError(f"-m {name}: the server rejected the request: {describe(exc)}") from exc
     return plans, sequence_models
+
+
+def _check_decoupled(metas: list[ModelMeta], config: SessionConfig) -> None:
+    """--streaming with every model decoupled, or neither (perf_analyzer refuses a decoupled model without it)."""
+    decoupled = [meta.name for meta in metas if meta.decoupled]
+    others = [meta.name for meta in metas if not meta.decoupled]
+    if config.streaming and others:
+        raise PerfClientError(f"--streaming: -m {', '.join(others)} is not a decoupled model (its config has no "
+                              "model_transaction_policy { decoupled: true })")
+    if decoupled and not config.streaming:
+        raise PerfClientError(f"-m {', '.join(decoupled)} is a decoupled model (any number of responses per request): "
+                              "add --streaming")
+
+
+async def _probe_stream(conn: Connection, model: str, probe: Prepared) -> None:
+    """One request on a stream of its own; an error response is one line with the server's words."""
+    stream = conn.open_stream()
+    try:
+        timing = await stream.request(conn.stream_message(probe))
+    finally:
+        await stream.aclose()
+    if timing.error is not None:
+        raise PerfClientError(f"-m {model}: the server rejected the request: {timing.detail}")
 
 
 def _payloads(meta: ModelMeta, config: SessionConfig) -> list[dict[str, NDArray[Any]]]:

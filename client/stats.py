@@ -45,10 +45,64 @@ class Records:
         return len(self.done)
 
 
-class Tally:
-    """One window's outcomes as they arrive: successful latencies, errors by kind, send lag."""
+class StreamTally:
+    """A window's streamed requests (--streaming, successful ones): time to the first response, the times between
+    responses, and each request's number of responses (ns)."""
 
-    __slots__ = ("dropped", "errors", "late", "latencies", "max_lag_ns", "retries")
+    __slots__ = ("first_ns", "gaps_ns", "responses")
+
+    def __init__(self) -> None:
+        self.first_ns = array("q")
+        self.gaps_ns = array("q")
+        self.responses = array("q")
+
+    def add(self, first_ns: int | None, gaps_ns: Sequence[int], responses: int) -> None:
+        if first_ns is not None:
+            self.first_ns.append(first_ns)
+        self.gaps_ns.extend(gaps_ns)
+        self.responses.append(responses)
+
+
+@dataclass(frozen=True)
+class StreamFigures:
+    """Streamed requests' figures over a window or a summary: first-response latency and inter-response time
+    (µs, None when no request had one), responses per request (mean; None without a request)."""
+
+    first_response_us: Latency | None
+    inter_response_us: Latency | None
+    responses_per_request: float | None
+    first_ns: NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64), repr=False, compare=False)
+    gaps_ns: NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64), repr=False, compare=False)
+    responses: NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64), repr=False, compare=False)
+
+
+def stream_figures(first_ns: NDArray[Any], gaps_ns: NDArray[Any], responses: NDArray[Any]) -> StreamFigures:
+    first, gaps = np.sort(first_ns.astype(np.int64)), np.sort(gaps_ns.astype(np.int64))
+    counts = responses.astype(np.int64)
+    return StreamFigures(latency_summary(first), latency_summary(gaps),
+                         float(np.mean(counts)) if counts.size else None, first, gaps, counts)
+
+
+def _stream_close(tally: StreamTally | None) -> StreamFigures | None:
+    if tally is None:
+        return None
+    return stream_figures(*(np.frombuffer(a, dtype=np.int64) if a else np.zeros(0, np.int64)
+                            for a in (tally.first_ns, tally.gaps_ns, tally.responses)))
+
+
+def _stream_merge(windows: Sequence[Window]) -> StreamFigures | None:
+    streams = [w.stream for w in windows if w.stream is not None]
+    if not streams:
+        return None
+    return stream_figures(np.concatenate([s.first_ns for s in streams]), np.concatenate([s.gaps_ns for s in streams]),
+                          np.concatenate([s.responses for s in streams]))
+
+
+class Tally:
+    """One window's outcomes as they arrive: successful latencies, errors by kind, send lag; streamed requests'
+    response timings (`stream`, --streaming only)."""
+
+    __slots__ = ("dropped", "errors", "late", "latencies", "max_lag_ns", "retries", "stream")
 
     def __init__(self) -> None:
         self.latencies = array("q")  # ns, successful requests only
@@ -57,9 +111,16 @@ class Tally:
         self.dropped = 0
         self.max_lag_ns: int | None = None  # open loop only
         self.retries = 0  # requests the transport sent once more (client.protocol.Connection.retries)
+        self.stream: StreamTally | None = None
 
     def ok(self, latency_ns: int) -> None:
         self.latencies.append(latency_ns)
+
+    def streamed(self, first_ns: int | None, gaps_ns: Sequence[int], responses: int) -> None:
+        """A successful streamed request's response timings (its latency goes through `ok`)."""
+        if self.stream is None:
+            self.stream = StreamTally()
+        self.stream.add(first_ns, gaps_ns, responses)
 
     def failed(self, kind: str) -> None:
         self.errors[kind] += 1
@@ -110,6 +171,7 @@ class Window:
     dropped_sends: int = 0
     max_send_lag_us: float | None = None
     retries: int = 0  # requests sent again by the transport: refused unprocessed (GOAWAY, REFUSED_STREAM), idle close
+    stream: StreamFigures | None = None  # --streaming: response timings of the successful requests
     # Sorted successful latencies (ns): what summaries over several windows merge.
     latencies_ns: NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64), repr=False, compare=False)
 
@@ -143,6 +205,7 @@ def close(tally: Tally, start_ns: int, end_ns: int, batch: int) -> Window:
         throughput=requests * batch / seconds, latency_us=latency_summary(latencies), errors=dict(tally.errors),
         late_sends=tally.late, dropped_sends=tally.dropped, retries=tally.retries,
         max_send_lag_us=tally.max_lag_ns / 1e3 if tally.max_lag_ns is not None else None, latencies_ns=latencies,
+        stream=_stream_close(tally.stream),
     )
 
 
@@ -163,7 +226,7 @@ def merge(windows: Sequence[Window], batch: int) -> Window:
         throughput=requests * batch / seconds, latency_us=latency_summary(latencies), errors=dict(errors),
         late_sends=sum(w.late_sends for w in windows), dropped_sends=sum(w.dropped_sends for w in windows),
         retries=sum(w.retries for w in windows),
-        max_send_lag_us=max(lags) if lags else None, latencies_ns=latencies,
+        max_send_lag_us=max(lags) if lags else None, latencies_ns=latencies, stream=_stream_merge(windows),
     )
 
 

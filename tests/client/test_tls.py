@@ -20,6 +20,7 @@ import pytest
 from builder.serving.triton_server import Ports, TritonServer, free_ports
 from client.cli import main, parse_config
 from client.errors import PerfClientError
+from client.grpc_aio import GrpcClient
 from client.inputs import InputData, build_payloads
 from client.protocol import TRANSPORT_ERRORS, Connection, Protocol, error_kind
 from client.tls import Tls
@@ -68,9 +69,10 @@ def grpc_tls_server(tiny_repository: tuple[Path, Any], certs: dict[str, Path],
         server.stop()
 
 
-async def _send_and_infer(protocol: Protocol, url: str, tls: Tls) -> tuple[int, dict[str, Any]]:
+async def _send_and_infer(protocol: Protocol, url: str, tls: Tls,
+                          client: GrpcClient = GrpcClient.NATIVE) -> tuple[int, dict[str, Any]]:
     """The model's metadata (control call over TLS), one request sent and one decoded (load path over TLS)."""
-    async with await Connection.open(protocol, url, timeout_s=30, tls=tls) as conn:
+    async with await Connection.open(protocol, url, timeout_s=30, tls=tls, grpc_client=client) as conn:
         meta = await conn.model(MODEL)
         prepared = await conn.prepare(MODEL, build_payloads(meta, 1, InputData(), {})[0])
         await conn.send(prepared)
@@ -79,11 +81,36 @@ async def _send_and_infer(protocol: Protocol, url: str, tls: Tls) -> tuple[int, 
 
 
 @pytest.mark.server
-def test_grpc_over_mutual_tls_with_an_sni_name(grpc_tls_server: TritonServer, certs: dict[str, Path]) -> None:
+@pytest.mark.parametrize("client", list(GrpcClient))
+def test_grpc_over_mutual_tls_with_an_sni_name(grpc_tls_server: TritonServer, certs: dict[str, Path],
+                                               client: GrpcClient) -> None:
     tls = Tls(ca_file=certs["ca.pem"], cert_file=certs["client.pem"], key_file=certs["client.key"],
               server_name="triton.test")
-    inputs, outputs = asyncio.run(_send_and_infer(Protocol.GRPC, f"127.0.0.1:{grpc_tls_server.ports.grpc}", tls))
+    inputs, outputs = asyncio.run(_send_and_infer(Protocol.GRPC, f"127.0.0.1:{grpc_tls_server.ports.grpc}", tls,
+                                                  client))
     assert inputs >= 1 and outputs
+
+
+@pytest.mark.server
+def test_the_aio_clients_tls_refusals_are_unavailable(grpc_tls_server: TritonServer, certs: dict[str, Path]) -> None:
+    # As the native client's (below): a server certificate the CA did not sign, a client without its certificate.
+    async def attempt(tls: Tls) -> str:
+        from client.grpc_aio import AioChannel
+        from client.wire import GRPC_INFER_METHOD
+
+        channel = AioChannel(f"127.0.0.1:{grpc_tls_server.ports.grpc}", method=GRPC_INFER_METHOD, timeout_s=10,
+                             tls=tls)
+        try:
+            await channel.send(b"")
+        except TRANSPORT_ERRORS as exc:
+            return error_kind(exc)
+        finally:
+            await channel.aclose()
+        return "answered"
+
+    assert asyncio.run(attempt(Tls(ca_file=certs["other.pem"], cert_file=certs["client.pem"],
+                                   key_file=certs["client.key"], server_name="triton.test"))) == "unavailable"
+    assert asyncio.run(attempt(Tls(ca_file=certs["ca.pem"], server_name="triton.test"))) == "unavailable"
 
 
 @pytest.mark.server
@@ -153,10 +180,13 @@ def test_missing_tls_files_name_their_flag(tmp_path: Path) -> None:
 
 
 @pytest.mark.server
+@pytest.mark.parametrize("client", ["native", "aio"])
 def test_perfclient_measures_over_grpc_tls_with_perf_analyzers_flags(
-        grpc_tls_server: TritonServer, certs: dict[str, Path], quick_args: list[str], tmp_path: Path) -> None:
+        grpc_tls_server: TritonServer, certs: dict[str, Path], quick_args: list[str], tmp_path: Path,
+        client: str) -> None:
     out = tmp_path / "r.json"
     code = main(["-m", MODEL, "-u", f"127.0.0.1:{grpc_tls_server.ports.grpc}", "-i", "grpc", "--concurrency", "2",
+                 "--grpc-client", client,
                  "--ssl-grpc-use-ssl", "--ssl-grpc-root-certifications-file", str(certs["ca.pem"]),
                  "--ssl-grpc-certificate-chain-file", str(certs["client.pem"]),
                  "--ssl-grpc-private-key-file", str(certs["client.key"]), "--ssl-server-name", "triton.test",
