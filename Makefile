@@ -11,7 +11,7 @@ HTTP_PORT  ?= 8000
 GRPC_PORT  ?= 8001
 METRICS_PORT ?= 8002
 # Empty: Triton listens on 127.0.0.1 only. An address (0.0.0.0: every interface) exposes it; its
-# repository, shared-memory, logging and trace APIs then need TRITON_ADMIN_KEY (README, Security).
+# repository, shared-memory, logging and trace APIs then need TRITON_ADMIN_KEY (docs/security.md).
 LISTEN ?=
 CONCURRENCY ?= 32
 VARIANTS := efficientnet_lite0_fp32 efficientnet_lite0_fp16 efficientnet_lite0_int8 \

@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     if diff:
         shown = ", ".join(f"{name} {installed or 'absent'} (locked {locked})" for name, locked, installed in diff[:8])
         more = f" and {len(diff) - 8} more" if len(diff) > 8 else ""
-        print(f"note: {args.what} differ from {args.lock} (the README's figures were measured with the locked "
+        print(f"note: {args.what} differ from {args.lock} (the documented figures were measured with the locked "
               f"versions; `{RESTORE}` restores them): {shown}{more}")
     return 0
 

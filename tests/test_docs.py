@@ -51,7 +51,20 @@ class PathRef:
 
 _FENCE = re.compile(r"^\s*```")
 _INLINE = re.compile(r"(?<!`)`([^`]+)`(?!`)")
-_COMMAND_START = re.compile(r"(?:^|(?<=\s)|(?<=\$ ))(trtbuild|perfclient|make)\s+(?=[\w\[-])")
+# A command starts at the line's start, after whitespace, a path (`.venv/bin/trtbuild`), `$ `, or a shell
+# operator (`&&`, `;`, `|`, `(`); it ends at the next operator.
+_COMMAND_START = re.compile(r"(?:^|(?<=[\s/;&|(]))(trtbuild|perfclient|make)\s+(?=[\w\[-])")
+_COMMAND_END = re.compile(r"\s*(?:&&|\|\||;|\|(?!\s*\w+\]))")
+
+
+def _commands_of(line: str) -> list[tuple[int, str]]:
+    """(offset, text) of every command a line of shell holds, each cut at the operator that ends it."""
+    found = []
+    for m in _COMMAND_START.finditer(line):
+        rest = line[m.start():]
+        end = _COMMAND_END.search(rest, len(m.group(1)))
+        found.append((m.start(), rest[: end.start()] if end else rest))
+    return found
 
 
 def _strip_comment(line: str) -> str:
@@ -87,12 +100,14 @@ def commands_in(text: str, name: str) -> Iterator[Command]:
             prose.append((i + 1, line))
             i += 1
             continue
-        m = _COMMAND_START.search(_strip_comment(line))
-        if not m:
+        found = _commands_of(_strip_comment(line))
+        if not found:
             i += 1
             continue
-        parts = [_strip_comment(line)[m.start():]]
         start = i
+        for _, text in found[:-1]:  # all but the last end on this line (an operator follows them)
+            yield Command(f"{name}:{start + 1}", text.strip())
+        parts = [found[-1][1]]
         while i + 1 < len(lines) and not _FENCE.match(lines[i + 1]) and _is_continuation(lines[i], lines[i + 1]):
             i += 1
             parts.append(_strip_comment(lines[i]))
@@ -109,9 +124,14 @@ def commands_in(text: str, name: str) -> Iterator[Command]:
             body = "\n".join(text for _, text in paragraph)
             for span in _INLINE.finditer(body):
                 code = " ".join(span.group(1).split())
-                if re.match(r"(trtbuild|perfclient|make)\s+[\w\[-]", code) or code == "perfclient":
-                    at = paragraph[0][0] + body[: span.start()].count("\n")
-                    yield Command(f"{name}:{at}", _strip_comment(code).strip())
+                at = paragraph[0][0] + body[: span.start()].count("\n")
+                if code == "perfclient":
+                    yield Command(f"{name}:{at}", code)
+                    continue
+                # Anywhere in the span: after `$ `, an env-var prefix (`PIP_NO_INDEX=1 make install`), a
+                # path (`.venv/bin/trtbuild`) or another command (`make engines && trtbuild serve`).
+                for _, text in _commands_of(_strip_comment(code)):
+                    yield Command(f"{name}:{at}", text.strip())
         paragraph = []
 
 
@@ -208,8 +228,11 @@ def check_command(command: Command, cli_table: dict[str, Cli], targets: frozense
     where, text = command.where, command.text
     if command.tool == "make":
         problems = []
-        for token in _tokens(text)[1:]:
+        tokens = _tokens(text)[1:]
+        for index, token in enumerate(tokens):
             if token.startswith("-") or "=" in token or token in ("…", "..."):
+                continue
+            if index > 0 and tokens[index - 1] in ("-C", "-f", "-j"):  # the option's value, not a target
                 continue
             if not re.fullmatch(r"[\w.-]+", token):
                 break  # prose or another command after the targets
@@ -337,3 +360,29 @@ def test_the_commands_extracted_from_a_block() -> None:
         "trtbuild serve [--background] [--http-port 8000]",
         "trtbuild stop",
     ]
+
+
+def test_a_flag_renamed_in_the_code_is_reported_where_the_docs_use_it() -> None:
+    """The check reads the CLIs' parsers: with `--calibration` renamed in `trtbuild build`'s parser (a copy of
+    the real table here), every place README.md and docs/ show it is reported."""
+    real = clis()["trtbuild"]
+    renamed = Cli(real.top_options, {**real.subcommands,
+                                     "build": (real.subcommands["build"] - {"--calibration"}) | {"--calibration-data"}})
+    table = {**clis(), "trtbuild": renamed}
+    targets = make_targets()
+    found = [p for path in DOC_FILES for c in commands_in(*_doc(path)) for p in
+             check_command(c, table, targets)]
+    assert found and all("has no option --calibration" in p for p in found), found
+    assert any(p.startswith("README.md:") for p in found), found
+
+
+def test_commands_after_a_path_an_env_prefix_an_operator_or_make_options_are_checked() -> None:
+    snippet = (
+        "```\nmake engines && trtbuild serve --bogus-a\nmake -C somewhere no-such-target\n```\n"
+        "Then `PIP_NO_INDEX=1 PIP_FIND_LINKS=/tmp/w make no-such-install`, `.venv/bin/trtbuild build --bogus-b` and "
+        "`$ perfclient --bogus-c`.\n"
+    )
+    problems = problems_in(snippet, "snippet.md")
+    for wanted in ("--bogus-a", "'no-such-target'", "'no-such-install'", "--bogus-b", "--bogus-c"):
+        assert any(wanted in p for p in problems), (wanted, problems)
+    assert not any("'somewhere'" in p or "'engines'" in p for p in problems), problems

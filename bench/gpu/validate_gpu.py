@@ -1,5 +1,5 @@
 """One validation pass of the GPU serving path on a lent GPU machine, with the product's own configs,
-runner and launcher (see README "ONNX Runtime CUDA on a GPU").
+runner and launcher (see docs/gpu.md, "ONNX Runtime CUDA on a GPU").
 
     python bench/gpu/validate_gpu.py prepare --source REPO --models efficientnet_lite0_fp16,... --out DIR
     python bench/gpu/validate_gpu.py check --repository DIR --out OUT
