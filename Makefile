@@ -148,11 +148,16 @@ demo: engines
 # into .venv it would downgrade packaging, networkx and python-dateutil below the lock.
 # Locked like the rest (requirements/checkov.txt, from checkov.in by `make lock`).
 CHECKOV_STAMP := .tools/checkov/.installed
-$(CHECKOV_STAMP): $(LOCK_DIR)/checkov.txt
-	rm -rf .tools/checkov
-	$(PYTHON) -m venv .tools/checkov
-	.tools/checkov/bin/python -m pip install $(PIP_LOCKED) -r $(LOCK_DIR)/checkov.txt
+# A tool in a virtualenv of its own, installed exactly from its lock: $(call tool_venv,DIR,LOCK_FILE).
+define tool_venv
+	rm -rf $(1)
+	$(PYTHON) -m venv $(1)
+	$(1)/bin/python -m pip install $(PIP_LOCKED) -r $(2)
 	touch $@
+endef
+
+$(CHECKOV_STAMP): $(LOCK_DIR)/checkov.txt
+	$(call tool_venv,.tools/checkov,$(LOCK_DIR)/checkov.txt)
 
 scan-tools: $(CHECKOV_STAMP)
 
@@ -165,10 +170,7 @@ scan: $(STAMP) $(CHECKOV_STAMP)
 .PHONY: docs
 DOCS_STAMP := .tools/mkdocs/.installed
 $(DOCS_STAMP): $(LOCK_DIR)/docs.txt
-	rm -rf .tools/mkdocs
-	$(PYTHON) -m venv .tools/mkdocs
-	.tools/mkdocs/bin/python -m pip install $(PIP_LOCKED) -r $(LOCK_DIR)/docs.txt
-	touch $@
+	$(call tool_venv,.tools/mkdocs,$(LOCK_DIR)/docs.txt)
 
 docs: $(DOCS_STAMP)
 	.tools/mkdocs/bin/mkdocs build --strict --quiet --site-dir site

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from builder.serving.triton_server import Ports, TritonServer, free_ports
+from builder.serving.triton_server import TritonServer
 from client.cli import main
 from client.errors import PerfClientError
 from client.sequences import Flags, SequenceIds, SequenceOptions, Sequences, parse_id_range
@@ -27,6 +27,7 @@ from client.wire import (
     http_infer_request,
     http_sequence_header,
 )
+from tests.helpers.python_models import serving
 
 COUNTER_MODEL = '''
 import json
@@ -115,16 +116,10 @@ QUICK = ["--measurement-interval", "300", "--max-trials", "3", "--stability-perc
 @pytest.fixture(scope="module")
 def sequence_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TritonServer, Path]]:
     root = tmp_path_factory.mktemp("sequences")
-    repository, log = root / "repository", root / "counter.log"
-    for name, model, config in (("counter", COUNTER_MODEL, COUNTER_CONFIG.format(log=log)),
-                                ("plain", PLAIN_MODEL, PLAIN_CONFIG)):
-        (repository / name / "1").mkdir(parents=True)
-        (repository / name / "1" / "model.py").write_text(model)
-        (repository / name / "config.pbtxt").write_text(config)
-    server = TritonServer(repository, root / "state", Ports(*free_ports(3)))
-    server.start(timeout=180)
-    yield server, log
-    server.stop()
+    log = root / "counter.log"
+    with serving(root, [("counter", COUNTER_MODEL, COUNTER_CONFIG.format(log=log)),
+                        ("plain", PLAIN_MODEL, PLAIN_CONFIG)]) as server:
+        yield server, log
 
 
 def _url(server: TritonServer, protocol: str) -> str:

@@ -14,10 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from builder.serving.triton_server import Ports, TritonServer, free_ports
+from builder.serving.triton_server import TritonServer
 from client.cli import main, parse_config
 from client.errors import PerfClientError
 from client.stats import Tally, close, merge
+from tests.helpers.python_models import serving
 
 STREAM_MODEL = '''
 import time
@@ -78,15 +79,8 @@ QUICK = ["--measurement-interval", "400", "--max-trials", "3", "--stability-perc
 @pytest.fixture(scope="module")
 def stream_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
     root = tmp_path_factory.mktemp("streaming")
-    repository = root / "repository"
-    for name, model, config in (("stream", STREAM_MODEL, STREAM_CONFIG), ("plain", PLAIN_MODEL, PLAIN_CONFIG)):
-        (repository / name / "1").mkdir(parents=True)
-        (repository / name / "1" / "model.py").write_text(model)
-        (repository / name / "config.pbtxt").write_text(config)
-    server = TritonServer(repository, root / "state", Ports(*free_ports(3)))
-    server.start(timeout=180)
-    yield server
-    server.stop()
+    with serving(root, [("stream", STREAM_MODEL, STREAM_CONFIG), ("plain", PLAIN_MODEL, PLAIN_CONFIG)]) as server:
+        yield server
 
 
 def _inputs(tmp_path: Path, *counts: int) -> str:

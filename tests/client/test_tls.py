@@ -20,10 +20,12 @@ import pytest
 from builder.serving.triton_server import Ports, TritonServer, free_ports
 from client.cli import main, parse_config
 from client.errors import PerfClientError
-from client.grpc_aio import GrpcClient
+from client.grpc_aio import AioChannel, GrpcClient
+from client.grpc_h2 import Channel
 from client.inputs import InputData, build_payloads
 from client.protocol import TRANSPORT_ERRORS, Connection, Protocol, error_kind
 from client.tls import Tls
+from client.wire import GRPC_INFER_METHOD
 from tests.helpers.servers import Endpoints
 
 MODEL = "mlp_fp32"
@@ -92,14 +94,19 @@ def test_grpc_over_mutual_tls_with_an_sni_name(grpc_tls_server: TritonServer, ce
 
 
 @pytest.mark.server
-def test_the_aio_clients_tls_refusals_are_unavailable(grpc_tls_server: TritonServer, certs: dict[str, Path]) -> None:
-    # As the native client's (below): a server certificate the CA did not sign, a client without its certificate.
-    async def attempt(tls: Tls) -> str:
-        from client.grpc_aio import AioChannel
-        from client.wire import GRPC_INFER_METHOD
+@pytest.mark.parametrize("client", ["native", "aio"])
+def test_grpc_tls_refusals_are_errors_not_answers(grpc_tls_server: TritonServer, certs: dict[str, Path],
+                                                  client: str) -> None:
+    # A server certificate that does not chain to the CA given, and a client without its certificate
+    # (mutual TLS): the load path's request fails as unavailable with either client, never a hang nor another
+    # exception.
+    port = grpc_tls_server.ports.grpc
 
-        channel = AioChannel(f"127.0.0.1:{grpc_tls_server.ports.grpc}", method=GRPC_INFER_METHOD, timeout_s=10,
-                             tls=tls)
+    async def attempt(tls: Tls) -> str:
+        channel = (AioChannel(f"127.0.0.1:{port}", method=GRPC_INFER_METHOD, timeout_s=10, tls=tls)
+                   if client == "aio" else
+                   Channel("127.0.0.1", port, method=GRPC_INFER_METHOD, timeout_s=10, ssl=tls.context("h2"),
+                           server_hostname="triton.test"))
         try:
             await channel.send(b"")
         except TRANSPORT_ERRORS as exc:
@@ -111,29 +118,6 @@ def test_the_aio_clients_tls_refusals_are_unavailable(grpc_tls_server: TritonSer
     assert asyncio.run(attempt(Tls(ca_file=certs["other.pem"], cert_file=certs["client.pem"],
                                    key_file=certs["client.key"], server_name="triton.test"))) == "unavailable"
     assert asyncio.run(attempt(Tls(ca_file=certs["ca.pem"], server_name="triton.test"))) == "unavailable"
-
-
-@pytest.mark.server
-def test_grpc_tls_refusals_are_errors_not_answers(grpc_tls_server: TritonServer, certs: dict[str, Path]) -> None:
-    # A server certificate that does not chain to the CA given, and a client without its certificate
-    # (mutual TLS): the load path's request fails as unavailable, never a hang nor another exception.
-    async def attempt(tls: Tls) -> str:
-        from client.grpc_h2 import Channel
-        from client.wire import GRPC_INFER_METHOD
-
-        channel = Channel("127.0.0.1", grpc_tls_server.ports.grpc, method=GRPC_INFER_METHOD, timeout_s=10,
-                          ssl=tls.context("h2"), server_hostname="triton.test")
-        try:
-            await channel.send(b"")
-        except TRANSPORT_ERRORS as exc:
-            return error_kind(exc)
-        finally:
-            await channel.aclose()
-        return "answered"
-
-    assert asyncio.run(attempt(Tls(ca_file=certs["other.pem"], cert_file=certs["client.pem"],
-                                   key_file=certs["client.key"]))) == "unavailable"
-    assert asyncio.run(attempt(Tls(ca_file=certs["ca.pem"]))) == "unavailable"
 
 
 async def _tls_front(certs: dict[str, Path], backend: tuple[str, int]) -> asyncio.Server:

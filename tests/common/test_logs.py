@@ -13,22 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from common import progress
 from common.logs import active_log_file, close_log_file, configure_logging, native_stderr_to_log
+from tests.helpers.cli_state import restored
 from tests.helpers.tiny_models import mlp_onnx
 
 
 @pytest.fixture(autouse=True)
 def restore_logging() -> Iterator[None]:
-    root, ours = logging.getLogger(), logging.getLogger("builder")
-    saved = (root.level, ours.level, root.handlers[:])
-    yield
-    close_log_file()
-    progress.configure(progress.Mode.OFF)
-    logging.captureWarnings(False)
-    root.setLevel(saved[0])
-    ours.setLevel(saved[1])
-    root.handlers[:] = saved[2]
+    with restored("builder"):
+        yield
 
 
 def _emit() -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import fcntl
 import io
-import logging
 import os
 import re
 import struct
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from common import progress
+from tests.helpers.cli_state import restored
 from tests.helpers.tiny_models import mlp_onnx
 from tests.helpers.waiting import wait_until
 
@@ -27,14 +27,8 @@ def silent_afterwards(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """The CLIs choose by the terminal (tests/conftest.py turns progress off); afterwards progress is off
     and logging as it was: main() configures both for the process."""
     monkeypatch.delenv(progress.ENV, raising=False)
-    root, ours = logging.getLogger(), logging.getLogger("client")
-    saved = (root.level, ours.level, root.handlers[:])
-    yield
-    progress.configure(progress.Mode.OFF)
-    logging.captureWarnings(False)
-    root.setLevel(saved[0])
-    ours.setLevel(saved[1])
-    root.handlers[:] = saved[2]
+    with restored("client"):
+        yield
 
 
 def test_plain_lines_say_start_progress_and_end() -> None:
