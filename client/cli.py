@@ -368,7 +368,7 @@ def _write_outputs(config: CliConfig, rows: list[ModelResult], error: str | None
                 write_json(path, documents(config.session, rows, error))
             elif flag == "--csv":
                 # perf_analyzer's CSV is per model: the whole-run row of --simultaneous is in the JSON only.
-                write_csv(path, [row for row in rows if row.model != WHOLE_RUN])
+                write_csv(path, [row for row in rows if row.model != WHOLE_RUN], streaming=config.session.streaming)
             elif flag == "--html":
                 write_html(path, config.session, rows, error)
             else:

@@ -275,9 +275,10 @@ class LoadRun:
         self.started = asyncio.Event()  # the first window opened
         self.measured = asyncio.Event()  # the last window closed (or the level stopped)
 
-    def _done(self, scheduled: int, sent: int, error: str | None) -> None:
-        """Count one completed request in the open window (same loop step as its timestamp: no race)."""
-        done = time.monotonic_ns()
+    def _done(self, scheduled: int, sent: int, error: str | None, end: int | None = None) -> None:
+        """Count one completed request in the open window (same loop step as its timestamp: no race). `end`: when
+        its latency ended, if before now (a streamed request's last answer, before the empty final response)."""
+        done = time.monotonic_ns() if end is None else end
         tally = self._tally
         if error is None:
             tally.ok(done - scheduled)
@@ -328,9 +329,9 @@ class LoadRun:
                 backoff = min(max(2 * backoff, _BACKOFF_FIRST_S), _BACKOFF_MAX_S)
                 await asyncio.sleep(backoff)
 
-    async def _stream_request(self, stream: Stream, message: bytes) -> str | None:
-        """One streamed request (counted in flight as `_request`'s); its error kind, or None with its response
-        timings in the open window's tally."""
+    async def _stream_request(self, stream: Stream, message: bytes) -> tuple[str | None, int | None]:
+        """One streamed request (counted in flight as `_request`'s): its error kind (None with its response
+        timings in the open window's tally) and when its last answer came."""
         self._in_flight += 1
         self._idle.clear()
         try:
@@ -338,14 +339,14 @@ class LoadRun:
         except asyncio.CancelledError:
             raise
         except TRANSPORT_ERRORS as exc:
-            return error_kind(exc)
+            return error_kind(exc), None
         finally:
             self._in_flight -= 1
             if not self._in_flight:
                 self._idle.set()
         if timing.error is None:
             self._tally.streamed(timing.first_ns, timing.gaps_ns, timing.responses)
-        return timing.error
+        return timing.error, timing.last_ns
 
     async def _stream_worker(self, messages: list[bytes], first: int) -> None:
         """A closed-loop worker of a decoupled model: its requests one after another on one stream."""
@@ -355,8 +356,8 @@ class LoadRun:
                 message = messages[index % n]
                 index += 1
                 sent = time.monotonic_ns()
-                error = await self._stream_request(stream, message)
-                self._done(sent, sent, error)
+                error, end = await self._stream_request(stream, message)
+                self._done(sent, sent, error, end)
                 backoff = _backoff(backoff, error)
                 if backoff:
                     await asyncio.sleep(backoff)
@@ -371,7 +372,7 @@ class LoadRun:
             index += 1
             sent = time.monotonic_ns()
             error = await self._request(request)
-            slot.done()
+            slot.finish(error is None or error == MISMATCH)
             self._done(sent, sent, error)
             if error is None or error == MISMATCH:
                 backoff = 0.0
@@ -387,17 +388,19 @@ class LoadRun:
             async with slot.lock:
                 if self._stop.is_set():  # the level ended while this send waited for its sequence: not sent
                     return
-                await self._timed_send(self.conn.flagged(request, slot.next()), scheduled, late_ns)
-                slot.done()
+                error = await self._timed_send(self.conn.flagged(request, slot.next()), scheduled, late_ns)
+                slot.finish(error is None or error == MISMATCH)
             return
         self._count += 1
         await self._timed_send(request, scheduled, late_ns)
 
-    async def _timed_send(self, request: Prepared, scheduled: int, late_ns: float) -> None:
+    async def _timed_send(self, request: Prepared, scheduled: int, late_ns: float) -> str | None:
         sent = time.monotonic_ns()
         lag = sent - scheduled
         self._tally.lag(lag, late=lag >= late_ns)
-        self._done(scheduled, sent, await self._request(request))
+        error = await self._request(request)
+        self._done(scheduled, sent, error)
+        return error
 
     async def _open_loop(self, level: LoadLevel, offset_ns: float = 0.0) -> None:
         assert level.request_rate is not None

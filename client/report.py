@@ -142,7 +142,7 @@ def _us(value: float | None) -> int | str:
     return int(value) if value is not None else ""
 
 
-def write_csv(path: Path, rows: Sequence[ModelResult]) -> None:
+def write_csv(path: Path, rows: Sequence[ModelResult], *, streaming: bool = False) -> None:
     """perf_analyzer's verbose CSV, rows in increasing throughput as it sorts them; a figure that was
     not measured is an empty cell.
 
@@ -159,7 +159,8 @@ def write_csv(path: Path, rows: Sequence[ModelResult]) -> None:
     mixed = named and len(open_loop) > 1
     load_columns = (["Concurrency", "Request Rate"] if mixed
                     else ["Request Rate"] if True in open_loop else ["Concurrency"])
-    streaming = any(row.result.summary.stream is not None for row in rows)
+    # The run's --streaming decides (as the JSON's): a streamed run with no successful request keeps its columns.
+    streaming = streaming or any(row.result.summary.stream is not None for row in rows)
     writer.writerow([*(["Model"] if named else []), *load_columns, *CSV_COLUMNS[1:],
                      *(STREAM_CSV_COLUMNS if streaming else [])])
     for model in models:

@@ -102,6 +102,7 @@ class SequenceIds:
         self._start, self._count = options.id_start, options.ids
         self._next = 0  # offset from the start of the next id to try
         self._live: set[int] = set()
+        self.retired = 0  # ids abandoned this level (retire)
 
     def take(self) -> int:
         tried = 0
@@ -114,10 +115,17 @@ class SequenceIds:
                 return candidate
             tried += 1
             if self._count is not None and tried >= self._count:  # check_live refuses such a load first
-                raise PerfClientError(f"--sequence-id-range: all {self._count} ids are held by live sequences")
+                raise PerfClientError(f"--sequence-id-range: all {self._count} ids are held by live sequences or "
+                                      f"by {self.retired} abandoned after a failed step; expected a wider range")
 
     def give_back(self, sequence_id: int) -> None:
         self._live.discard(sequence_id)
+
+    def retire(self, sequence_id: int) -> None:
+        """Keep an abandoned sequence's id out of use for the rest of the level: the server may still hold the
+        sequence (until its max_sequence_idle_microseconds), and a new start under that id would join it."""
+        self._live.add(sequence_id)
+        self.retired += 1
 
     @property
     def live(self) -> frozenset[int]:
@@ -134,6 +142,7 @@ class Slot:
         self.sequence_id: int | None = None
         self._left = 0  # steps still to send in the live sequence
         self._ending = False  # the step in flight is the last
+        self._started_now = False  # the step in flight starts its sequence
 
     @property
     def live(self) -> bool:
@@ -148,6 +157,7 @@ class Slot:
         assert self.sequence_id is not None
         self._left -= 1
         self._ending = self._left == 0
+        self._started_now = start
         return Flags(self.sequence_id, start=start, end=self._ending)
 
     def closing(self) -> Flags:
@@ -162,6 +172,28 @@ class Slot:
             self._sequences.ids.give_back(self.sequence_id)
             self.sequence_id = None
             self._ending = False
+
+    def failed(self) -> None:
+        """The step in flight failed: its sequence is abandoned (its remaining steps would fail too, one after
+        another) and the next step starts a new one. A failed start never reached the server's sequence
+        batcher, so its id goes back; after a later step the server may still hold the sequence, so its id is
+        retired for the level."""
+        if self.sequence_id is None:
+            return
+        if self._started_now:
+            self._sequences.ids.give_back(self.sequence_id)
+        else:
+            self._sequences.ids.retire(self.sequence_id)
+        self.sequence_id = None
+        self._left = 0
+        self._ending = False
+
+    def finish(self, answered: bool) -> None:
+        """After a step: `done()` when the server answered it (a --validate mismatch is an answer), else `failed()`."""
+        if answered:
+            self.done()
+        else:
+            self.failed()
 
 
 class Sequences:

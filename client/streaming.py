@@ -9,8 +9,10 @@ ModelStreamInferResponse out) and sends one request at a time on it, asking for 
 never taken for the current one's.
 
 Per request: the time to the first response, the times between responses, the number of responses (the empty
-final one not counted) and the end (the final response). A response with an `error_message` ends the request
-as an error (kind "response_error").
+final one not counted) and, as perf_analyzer counts it, the latency up to the last response that carried an
+answer (not the empty final one). A request whose only response is the empty final one has no latency: it is
+counted as error kind "no_response" (perf_analyzer leaves such requests out). A response with an
+`error_message` ends the request as an error (kind "response_error").
 """
 
 from __future__ import annotations
@@ -21,11 +23,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2
+
+from client.wire import ResponseFormatError
 
 STREAM_METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
 # The error kind of a response that carries an error_message (the stream itself stays up).
 RESPONSE_ERROR = "response_error"
+# The error kind of a request answered by the empty final response alone.
+NO_RESPONSE = "no_response"
 
 
 def stream_parameters() -> bytes:
@@ -50,6 +57,7 @@ class StreamTiming:
     gaps_ns: tuple[int, ...] = ()
     responses: int = 0
     detail: str = ""  # the server's error_message
+    last_ns: int | None = None  # monotonic ns of the last response that carried an answer: the latency's end
 
 
 class Stream:
@@ -77,11 +85,14 @@ class Stream:
             raise
 
     async def _exchange(self, message: bytes, request_id: str) -> StreamTiming:
-        if self._call is None:
+        if self._call is None or self._call.done():  # the server may end a call between two requests
             self._call = self._multicallable()
         call = self._call
         start = time.monotonic_ns()
-        await call.write(message)
+        try:
+            await call.write(message)
+        except asyncio.InvalidStateError as exc:  # grpc.aio: "RPC already finished" (ended as we wrote)
+            raise ConnectionResetError(f"the stream ended before the request went out ({exc})") from exc
         first: int | None = None
         last = start
         gaps: list[int] = []
@@ -91,7 +102,10 @@ class Stream:
             if raw is grpc.aio.EOF:
                 code = await call.code()
                 raise ConnectionResetError(f"the stream ended ({code}) before the final response")
-            response = service_pb2.ModelStreamInferResponse.FromString(raw)
+            try:
+                response = service_pb2.ModelStreamInferResponse.FromString(raw)
+            except DecodeError as exc:
+                raise ResponseFormatError(f"a stream response that does not decode: {exc}") from exc
             answer = response.infer_response
             if answer.id and answer.id != request_id:
                 continue  # an earlier request's, which timed out
@@ -108,7 +122,9 @@ class Stream:
                 last = now
                 count += 1
             if final:
-                return StreamTiming(None, first, tuple(gaps), count)
+                if count == 0:
+                    return StreamTiming(NO_RESPONSE, detail="only the empty final response came")
+                return StreamTiming(None, first, tuple(gaps), count, last_ns=last)
 
     def _drop(self) -> None:
         if self._call is not None:

@@ -255,6 +255,31 @@ def test_a_slot_runs_one_sequence_after_another() -> None:
     assert not slot.live and sequences.ids.live == frozenset()
 
 
+def test_a_failed_step_abandons_its_sequence_and_a_failed_middle_step_retires_its_id() -> None:
+    """A failed start: the server never started the sequence, so the next step starts a new one and the id may
+    come again. A failed later step: the server may still hold the sequence, so its id is not handed out again
+    this level (the remaining steps would only fail one after another, without start flags)."""
+    sequences = Sequences(SequenceOptions(length=3, variation_pct=0, id_start=5, id_end=8), seed=0)
+    (slot,) = sequences.slots(1)
+    assert slot.next() == Flags(5, True, False)
+    slot.finish(answered=False)  # the start failed: 5 goes back
+    assert slot.next() == Flags(6, True, False)
+    slot.finish(answered=True)
+    assert slot.next() == Flags(6, False, False)
+    slot.finish(answered=False)  # a middle step failed: 6 is retired, a fresh sequence starts
+    assert slot.next() == Flags(7, True, False) and sequences.ids.retired == 1
+    slot.finish(answered=False)
+    assert slot.next() == Flags(5, True, False)  # 7 went back (its start failed); 6 is skipped
+    slot.finish(answered=True)
+    assert slot.next() == Flags(5, False, False)
+    slot.finish(answered=False)  # 5 retired too: with 6, two of three ids abandoned
+    assert slot.next() == Flags(7, True, False)
+    slot.finish(answered=False)
+    sequences.ids.take()  # 7, held by a live sequence elsewhere
+    with pytest.raises(PerfClientError, match="2 abandoned after a failed step"):
+        sequences.ids.take()
+
+
 @pytest.mark.parametrize(("text", "expected"), [("7", (7, None)), ("1:9", (1, 9))])
 def test_id_range_parses(text: str, expected: tuple[int, int | None]) -> None:
     assert parse_id_range(text) == expected

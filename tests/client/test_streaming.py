@@ -6,19 +6,25 @@ options streaming does not take)."""
 
 from __future__ import annotations
 
+import asyncio
 import csv
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import grpc
 import numpy as np
 import pytest
+from tritonclient.grpc import service_pb2
 
 from builder.serving.triton_server import TritonServer
 from client.cli import main, parse_config
 from client.errors import PerfClientError
 from client.stats import Tally, close, merge
+from client.streaming import Stream, StreamTiming
 from tests.helpers.python_models import serving
+from tests.helpers.waiting import wait_until_async
 
 STREAM_MODEL = '''
 import time
@@ -36,9 +42,12 @@ class TritonPythonModel:
                 sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"N {n} is negative")),
                             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
-            for i in range(n):
+            tail = n >= 100  # N = 100 + k: k responses, then 300 ms of work before the (empty) final one
+            for i in range(n - 100 if tail else n):
                 time.sleep(0.005)
                 sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([i], np.int32))]))
+            if tail:
+                time.sleep(0.3)
             sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         return None
 '''
@@ -114,6 +123,23 @@ def test_each_request_gets_its_n_responses_the_first_before_the_final(
 
 
 @pytest.mark.server
+def test_latency_ends_at_the_last_answer_and_a_request_without_one_is_no_success(
+        stream_server: TritonServer, tmp_path: Path) -> None:
+    """As perf_analyzer counts a decoupled request: its latency ends at the last response that carried an answer,
+    not at the empty final response the model sends 300 ms later; a request answered by the empty final response
+    alone is not a success (error kind no_response)."""
+    report = tmp_path / "run.json"
+    code = main(["-m", "stream", "-u", f"127.0.0.1:{stream_server.ports.grpc}", "--streaming", "--concurrency", "2",
+                 "--input-data", _inputs(tmp_path, 102, 100), "--json", str(report), *QUICK])
+    assert code == 0
+    (result,) = json.loads(report.read_text())["results"]
+    assert result["requests"] > 0 and set(result["errors"]) == {"no_response"}
+    assert result["streaming"]["responses_per_request"] == 2.0
+    # Two answers 5 ms apart: well under the 300 ms the final response waits (the old end: p50 over 300 ms).
+    assert result["latency_us"]["p50"] < 150_000, result["latency_us"]
+
+
+@pytest.mark.server
 def test_an_error_response_counts_as_an_error_and_ends_only_its_request(
         stream_server: TritonServer, tmp_path: Path) -> None:
     report = tmp_path / "run.json"
@@ -172,3 +198,43 @@ def test_stream_figures_merge_over_windows() -> None:
     assert stream.first_response_us is not None and stream.first_response_us.max == 3.0
     assert stream.inter_response_us is not None and stream.inter_response_us.p50 == 0.02
     assert merge([close(Tally(), 0, 1, 1)], 1).stream is None  # not streamed: no figures
+
+
+def test_a_stream_the_server_ended_between_requests_is_opened_again() -> None:
+    """A server that ends each ModelStreamInfer call after one request (draining, GOAWAY): the next request
+    goes out on a new call instead of raising grpc.aio's InvalidStateError (no error kind of ours: a traceback)."""
+
+    async def one_request_per_call(requests: Any, context: Any) -> Any:
+        async for raw in requests:
+            request = service_pb2.ModelInferRequest.FromString(raw)
+            answer = service_pb2.ModelStreamInferResponse()
+            answer.infer_response.id = request.id
+            answer.infer_response.outputs.add(name="OUT")
+            answer.infer_response.parameters["triton_final_response"].bool_param = True
+            yield answer.SerializeToString()
+            return  # the call ends here, as a draining server ends it
+
+    async def scenario() -> list[StreamTiming]:
+        server = grpc.aio.server()
+        handler = grpc.stream_stream_rpc_method_handler(one_request_per_call)
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+            "inference.GRPCInferenceService", {"ModelStreamInfer": handler})])
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        stream = Stream(channel, timeout_s=10)
+        try:
+            message = service_pb2.ModelInferRequest(model_name="stream").SerializeToString()
+            timings = []
+            for _ in range(3):
+                timings.append(await stream.request(message))
+                # The server's end of the call has arrived before the next request is written.
+                await wait_until_async(lambda: stream._call is None or stream._call.done(), what="the call's end")
+            return timings
+        finally:
+            await stream.aclose()
+            await channel.close()
+            await server.stop(None)
+
+    timings = asyncio.run(scenario())
+    assert [t.error for t in timings] == [None, None, None] and [t.responses for t in timings] == [1, 1, 1]
