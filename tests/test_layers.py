@@ -287,3 +287,15 @@ def test_the_listed_type_checking_cycles_still_exist() -> None:
     # Each still closes a cycle: what it imports imports its importer back (through run-time imports alone).
     closed = [edge for edge in TYPE_CHECKING_CYCLES if not reaches(runtime, edge[1], edge[0])]
     assert closed == [], "no longer a cycle: remove the entry (and the TYPE_CHECKING guard it needed)"
+
+
+def test_no_library_module_reads_the_clis_log_file_global() -> None:
+    # The CLI sets the build log (common.logs) and passes it on (BuildOptions.log_file, runtimes.select): a library
+    # module that read the global would name a log file only when run under the CLI.
+    readers = [name for name, path in sorted(modules().items())
+               if name not in CLIS and name != "common.logs" and not name.startswith("bench")
+               and any(isinstance(node, ast.Name | ast.alias) and "active_log_file" in (
+                   node.id if isinstance(node, ast.Name) else node.name)
+                       for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))))]
+    assert readers == []
+    assert "active_log_file" in modules()["builder.cli"].read_text(encoding="utf-8")  # the name the CLI does use
