@@ -51,11 +51,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from builder.serving.processes import STUB_NAME, clean_leftovers
 from builder.serving.triton_server import (
-    STUB_NAME,
     ModelControl,
     Ports,
-    clean_leftovers,
     command,
     environment,
     free_ports,

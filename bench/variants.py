@@ -82,7 +82,7 @@ def recipe_comparison(spec: ModelSpec, samples: dict[str, NDArray[Any]], threads
                 try:
                     precision.to_int8(fp32, fp32_sha=onnx_files.sha256_file(fp32), calibration=calib,
                                       data_digest=data.digest(calib), spec=cal_spec, out_path=out,
-                                      cache_dir=default_cache_dir())
+                                      cache_dir=default_cache_dir(), log_file=None)
                 except BuilderError as exc:
                     failures.append({"model": spec.name, "variant": f"int8 ({recipe}, {method})",
                                      "error": str(exc).split(": ", 1)[-1][:160]})

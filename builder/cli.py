@@ -315,12 +315,16 @@ def _build(args: argparse.Namespace, specs: list[ModelSpec]) -> int:
                                                            "--trt-hardware-compatibility", error=ManifestError),
         cuda_graphs=args.trt_cuda_graphs, warmup=not args.no_trt_warmup,
     ).check()
-    options = BuildOptions(repository=args.repository, force=args.force, wait=not args.no_wait,
+    # The build log the CLI opened (common.logs: the CLI sets it): tools' output and the runtime's messages go
+    # there and the one-line errors name it.
+    build_log = active_log_file()
+    options = BuildOptions(repository=args.repository, force=args.force, wait=not args.no_wait, log_file=build_log,
                            all_or_nothing=args.all_or_nothing,
                            spec_origin="build flags" if args.command == "build" else "models.toml entry",
                            guard_sensitivity=GuardSensitivity.parse(args.guard_sensitivity, "--guard-sensitivity",
                                                                     error=ManifestError),
                            runtime=select(runtime_choice, serving_backend=serving_backend, trt_options=trt_options,
+                                          log_file=build_log,
                                           cuda_options=CudaOptions(cudnn_conv_algo_search=args.cudnn_conv_algo_search,
                                                                    cuda_graphs=not args.no_cuda_graphs,
                                                                    tensorrt_fp16=args.ort_tensorrt_fp16,

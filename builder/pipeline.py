@@ -65,6 +65,9 @@ class BuildOptions:
     # How each variant's throughput is measured against FP32's (steps/speed.py); None, or TRTBUILD_NO_SPEED
     # set: not measured.
     speed_meter: Meter | None = ort_rounds
+    # The build log: tools' full output is appended there and the one-line errors name it (the CLI's --log);
+    # None: each failure's output in a file of its own under the cache. The runtime gets it at construction.
+    log_file: Path | None = None
 
 
 class ModelStatus(Choice):
@@ -337,7 +340,7 @@ def build_model(spec: ModelSpec, options: BuildOptions, staging: Staging) -> Mod
             inputs_record=inputs_record, work=work, cache_dir=options.cache_dir, repository=options.repository,
             shapes=shapes, other_levels=_other_levels(spec, sig, shapes, fp32_path, eval_batch, what, evaluation),
             guard_sensitivity=options.guard_sensitivity,
-            speed_meter=None if speed.skipped() else options.speed_meter,
+            speed_meter=None if speed.skipped() else options.speed_meter, log_file=options.log_file,
         )
         variants: list[VariantResult] = []
         failures: list[VariantFailure] = []

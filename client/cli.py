@@ -11,7 +11,7 @@ from pathlib import Path
 from client.admin_key import KEY_ENV, request_headers
 from client.compression import ALGORITHMS
 from client.engine import DEFAULT_MAX_INFLIGHT, Distribution, LoadLevel, Measurement
-from client.errors import PerfClientError, RunAborted
+from client.errors import PerfClientError, RunAborted, UsageConflict
 from client.grpc_aio import GrpcClient
 from client.html_report import write_html
 from client.inputs import InputData, parse_shapes
@@ -263,52 +263,6 @@ def _model_levels(args: argparse.Namespace) -> dict[str, tuple[LoadLevel, ...]]:
     return levels
 
 
-class UsageConflict(PerfClientError):
-    """Two options that do not go together: a usage error, exit 2 as argparse's own, before any connection."""
-
-
-def _processes_conflict(args: argparse.Namespace) -> str | None:
-    """Why --processes N cannot run with the other options given, naming both; None when it can.
-
-    The workers each drive one model's load on their own loop and the parent only times the windows, so
-    what needs one schedule or one loop (a replayed file, a window closed by a request count, several
-    models at once) is refused, as is `--validate` (its sampling and mismatch counts across workers are
-    not proven yet). `--shared-memory` works: the workers send through the parent's regions.
-    """
-    n = args.processes
-    if n <= 1:
-        return None
-    flag = f"--processes {n}"
-    if args.simultaneous:
-        return f"{flag}: not with --simultaneous (the workers drive one model at a time)"
-    if args.request_count > 0:
-        return (f"{flag}: not with --request-count {args.request_count} "
-                "(the parent times the windows; use --measurement-interval)")
-    if args.request_intervals is not None:
-        return (f"{flag}: not with --request-intervals {args.request_intervals} "
-                "(one replayed schedule, one process)")
-    if args.validate is not None:
-        return f"{flag}: not with --validate {args.validate} (answers are checked in one process only)"
-    # Each worker keeps at least one request in flight: a concurrency below N cannot be split. The shared
-    # level counts only when some model has no --model-concurrency/--model-request-rate of its own.
-    own = {item.rpartition("=")[0] for item in [*args.model_concurrency, *args.model_request_rate]}
-    shared = not own.issuperset(args.model)
-    if shared and args.concurrency_range:
-        start = args.concurrency_range.split(":")[0]
-        if start.isdigit() and int(start) < n:
-            return f"{flag}: not with --concurrency-range {args.concurrency_range} (every level needs >= {n})"
-    elif shared and args.request_rate is None:
-        concurrency = args.concurrency if args.concurrency is not None else 1
-        if concurrency < n:
-            shown = f"--concurrency {concurrency}" + ("" if args.concurrency is not None else " (the default)")
-            return f"{flag}: not with {shown} (expected at least one request in flight per process)"
-    for item in args.model_concurrency:
-        value = item.rpartition("=")[2]
-        if value.isdigit() and int(value) < n:
-            return f"{flag}: not with --model-concurrency {item} (expected at least one request in flight per process)"
-    return None
-
-
 def _input_data(args: argparse.Namespace) -> InputData:
     return InputData.parse(args.input_data or "random")
 
@@ -330,11 +284,8 @@ def _validate_options(args: argparse.Namespace) -> ValidateOptions:
 
 def parse_config(argv: Sequence[str] | None) -> CliConfig:
     """argv -> a validated CliConfig; PerfClientError naming the flag otherwise (UsageConflict: two flags
-    that do not go together)."""
+    that do not go together, as SessionConfig decides)."""
     args = _parser().parse_args(argv)
-    conflict = _processes_conflict(args)
-    if conflict is not None:
-        raise UsageConflict(conflict)
     protocol = Protocol.parse(args.protocol, "-i", error=PerfClientError)
     session = SessionConfig(
         models=tuple(args.model), url=args.url or f"localhost:{protocol.default_port}", protocol=protocol,

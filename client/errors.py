@@ -12,6 +12,11 @@ class PerfClientError(Exception):
     """A user-facing error: bad option, unreachable server, unknown model, bad input data."""
 
 
+class UsageConflict(PerfClientError):
+    """Two options that do not go together: a usage error (the CLI exits 2, as on argparse's own), found before
+    any connection."""
+
+
 class RunAborted(PerfClientError):
     """The run stopped part-way (the server died); `partial` holds what was measured before, the
     last level possibly incomplete (`result.complete` False)."""

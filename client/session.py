@@ -14,6 +14,7 @@ one with `result.complete` False. A level in which no request succeeded has `res
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import signal
@@ -37,7 +38,7 @@ from client.engine import (
     Measurement,
     Together,
 )
-from client.errors import PerfClientError, RunAborted
+from client.errors import PerfClientError, RunAborted, UsageConflict
 from client.grpc_aio import GrpcClient
 from client.inputs import InputData, InputKind, build_payloads
 from client.power import (
@@ -83,8 +84,22 @@ METRICS_PORT = 8002
 # The row of a --simultaneous run that covers every model together (energy is measured for it only).
 WHOLE_RUN = "(whole run)"
 
+# perf_analyzer's default load: one request in flight.
+_DEFAULT_LEVELS = (LoadLevel(concurrency=1),)
+
 # (model, load level, 1-based window index, the window just measured)
 ProgressFn = Callable[[str, LoadLevel, int, Window], None]
+
+
+def _concurrency_range(levels: tuple[LoadLevel, ...]) -> str:
+    """Closed-loop levels as --concurrency-range writes them, START:END[:STEP] (evenly spaced, as the CLI makes
+    them); otherwise the concurrencies listed."""
+    values = [level.concurrency for level in levels]
+    steps = {b - a for a, b in itertools.pairwise(values) if a is not None and b is not None}
+    if None in values or len(steps) != 1:
+        return ",".join(level.label for level in levels)
+    (step,) = steps
+    return f"{values[0]}:{values[-1]}" + (f":{step}" if step != 1 else "")
 
 
 @dataclass(frozen=True)
@@ -114,7 +129,7 @@ class SessionConfig:
     models: tuple[str, ...]
     url: str
     protocol: Protocol = Protocol.GRPC
-    levels: tuple[LoadLevel, ...] = (LoadLevel(concurrency=1),)
+    levels: tuple[LoadLevel, ...] = _DEFAULT_LEVELS
     batch: int = 1
     input_data: InputData = field(default_factory=InputData)
     shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
@@ -187,12 +202,7 @@ class SessionConfig:
                 raise PerfClientError(str(exc)) from None
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise PerfClientError(f"--seed {self.seed}: expected an integer from 0 to 2**63 - 1")
-        if self.processes > 1 and self.simultaneous:
-            raise PerfClientError(f"--processes {self.processes}: not with --simultaneous")
-        if self.processes > 1 and self.measurement.request_count > 0:
-            raise PerfClientError(f"--processes {self.processes}: not with --request-count")
-        if self.processes > 1 and self.validate is not None:
-            raise PerfClientError(f"--processes {self.processes}: not with --validate")
+        self._check_processes()
         if self.sequence is not None:
             self.sequence.check()
             if self.processes > 1:
@@ -219,6 +229,48 @@ class SessionConfig:
             if not self.validate_options.mix and (self.input_data != InputData() or self.shapes):
                 raise PerfClientError(f"--validate {self.validate}: the inputs come from the file; "
                                       "drop --input-data and --shape")
+
+    def _check_processes(self) -> None:
+        """--processes N against the other options: the one place that decides, in one line naming both
+        (UsageConflict: the CLI exits 2 on it, as on argparse's own usage errors).
+
+        The workers each drive one model's load on their own loop and the parent only times the windows, so
+        what needs one schedule or one loop (a replayed file, a window closed by a request count, several
+        models at once) is refused, as is `--validate` (its sampling and mismatch counts across workers are
+        not proven yet). `--shared-memory` works: the workers send through the parent's regions. A sequence
+        model is refused when the run learns it is one (`_check_sequence_models`: it takes the server's word).
+        """
+        n = self.processes
+        if n <= 1:
+            return
+        flag = f"--processes {n}"
+        if self.simultaneous:
+            raise UsageConflict(f"{flag}: not with --simultaneous (the workers drive one model at a time)")
+        if self.measurement.request_count > 0:
+            raise UsageConflict(f"{flag}: not with --request-count {self.measurement.request_count} "
+                                "(the parent times the windows; use --measurement-interval)")
+        used = [(model, self.levels_of(model)) for model in self.models]
+        for _, levels in used:
+            for level in levels:
+                if level.intervals is not None:
+                    raise UsageConflict(f"{flag}: not with --request-intervals {level.intervals.path} "
+                                        "(one replayed schedule, one process)")
+        if self.validate is not None:
+            raise UsageConflict(f"{flag}: not with --validate {self.validate} "
+                                "(answers are checked in one process only)")
+        # Each worker keeps at least one request in flight: a concurrency below N cannot be split. The shared
+        # levels count only where some model has no level of its own (--model-concurrency/--model-request-rate).
+        for model, levels in used:
+            if not any(level.concurrency is not None and level.concurrency < n for level in levels):
+                continue
+            if model in self.model_levels:
+                shown = ", ".join(f"--model-concurrency {model}={level.concurrency}" for level in levels)
+                raise UsageConflict(f"{flag}: not with {shown} (expected at least one request in flight per process)")
+            if len(levels) > 1:
+                raise UsageConflict(f"{flag}: not with --concurrency-range {_concurrency_range(levels)} "
+                                    f"(every level needs >= {n})")
+            shown = f"--concurrency {levels[0].concurrency}" + (" (the default)" if levels == _DEFAULT_LEVELS else "")
+            raise UsageConflict(f"{flag}: not with {shown} (expected at least one request in flight per process)")
 
     def _check_transport(self) -> None:
         """--grpc-client and --streaming against the other options, one line naming the flag."""

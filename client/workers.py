@@ -54,13 +54,12 @@ class WorkerCrashed(RuntimeError):
 
 def shares(level: LoadLevel, processes: int) -> list[tuple[LoadLevel, float]]:
     """Each worker's load level and open-loop schedule offset (ns)."""
+    # SessionConfig refuses a level the workers cannot split (client.session, SessionConfig._check_processes).
     if level.concurrency is not None:
-        if level.concurrency < processes:
-            raise PerfClientError(f"--processes {processes}: more processes than --concurrency {level.concurrency}")
+        assert level.concurrency >= processes, (level, processes)
         base, extra = divmod(level.concurrency, processes)
         return [(LoadLevel(concurrency=base + (1 if i < extra else 0)), 0.0) for i in range(processes)]
-    if level.intervals is not None:
-        raise PerfClientError(f"--processes {processes}: not with --request-intervals (one schedule, one process)")
+    assert level.intervals is None, level
     assert level.request_rate is not None
     rate = level.request_rate / processes
     inflight = max(level.max_inflight // processes, 1)

@@ -30,7 +30,9 @@ _active_log: Path | None = None
 
 
 def active_log_file() -> Path | None:
-    """The log file the running CLI writes library output to; None when there is none."""
+    """The log file the running CLI writes library output to; None when there is none. For the CLI that
+    configured it: library code is given the log file as an argument (trtbuild: BuildOptions.log_file and
+    runtimes.select(log_file=...)), never reads it here."""
     return _active_log
 
 

@@ -24,8 +24,10 @@ __all__ = ["CompileTarget", "CudaOptions", "OnnxRuntimeCPU", "OnnxRuntimeCUDA", 
 
 def select(requested: RuntimeChoice, *, serving_backend: ServingBackend = ServingBackend.PYTHON,
            trt_options: TrtBuildOptions | None = None, cache_dir: Path | None = None,
-           cuda_options: CudaOptions | None = None) -> Runtime:
-    """The runtime asked for; `auto` takes TensorRT, else ONNX Runtime CUDA, else ONNX Runtime CPU."""
+           cuda_options: CudaOptions | None = None, log_file: Path | None = None) -> Runtime:
+    """The runtime asked for; `auto` takes TensorRT, else ONNX Runtime CUDA, else ONNX Runtime CPU.
+    `log_file`: the build log, where the native libraries' own messages go (common.logs.native_stderr_to_log);
+    a runtime's errors name it."""
     requested = RuntimeChoice.parse(requested, "--runtime", error=RuntimeUnavailableError)
     serving_backend = ServingBackend.parse(serving_backend, "--serving-backend", error=RuntimeUnavailableError)
     if requested is RuntimeChoice.AUTO:
@@ -48,7 +50,7 @@ def select(requested: RuntimeChoice, *, serving_backend: ServingBackend = Servin
             )
         from builder.runtimes.tensorrt import TensorRTRuntime
 
-        return TensorRTRuntime(trt_options or TrtBuildOptions(), cache_dir or default_cache_dir())
+        return TensorRTRuntime(trt_options or TrtBuildOptions(), cache_dir or default_cache_dir(), log_file=log_file)
     if requested is RuntimeChoice.ONNXRUNTIME_CUDA:
-        return OnnxRuntimeCUDA(serving_backend, cuda_options)
+        return OnnxRuntimeCUDA(serving_backend, cuda_options, log_file=log_file)
     return OnnxRuntimeCPU(serving_backend)

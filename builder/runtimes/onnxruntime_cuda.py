@@ -23,7 +23,6 @@ from builder.runtimes.base import CompileTarget, Outputs
 from builder.runtimes.onnxruntime import run_session
 from builder.spec.enums import ServingBackend
 from common.choices import Choice
-from common.logs import active_log_file
 
 _RUNNER: Any = python_model  # untyped: the file Triton's python backend imports, which imports nothing of ours
 
@@ -156,7 +155,9 @@ def cuda_available() -> bool:
     return cuda_unavailable_reason() is None
 
 
-def cuda_session(path: Path, options: CudaOptions) -> ort.InferenceSession:
+def cuda_session(path: Path, options: CudaOptions, *, log_file: Path | None) -> ort.InferenceSession:
+    """An ONNX Runtime session on the CUDA provider; where the provider does not start, the error names
+    `log_file` (the build log, where ONNX Runtime writes why), else points at ONNX Runtime's lines above."""
     if hasattr(ort, "preload_dlls"):
         ort.preload_dlls()  # CUDA and cuDNN from the nvidia-* pip packages, where installed
     session_options = ort.SessionOptions()
@@ -166,7 +167,7 @@ def cuda_session(path: Path, options: CudaOptions) -> ort.InferenceSession:
                                    providers=[(CUDA_PROVIDER, options.provider_options(path)), "CPUExecutionProvider"])
     if CUDA_PROVIDER not in session.get_providers():
         # ONNX Runtime writes why to file descriptor 2, which a build sends to its build log.
-        where = f"see {active_log_file()}" if active_log_file() is not None else "see ONNX Runtime's lines above"
+        where = f"see {log_file}" if log_file is not None else "see ONNX Runtime's lines above"
         raise RuntimeUnavailableError(f"{path}: ONNX Runtime did not start its CUDA provider (CUDA or cuDNN "
                                       f"libraries missing?); {where}")
     return session
@@ -198,12 +199,13 @@ class OnnxRuntimeCUDA:
     artifact = "model.onnx"
 
     def __init__(self, serving_backend: ServingBackend = ServingBackend.PYTHON,
-                 options: CudaOptions | None = None) -> None:
+                 options: CudaOptions | None = None, *, log_file: Path | None = None) -> None:
         reason = cuda_unavailable_reason()
         if reason is not None:
             raise RuntimeUnavailableError(f"--runtime {self.name}: {reason}")
         self.serving_backend = serving_backend
         self.options = options or CudaOptions()
+        self.log_file = log_file  # the build log, where ONNX Runtime writes why its CUDA provider did not start
         if serving_backend is ServingBackend.ONNXRUNTIME:
             # The native backend's config has no layout parameter here: the accuracy run must use the layout
             # it will serve with, NCHW.
@@ -246,7 +248,7 @@ class OnnxRuntimeCUDA:
         copy_model(onnx_path, out_path)  # with its data file, if it has one (a model over 2 GB)
 
     def run(self, artifact: Path, samples: Mapping[str, NDArray[Any]], batch_size: int | None) -> Outputs:
-        session = cuda_session(artifact, self.options)
+        session = cuda_session(artifact, self.options, log_file=self.log_file)
         if batch_size is None:  # no batch axis: each sample whole, as on the CPU
             return run_session(session, samples, None)
         return run_padded(session, samples, batch_size)

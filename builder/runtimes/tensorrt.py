@@ -62,7 +62,7 @@ class TensorRTRuntime:
 
     name = "tensorrt"
 
-    def __init__(self, options: TrtBuildOptions, cache_dir: Path) -> None:
+    def __init__(self, options: TrtBuildOptions, cache_dir: Path, *, log_file: Path | None = None) -> None:
         from builder.runtimes import tensorrt_engine
 
         self.engine = tensorrt_engine
@@ -71,6 +71,7 @@ class TensorRTRuntime:
         self.trt_version = tensorrt_engine.tensorrt_version()
         self.artifact = plan_filename(self.gpu.major, self.gpu.minor)
         self.cache_dir = cache_dir
+        self.log_file = log_file  # the build log, where TensorRT's own messages go: its errors name it
 
     def identity(self) -> dict[str, str]:
         return {"tensorrt": self.trt_version, "gpu": self.gpu.name,
@@ -110,7 +111,7 @@ class TensorRTRuntime:
                                                                 self.trt_version)
         with progress.task(f"TensorRT build: {out_path.parent.parent.name} ({self.gpu.name})"):
             self.engine.build_plan(onnx_path, out_path, profile_shapes(target.model_shapes()),
-                                   self.options, cache)
+                                   self.options, cache, log_file=self.log_file)
         meta_path.write_text(json.dumps(wanted.to_json(), indent=2) + "\n")
 
     def run(self, artifact: Path, samples: Mapping[str, NDArray[Any]], batch_size: int | None) -> Outputs:

@@ -23,7 +23,6 @@ from builder.runtimes.base import feeds as sample_feeds
 from builder.runtimes.base import join as join_outputs
 from builder.runtimes.tensorrt_plan import HardwareCompatibility, ProfileShapes, TrtBuildOptions
 from common.files import write_atomic
-from common.logs import active_log_file
 
 log = logging.getLogger(__name__)
 
@@ -65,15 +64,14 @@ def _network_flags() -> int:
     return 1 << int(flag) if flag is not None else 0
 
 
-def _messages() -> str:
+def _messages(build_log: Path | None) -> str:
     """Where TensorRT's own messages went: its logger writes to the native stderr, which a build sends to
-    its log file (common.logs); the variant ONNX's path is a temporary one and is not named."""
-    build_log = active_log_file()
+    its log file `build_log` (common.logs); the variant ONNX's path is a temporary one and is not named."""
     return f"TensorRT's messages: {build_log}" if build_log is not None else "TensorRT's messages are on stderr"
 
 
 def build_plan(onnx_path: Path, plan_path: Path, profile: ProfileShapes, options: TrtBuildOptions,
-               timing_cache: Path) -> None:
+               timing_cache: Path, *, log_file: Path | None) -> None:
     """Parse the ONNX, build one optimization profile, reuse and update the timing cache, write the plan."""
     builder = trt.Builder(_LOGGER)
     network = builder.create_network(_network_flags())
@@ -84,7 +82,7 @@ def build_plan(onnx_path: Path, plan_path: Path, profile: ProfileShapes, options
             error = parser.get_error(i)
             errors.append(f"node {error.node_name() or '?'} ({error.node_operator() or '?'}): {error.desc()}")
         raise BuilderError(f"TensorRT's ONNX parser failed on the {onnx_path.stem} ONNX: "
-                           f"{'; '.join(errors) or 'no details'} ({_messages()})")
+                           f"{'; '.join(errors) or 'no details'} ({_messages(log_file)})")
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, options.workspace_mib << 20)
     config.builder_optimization_level = options.optimization_level
@@ -102,7 +100,7 @@ def build_plan(onnx_path: Path, plan_path: Path, profile: ProfileShapes, options
     config.set_timing_cache(cache, ignore_mismatch=False)
     serialized = builder.build_serialized_network(network, config)
     if serialized is None:
-        raise BuilderError(f"TensorRT could not build an engine from the {onnx_path.stem} ONNX ({_messages()})")
+        raise BuilderError(f"TensorRT could not build an engine from the {onnx_path.stem} ONNX ({_messages(log_file)})")
     plan_path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(plan_path, bytes(memoryview(serialized)))
     timing_cache.parent.mkdir(parents=True, exist_ok=True)

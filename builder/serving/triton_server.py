@@ -11,17 +11,16 @@ its command line is `tritonserver` with this state folder's `--backend-directory
 process is ever signalled. The python backend's stubs run the executable copied into
 `<state>/backends/python` and carry their /dev/shm region name in their argv; a stub whose parent is
 no longer a tritonserver is a leftover of a dead server of this state folder (SIGKILL leaves them
-running for a long time): starting and stopping find, stop and clean them, and say so.
+running for a long time): starting and stopping find, stop and clean them, and say so. Reading /proc for
+all this (whose process is it, what did a dead one leave) is builder.serving.processes; this module launches.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
-import json
 import logging
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -30,7 +29,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -38,6 +37,20 @@ from builder.errors import BuilderError, ServerError
 from builder.repository.lock import LockBusy, exclusive, repository_lock
 from builder.repository.staging import clear_leftovers, leftovers
 from builder.serving.exposure import Exposure, has_open, hide_key_once_parsed
+from builder.serving.processes import (
+    STATE_FILE,
+    STUB_NAME,
+    Cleanup,
+    ServerRecord,
+    clean_leftovers,
+    exited,
+    forget,
+    mismatch,
+    read_record,
+    running,
+    start_ticks,
+    wait_gone,
+)
 from builder.spec.untrusted import check_tree
 from common import progress
 from common.choices import Choice
@@ -45,10 +58,7 @@ from common.files import copy_atomic, write_json
 
 log = logging.getLogger(__name__)
 
-STATE_FILE = "tritonserver.json"
-LEGACY_PID_FILE = "tritonserver.pid"  # what the previous version wrote: a bare pid
 LOCK_FILE = "tritonserver.lock"
-STUB_NAME = "triton_python_backend_stub"
 STUB_TIMEOUT_S = 300  # seconds the python backend waits on a stub (its default, 30, is too short on a GPU)
 # Triton's CUDA memory pool per GPU (its default: 64 MB). GPU inputs (CUDA shared memory) reach python-backend
 # stubs through it; 4 instances with batches of 64 images (602 KB each) need 154 MB at once. Measured on an
@@ -94,8 +104,6 @@ def gpu_ids() -> list[int]:
 
 def cuda_pool_args(gpus: list[int]) -> list[str]:
     return [f"--cuda-memory-pool-byte-size={gpu}:{CUDA_POOL_BYTES}" for gpu in gpus]
-SHM_REGION = re.compile(r"triton_python_backend_shm_region_[A-Za-z0-9_.-]+")
-SHM_DIR = Path("/dev/shm")
 
 
 class ModelControl(Choice):
@@ -232,139 +240,6 @@ def ready(port: int, host: str = "127.0.0.1", timeout: float = 1.0) -> bool:
         return False
 
 
-# --- processes, read from /proc (Linux): the kernel's word on what runs, no third-party parsing ---
-
-def _stat_fields(pid: int) -> list[str] | None:
-    """Fields 3.. of /proc/<pid>/stat (after the parenthesised name, which may hold spaces)."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return text[text.rindex(")") + 2:].split()
-
-
-def start_ticks(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot: with the pid, it names one process for good."""
-    fields = _stat_fields(pid)
-    return int(fields[19]) if fields else None
-
-
-def alive(pid: int) -> bool:
-    """Running (a zombie has exited: it only waits for its parent to read its status)."""
-    fields = _stat_fields(pid)
-    return fields is not None and fields[0] not in ("Z", "X")
-
-
-def _ppid(pid: int) -> int | None:
-    fields = _stat_fields(pid)
-    return int(fields[1]) if fields else None
-
-
-def _cmdline(pid: int) -> list[str]:
-    try:
-        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return []
-    return [part.decode(errors="replace") for part in raw.split(b"\0")[:-1]]
-
-
-def _in_cwd_of(pid: int, path: str) -> Path:
-    """A path from a process's argv, made absolute against that process's working folder, symlinks
-    resolved (as `Path.resolve()` gives our side of the comparison)."""
-    if not os.path.isabs(path):
-        with contextlib.suppress(OSError):
-            path = os.path.join(os.readlink(f"/proc/{pid}/cwd"), path)
-    return Path(os.path.realpath(path))
-
-
-def _shown(argv: list[str]) -> str:
-    text = " ".join(argv) or "an unreadable command"
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _is_tritonserver(argv: list[str]) -> bool:
-    return bool(argv) and Path(argv[0]).name == "tritonserver"
-
-
-def _backend_dir_of(pid: int, argv: list[str]) -> Path | None:
-    for arg in argv:
-        if arg.startswith("--backend-directory="):
-            return _in_cwd_of(pid, arg.split("=", 1)[1])
-    return None
-
-
-def _exited(pid: int, ticks: int | None) -> bool:
-    """The process recorded as (pid, start ticks) is gone, even if its pid now names another one."""
-    return not alive(pid) or (ticks is not None and start_ticks(pid) != ticks)
-
-
-def _mismatch(pid: int, ticks: int | None, state_dir: Path) -> str | None:
-    """None when pid is the live tritonserver of state_dir (started at `ticks` when known), else why not."""
-    if not alive(pid):
-        return "has exited"
-    argv = _cmdline(pid)
-    if _exited(pid, ticks):
-        return f"has exited; the pid now belongs to another process (`{_shown(argv)}`)"
-    if not _is_tritonserver(argv):
-        return f"is not a tritonserver (it runs `{_shown(argv)}`)"
-    backends = _backend_dir_of(pid, argv)
-    if backends != (state_dir.resolve() / "backends"):
-        return f"is a tritonserver of another state folder (--backend-directory={backends})"
-    return None
-
-
-# --- the record of the server a state folder runs ---
-
-@dataclass(frozen=True)
-class ServerRecord:
-    """What `.run/tritonserver.json` holds. start_ticks is None for a legacy bare pid file."""
-
-    pid: int
-    start_ticks: int | None
-    argv: list[str] = field(default_factory=list)
-    command: list[str] = field(default_factory=list)  # the trtbuild (or other) invocation that started it
-    repository: str = ""
-    backend_dir: str = ""
-    ports: dict[str, int] = field(default_factory=dict)
-    started: str = ""  # ISO time, for people
-
-    @property
-    def source(self) -> str:
-        return LEGACY_PID_FILE if self.start_ticks is None else STATE_FILE
-
-
-def read_record(state_dir: Path) -> ServerRecord | None:
-    """The recorded server (JSON record, else the previous version's bare pid file), None when none."""
-    path = state_dir / STATE_FILE
-    if path.is_file():
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-            if int(data["pid"]) <= 0:  # os.kill(0 or -1, ...) would signal a whole group
-                raise ValueError(f"pid {data['pid']} is not a process id")
-            return ServerRecord(pid=int(data["pid"]), start_ticks=int(data["start_ticks"]),
-                                argv=list(data.get("argv", [])), command=list(data.get("command", [])),
-                                repository=str(data.get("repository", "")),
-                                backend_dir=str(data.get("backend_dir", "")),
-                                ports=dict(data.get("ports", {})), started=str(data.get("started", "")))
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            log.warning("ignoring unreadable %s: %s", path, exc)
-            return None
-    legacy = state_dir / LEGACY_PID_FILE
-    try:
-        pid = int(legacy.read_text().strip())
-    except (OSError, ValueError):
-        return None
-    return ServerRecord(pid=pid, start_ticks=None) if pid > 0 else None
-
-
-def _forget(state_dir: Path, record: ServerRecord | None = None) -> None:
-    """Remove the record (only when it still names `record`'s pid, if given) and any legacy pid file."""
-    current = read_record(state_dir)
-    if record is None or current is None or current.pid == record.pid:
-        (state_dir / STATE_FILE).unlink(missing_ok=True)
-        (state_dir / LEGACY_PID_FILE).unlink(missing_ok=True)
-
-
 @contextlib.contextmanager
 def _state_lock(state_dir: Path, timeout: float = 30.0) -> Iterator[None]:
     """One starter or stopper at a time per state folder (flock: released by the kernel if we die)."""
@@ -375,125 +250,6 @@ def _state_lock(state_dir: Path, timeout: float = 30.0) -> Iterator[None]:
     except LockBusy:
         raise ServerError(f"--state-dir {state_dir}: another trtbuild serve or stop held "
                           f"{LOCK_FILE} for {timeout:.0f} s") from None
-
-
-def running(state_dir: Path) -> ServerRecord | None:
-    """The recorded server when it is alive and ours; a stale record is removed (and logged)."""
-    record = read_record(state_dir)
-    if record is None:
-        return None
-    why = _mismatch(record.pid, record.start_ticks, state_dir)
-    if why is None:
-        return record
-    log.info("pid %d in %s %s: removing the stale record", record.pid, state_dir / record.source, why)
-    _forget(state_dir, record)
-    return None
-
-
-# --- leftovers of a dead server: python-backend stubs and their shared-memory regions ---
-
-@dataclass(frozen=True)
-class Stub:
-    pid: int
-    region: str | None  # its /dev/shm region name, from its argv
-
-
-@dataclass(frozen=True)
-class Cleanup:
-    servers: list[int]  # the dead servers' pids, as the stubs name them
-    stubs: list[int]
-    regions: list[str]  # the /dev/shm regions they held, gone now (unlinked by the stub or by us)
-
-    def __bool__(self) -> bool:
-        return bool(self.stubs or self.regions)
-
-    def line(self, state_dir: Path) -> str:
-        return (f"cleaned up after a dead tritonserver of {state_dir} (pid "
-                f"{', '.join(map(str, self.servers)) or '?'}): stopped {len(self.stubs)} python-backend "
-                f"stub(s) (pid {', '.join(map(str, self.stubs)) or '-'}) and freed their {len(self.regions)} "
-                f"shared-memory region(s) in {SHM_DIR}")
-
-
-def _stub_of(pid: int, python_dir: Path) -> tuple[Stub, int | None] | None:
-    """(stub, the server pid it names) when pid is a python-backend stub run from python_dir."""
-    argv = _cmdline(pid)
-    if not argv or Path(argv[0]).name != STUB_NAME:
-        return None
-    try:  # after a rename over it, the running executable reads "<path> (deleted)"
-        exe = Path(os.readlink(f"/proc/{pid}/exe").removesuffix(" (deleted)"))
-    except OSError:
-        exe = _in_cwd_of(pid, argv[0])
-    # argv: stub, model.py, shm region, shm sizes (2), server pid, backend python folder, ...
-    named = [_in_cwd_of(pid, arg) for arg in argv[6:7]]
-    if exe.parent != python_dir and python_dir not in named:
-        return None
-    region = next((arg for arg in argv[1:] if SHM_REGION.fullmatch(arg)), None)
-    server = int(argv[5]) if len(argv) > 5 and argv[5].isdigit() else None
-    return Stub(pid, region), server
-
-
-def orphaned_stubs(state_dir: Path) -> tuple[list[Stub], list[int]]:
-    """Stubs of state_dir's backend folder whose parent is no longer a tritonserver, and the servers they name."""
-    python_dir = state_dir.resolve() / "backends" / "python"
-    stubs: list[Stub] = []
-    servers: set[int] = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or not alive(pid := int(entry.name)):
-            continue
-        found = _stub_of(pid, python_dir)
-        if found is None:
-            continue
-        parent = _ppid(pid)
-        if parent is not None and alive(parent) and _is_tritonserver(_cmdline(parent)):
-            continue  # a live server's stub
-        stubs.append(found[0])
-        if found[1] is not None:
-            servers.add(found[1])
-    return stubs, sorted(servers)
-
-
-def _wait_gone(pids: list[int], timeout: float) -> list[int]:
-    deadline = time.monotonic() + timeout
-    left = [p for p in pids if alive(p)]
-    while left and time.monotonic() < deadline:
-        time.sleep(0.1)
-        left = [p for p in left if alive(p)]
-    return left
-
-
-def clean_leftovers(state_dir: Path, timeout: float = 10.0, grace: float = 2.0) -> Cleanup:
-    """Stop the orphaned stubs of state_dir (SIGTERM, then SIGKILL) and remove their /dev/shm regions.
-
-    A stub normally notices within about a second that its server is gone and exits, freeing its
-    region: `grace` seconds are left for that first (only when there are orphans), so a normal stop
-    is not reported as a cleanup."""
-    stubs, servers = orphaned_stubs(state_dir)
-    if stubs and grace > 0:
-        lingering = set(_wait_gone([s.pid for s in stubs], grace))
-        stubs = [s for s in stubs if s.pid in lingering]
-    if not stubs:
-        return Cleanup(servers, [], [])
-    ticks = {s.pid: start_ticks(s.pid) for s in stubs}
-    held = [s.region for s in stubs if s.region and (SHM_DIR / s.region).exists()]
-    for sigs in ((signal.SIGTERM, signal.SIGCONT), (signal.SIGKILL,)):  # SIGCONT: a stopped stub takes its TERM
-        for stub in stubs:
-            if alive(stub.pid) and start_ticks(stub.pid) == ticks[stub.pid]:
-                for sig in sigs:
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.kill(stub.pid, sig)
-        left = _wait_gone([s.pid for s in stubs], timeout / 2)
-        if not left:
-            break
-    else:
-        raise ServerError(f"python-backend stubs {', '.join(map(str, left))} of a dead tritonserver of "
-                          f"{state_dir} did not exit within {timeout:.0f} s; stop them by hand")
-    # A stub that takes its SIGTERM unlinks its own region; a killed or hung one leaves it: remove those.
-    for region in held:
-        with contextlib.suppress(FileNotFoundError):
-            (SHM_DIR / region).unlink()
-    done = Cleanup(servers, [s.pid for s in stubs], held)
-    log.warning("%s", done.line(state_dir))
-    return done
 
 
 def _clear_build_leftovers(repository: Path) -> None:
@@ -619,7 +375,7 @@ class TritonServer:
 
     def _forget(self) -> None:
         if self.record is not None:
-            _forget(self.state_dir, self.record)
+            forget(self.state_dir, self.record)
             self.record = None
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -659,7 +415,7 @@ def dead_server_lines(state_dir: Path, count: int = 12) -> list[str]:
     """When the server recorded in state_dir has exited (not by `trtbuild stop`, which removes the record):
     a line saying so, then its log's last lines, indented. Empty while it runs or when none is recorded."""
     record = read_record(state_dir)
-    if record is None or not _exited(record.pid, record.start_ticks):
+    if record is None or not exited(record.pid, record.start_ticks):
         return []
     tail = last_lines([state_dir / "tritonserver.log", state_dir / "tritonserver.out"], count)
     return [f"the tritonserver started from {state_dir} (pid {record.pid}) has exited; the last lines it wrote:",
@@ -680,24 +436,24 @@ def stop_recorded(state_dir: Path, timeout: float = 30.0) -> Stopped:
         record = read_record(state_dir)
         if record is None:
             return Stopped(None, clean_leftovers(state_dir))
-        if _exited(record.pid, record.start_ticks):  # ours is gone (its pid may serve another now)
-            _forget(state_dir, record)
+        if exited(record.pid, record.start_ticks):  # ours is gone (its pid may serve another now)
+            forget(state_dir, record)
             return Stopped(None, clean_leftovers(state_dir), exited=record.pid)
-        why = _mismatch(record.pid, record.start_ticks, state_dir)
+        why = mismatch(record.pid, record.start_ticks, state_dir)
         if why is not None:
-            _forget(state_dir, record)
+            forget(state_dir, record)
             raise ServerError(f"pid {record.pid} in {state_dir / record.source} {why}: not signalled; "
                               "removed the stale record")
         ticks = start_ticks(record.pid)
         with contextlib.suppress(ProcessLookupError):  # it may exit between the check and the signal
             os.kill(record.pid, signal.SIGINT)
-        if _wait_gone([record.pid], timeout):
+        if wait_gone([record.pid], timeout):
             if start_ticks(record.pid) == ticks:  # still the same process
                 log.warning("tritonserver (pid %d) did not exit within %.0f s of SIGINT; killing it",
                             record.pid, timeout)
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(record.pid, signal.SIGKILL)
-            if _wait_gone([record.pid], 10.0):
+            if wait_gone([record.pid], 10.0):
                 raise ServerError(f"tritonserver (pid {record.pid}) did not exit after SIGKILL")
-        _forget(state_dir, record)
+        forget(state_dir, record)
         return Stopped(record.pid, clean_leftovers(state_dir))

@@ -65,6 +65,9 @@ class ModelContext:
     variant_inputs: Mapping[Precision, tuple[str, Mapping[str, Any]]] = field(default_factory=dict)
     # How each variant's throughput is measured against FP32's (steps/speed.py); None: not measured.
     speed_meter: Meter | None = None
+    # The build log a tool's full output goes to, as the one-line errors name it (BuildOptions.log_file);
+    # None: each failure's output in a file of its own (steps/precision.failure_log).
+    log_file: Path | None = None
 
     def record_of(self, precision: Precision) -> tuple[str, Mapping[str, Any]]:
         """The build key and inputs a variant's build.json records."""

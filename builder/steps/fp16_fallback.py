@@ -33,21 +33,21 @@ Check = Callable[[Path], None]
 
 
 def to_fp16_checked(fp32_path: Path, out_path: Path, *, feeds: Sequence[Mapping[str, NDArray[Any]]], what: str,
-                    check: Check) -> dict[str, object]:
+                    check: Check, log_file: Path | None) -> dict[str, object]:
     """The FP16 variant at `out_path`, from the first converter whose graph passes `check`; its settings as
     build.json records them (with the reason autocast's graph was set aside, where it was)."""
     try:
-        settings = precision.to_fp16(fp32_path, out_path, feeds=feeds, what=what)
+        settings = precision.to_fp16(fp32_path, out_path, feeds=feeds, what=what, log_file=log_file)
         check(out_path)
         return settings
     except (ToolError, OnnxModelError) as exc:
         first = exc
     log.debug("%s; trying onnxconverter-common's FP16", first)
     try:
-        settings = to_fp16_onnxconverter(fp32_path, out_path, what=what)
+        settings = to_fp16_onnxconverter(fp32_path, out_path, what=what, log_file=log_file)
         check(out_path)
     except (ToolError, OnnxModelError) as exc:
-        record = precision.failure_log(f"fp16 onnxconverter-common {what}", "", exc)
+        record = precision.failure_log(f"fp16 onnxconverter-common {what}", "", exc, log_file=log_file)
         raise ToolError(f"{what}: {_reason(first, what)}; onnxconverter-common's FP16 neither: "
                         f"{_reason(exc, what)} (full output: {record})") from exc
     log.warning("%s; the FP16 variant is onnxconverter-common's instead", first)  # one line, once it holds
@@ -59,7 +59,7 @@ def _reason(exc: BaseException, what: str) -> str:
     return re.sub(r" \(full output: [^()]*\)$", "", str(exc).removeprefix(f"{what}: "))
 
 
-def to_fp16_onnxconverter(fp32_path: Path, out_path: Path, *, what: str) -> dict[str, object]:
+def to_fp16_onnxconverter(fp32_path: Path, out_path: Path, *, what: str, log_file: Path | None) -> dict[str, object]:
     """onnxconverter-common's float16 with FP32 inputs and outputs. Control-flow nodes are blocked (their
     subgraphs stay FP32) and each outer value their subgraphs read gets an FP32 copy where the conversion
     made it FP16; the converter's shape annotations are dropped and inferred again."""
@@ -101,7 +101,8 @@ def to_fp16_onnxconverter(fp32_path: Path, out_path: Path, *, what: str) -> dict
             if converted.ByteSize() < onnx_files.PROTOBUF_LIMIT:
                 onnx.checker.check_model(converted)
     except precision.TOOL_ERRORS as exc:
-        record = precision.failure_log(f"fp16 onnxconverter-common {what}", sink.getvalue(), exc)
+        record = precision.failure_log(f"fp16 onnxconverter-common {what}", sink.getvalue(), exc,
+                                       log_file=log_file)
         # onnx's checker puts its reason over several lines: one line here.
         cause = " ".join(str(exc).split()) if isinstance(exc, onnx.checker.ValidationError) else \
             tool_cause(exc, hide={fp32_path: "the model"})

@@ -298,7 +298,7 @@ def guard(convert: Convert, evaluate: Evaluate, *, plain: Path, tolerance: Toler
 
 
 def guard_fp16(*, fp32_path: Path, feeds: Sequence[Mapping[str, NDArray[Any]]], variant_onnx: Path,
-               evaluate: Evaluate, tolerance: Tolerance, what: str, work: Path,
+               evaluate: Evaluate, tolerance: Tolerance, what: str, work: Path, log_file: Path | None,
                evaluation: Mapping[str, NDArray[Any]] | None = None, batch_size: int | None = None,
                method: GuardSensitivity = GuardSensitivity.ONE_PASS, cache_dir: Path | None = None) -> Fp16GuardReport:
     """Replace variant_onnx by the guarded FP16 mix, or by the FP32 model when none meets the tolerance.
@@ -317,7 +317,7 @@ def guard_fp16(*, fp32_path: Path, feeds: Sequence[Mapping[str, NDArray[Any]]], 
             nonlocal reused
 
             def make(path: Path) -> dict[str, object]:
-                return to_fp16(named, path, feeds=feeds, what=what, settings=settings)
+                return to_fp16(named, path, feeds=feeds, what=what, settings=settings, log_file=log_file)
 
             if cache_dir is None:
                 make(out)

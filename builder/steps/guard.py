@@ -217,10 +217,11 @@ def throughput(path: Path, evaluation: Mapping[str, NDArray[Any]], seconds: floa
 
 
 def make_quantizer(fp32_path: Path, fp32_sha: str, calibration: Mapping[str, NDArray[Any]], calib_digest: str,
-                   cache_dir: Path, what: str = "") -> Callable[[CalibrationSpec, Path], None]:
+                   cache_dir: Path, what: str = "", *,
+                   log_file: Path | None) -> Callable[[CalibrationSpec, Path], None]:
     def quantize(spec: CalibrationSpec, out: Path) -> None:
         precision.to_int8(fp32_path, fp32_sha=fp32_sha, calibration=calibration, data_digest=calib_digest,
-                          spec=spec, out_path=out, cache_dir=cache_dir, what=what)
+                          spec=spec, out_path=out, cache_dir=cache_dir, what=what, log_file=log_file)
 
     return quantize
 
@@ -258,7 +259,7 @@ class GuardReport:
 def guard_int8(*, fp32_path: Path, fp32_sha: str, calibration: Mapping[str, NDArray[Any]], calibration_digest: str,
                spec: CalibrationSpec, variant_onnx: Path, evaluation: Mapping[str, NDArray[Any]],
                reference: Mapping[str, NDArray[Any]], task: Task, tolerance: Tolerance, cache_dir: Path,
-               work: Path, fp16_feeds: Sequence[Mapping[str, NDArray[Any]]], what: str,
+               work: Path, fp16_feeds: Sequence[Mapping[str, NDArray[Any]]], what: str, log_file: Path | None,
                batch_size: int | None = 16,
                method: GuardSensitivity = GuardSensitivity.ONE_PASS,
                measure: Callable[[Path], Metrics] | None = None) -> GuardReport:
@@ -268,7 +269,8 @@ def guard_int8(*, fp32_path: Path, fp32_sha: str, calibration: Mapping[str, NDAr
     onnx_files.copy_model(variant_onnx, plain)
     search_dir = work / "guard"
     search_dir.mkdir(exist_ok=True)
-    quantize = make_quantizer(fp32_path, fp32_sha, calibration, calibration_digest, cache_dir, what)
+    quantize = make_quantizer(fp32_path, fp32_sha, calibration, calibration_digest, cache_dir, what,
+                              log_file=log_file)
     result, guarded = guard(quantize, spec=spec, plain=plain, evaluation=evaluation, reference=reference,
                             task=task, tolerance=tolerance, work=search_dir, batch_size=batch_size,
                             method=method, fp32=fp32_path, measure=measure)
@@ -276,7 +278,7 @@ def guard_int8(*, fp32_path: Path, fp32_sha: str, calibration: Mapping[str, NDAr
     if guarded is not None:
         onnx_files.copy_model(guarded, variant_onnx)
     else:
-        precision.to_fp16(fp32_path, variant_onnx, feeds=fp16_feeds, what=what)
+        precision.to_fp16(fp32_path, variant_onnx, feeds=fp16_feeds, what=what, log_file=log_file)
         fallback = Precision.FP16
         log.warning("%s: no INT8 mix meets the tolerance; serving the FP16 model under the INT8 name", what)
     top = sorted(result.sensitivity.items(), key=lambda kv: kv[1], reverse=True)[:10]

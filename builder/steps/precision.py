@@ -38,7 +38,6 @@ from builder.spec.model import CalibrationSpec
 from builder.spec.settings import default_cache_dir
 from builder.steps import onnx_model
 from common import progress
-from common.logs import active_log_file
 
 log = logging.getLogger(__name__)
 
@@ -115,13 +114,13 @@ def _dependency_hint(exc: BaseException) -> str:
 QUANTIZER_TIMEOUT_S = float(os.environ.get("TRTBUILD_QUANTIZER_TIMEOUT_S", "3600"))
 
 
-def failure_log(what: str, output: str, exc: BaseException | None) -> Path | str:
+def failure_log(what: str, output: str, exc: BaseException | None, *, log_file: Path | None) -> Path | str:
     """Write a tool's captured output (and the exception's traceback) where the one-line error names it:
-    the build log when the CLI keeps one (common.logs), else a file of its own under the cache; where no
-    log can be written, say why instead (the tool's failure is the error to report)."""
+    the build log `log_file` where the build keeps one (BuildOptions.log_file), else a file of its own under
+    the cache; where no log can be written, say why instead (the tool's failure is the error to report)."""
     trace = "".join(traceback.format_exception(exc)) if exc is not None else ""
     text = f"{what}\n\n--- tool output ---\n{output}\n--- exception ---\n{trace}"
-    build_log = active_log_file()
+    build_log = log_file
     if build_log is not None:
         try:
             with build_log.open("a", encoding="utf-8") as stream:
@@ -227,7 +226,7 @@ def autocast_feeds(sets: Sequence[Mapping[str, NDArray[Any]]], batch_size: int |
 
 
 def to_fp16(fp32_path: Path, out_path: Path, *, feeds: Sequence[Mapping[str, NDArray[Any]]], what: str,
-            settings: Fp16Settings = Fp16Settings()) -> dict[str, object]:
+            settings: Fp16Settings = Fp16Settings(), log_file: Path | None) -> dict[str, object]:
     """FP16 compute with FP32 inputs and outputs, so clients and configs stay unchanged.
 
     `feeds` (the user's samples, or synthetic ones at real shapes) are what autocast measures tensor
@@ -260,7 +259,7 @@ def to_fp16(fp32_path: Path, out_path: Path, *, feeds: Sequence[Mapping[str, NDA
             if not _is_tool_failure(exc):
                 raise
             output = sink.getvalue()
-            record = failure_log(f"fp16 {what}", output, exc)
+            record = failure_log(f"fp16 {what}", output, exc, log_file=log_file)
             raise ToolError(f"{what}: FP16 conversion (ModelOpt autocast) failed: "
                             f"{tool_cause(exc, output, hide={fp32_path: 'the model', Path(tmp): 'its feeds'})}"
                             f"{_dependency_hint(exc)} (full output: {record})") from exc
@@ -297,9 +296,11 @@ def to_int8(
     out_path: Path,
     cache_dir: Path,
     what: str = "",
+    log_file: Path | None,
 ) -> CalibrationResult:
     """INT8 Q/DQ by post-training quantization (ModelOpt or ONNX Runtime); reuses a cached result.
-    `what` names the model in errors (default: the file's name).
+    `what` names the model in errors (default: the file's name); a tool's full output goes to `log_file`
+    (failure_log).
 
     Where ModelOpt fails on the model (a graph its loader rejects, custom ops it hands to TensorRT), ONNX
     Runtime's recipe is tried instead, with one warning line; build.json records which ran and why."""
@@ -316,7 +317,7 @@ def to_int8(
 
     def quantize(with_spec: CalibrationSpec) -> CalibrationResult:
         return _to_int8(fp32_path, fp32_sha=fp32_sha, calibration=calibration, data_digest=data_digest,
-                        spec=with_spec, out_path=out_path, cache_dir=cache_dir, what=what)
+                        spec=with_spec, out_path=out_path, cache_dir=cache_dir, what=what, log_file=log_file)
 
     try:
         return quantize(spec)
@@ -372,7 +373,8 @@ class QuantizationFailed(ToolError):
 
 
 def _to_int8(fp32_path: Path, *, fp32_sha: str, calibration: Mapping[str, NDArray[Any]], data_digest: str,
-             spec: CalibrationSpec, out_path: Path, cache_dir: Path, what: str) -> CalibrationResult:
+             spec: CalibrationSpec, out_path: Path, cache_dir: Path, what: str,
+             log_file: Path | None) -> CalibrationResult:
     key = calibration_key(fp32_sha, data_digest, spec)
     samples = len(next(iter(calibration.values())))
     settings: dict[str, object] = {
@@ -410,7 +412,7 @@ def _to_int8(fp32_path: Path, *, fp32_sha: str, calibration: Mapping[str, NDArra
             if not (isinstance(exc, QuantizerFailed) or _is_tool_failure(exc)):
                 raise
             output = sink.getvalue() + (exc.output if isinstance(exc, QuantizerFailed) else "")
-            record = failure_log(f"int8 {spec.recipe} {what}", output, exc)
+            record = failure_log(f"int8 {spec.recipe} {what}", output, exc, log_file=log_file)
             cause = tool_cause(exc, output, hide={fp32_path: "the model", Path(tmp): "its work folder"})
             raise QuantizationFailed(f"{what}: INT8 calibration ({spec.recipe}) failed: {cause} "
                                      f"(full output: {record})", record) from exc

@@ -83,7 +83,8 @@ class MakePrecision:
             feeds = fp16_feeds(model)
 
             def make(out: Path) -> dict[str, object]:
-                return to_fp16_checked(model.fp32_path, out, feeds=feeds, what=what(model), check=check)
+                return to_fp16_checked(model.fp32_path, out, feeds=feeds, what=what(model), check=check,
+                                       log_file=model.log_file)
 
             # Reused from an earlier run with the same graph, feeds and check (steps/fp16_cache.py): the check's
             # shapes, value ranges and the examples its integer inputs take values from decide whether
@@ -103,7 +104,7 @@ class MakePrecision:
             ctx.calibration = precision.to_int8(
                 model.fp32_path, fp32_sha=model.fp32_sha, calibration=model.calibration,
                 data_digest=model.calibration_digest, spec=calibration_spec, out_path=ctx.variant_onnx,
-                cache_dir=model.cache_dir, what=what(model))
+                cache_dir=model.cache_dir, what=what(model), log_file=model.log_file)
             ctx.settings = ctx.calibration.settings
 
 
@@ -222,7 +223,7 @@ class Guard:
             variant_onnx=ctx.variant_onnx,
             evaluation=model.evaluation, reference=model.reference, task=spec.task,
             tolerance=spec.tolerance(ctx.precision), cache_dir=model.cache_dir, work=model.work,
-            fp16_feeds=fp16_feeds(model), what=what(model), batch_size=model.eval_batch,
+            fp16_feeds=fp16_feeds(model), what=what(model), log_file=model.log_file, batch_size=model.eval_batch,
             method=model.guard_sensitivity,
             # Scored as the gate scores (the evaluation samples and the min/max levels): a pick measured on
             # the evaluation samples alone met the limit in the search and missed it at the gate (MiniLM
@@ -245,8 +246,8 @@ class Fp16Guard:
         ctx.fp16_guard = guard_fp16(
             fp32_path=model.fp32_path, feeds=fp16_feeds(model), variant_onnx=ctx.variant_onnx, evaluate=evaluate,
             tolerance=model.spec.tolerance(ctx.precision), what=what(model), work=model.work,
-            evaluation=model.evaluation, batch_size=model.eval_batch, method=model.guard_sensitivity,
-            cache_dir=model.cache_dir)
+            log_file=model.log_file, evaluation=model.evaluation, batch_size=model.eval_batch,
+            method=model.guard_sensitivity, cache_dir=model.cache_dir)
         ctx.settings = ctx.fp16_guard.settings or {"fallback": "fp32", "why": "no FP16 mix met the tolerance"}
 
 
@@ -319,7 +320,7 @@ def run_step(step: Step, ctx: VariantContext) -> None:
         if not (isinstance(exc, _GRAPH_ERRORS) or precision.raised_by_tool(exc)):
             raise
         model = what(ctx.model)
-        record = precision.failure_log(f"{ctx.name} {step.label} {model}", "", exc)
+        record = precision.failure_log(f"{ctx.name} {step.label} {model}", "", exc, log_file=ctx.model.log_file)
         raise ToolError(f"{model}: {ctx.name}: {step.label} failed: {tool_cause(exc)} (full output: {record})"
                         ) from exc
 

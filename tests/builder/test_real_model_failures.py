@@ -120,7 +120,7 @@ def test_onnxconverter_common_keeps_if_subgraphs_in_fp32_and_feeds_them_fp32(tmp
     ("Type parameter (T) of Optype (MatMul) bound to different types")."""
     model = control_flow(tmp_path)
     out = tmp_path / "fp16.onnx"
-    to_fp16_onnxconverter(model.onnx, out, what="model 'vad_if'")
+    to_fp16_onnxconverter(model.onnx, out, what="model 'vad_if'", log_file=None)
     with np.load(model.calibration) as data:
         samples = {k: data[k][:4] for k in data.files}
     reference = run_file(model.onnx, samples, None)
@@ -238,7 +238,7 @@ def test_onnxconverter_common_keeps_in_fp32_the_node_onnx_runtime_refuses_mixed(
     node in FP32 and the graph runs, within FP16's error of the FP32 graph."""
     model = float_cast(tmp_path)
     out = tmp_path / "fp16.onnx"
-    settings = to_fp16_onnxconverter(model.onnx, out, what="model 'float_cast'")
+    settings = to_fp16_onnxconverter(model.onnx, out, what="model 'float_cast'", log_file=None)
     assert settings["node_block_list"] == ["/Add"], settings
     with np.load(model.calibration) as data:
         samples = {k: data[k][:4] for k in data.files}
@@ -291,7 +291,7 @@ def test_the_fp16_repair_names_unnamed_nodes_before_blocking_one(tmp_path: Path)
     unnamed = tmp_path / "unnamed.onnx"
     onnx.save(graph, str(unnamed))
     out = tmp_path / "fp16.onnx"
-    settings = to_fp16_onnxconverter(unnamed, out, what="model 'float_cast'")
+    settings = to_fp16_onnxconverter(unnamed, out, what="model 'float_cast'", log_file=None)
     assert settings["named_nodes"] == 4 and settings["node_block_list"] == ["Add_2"], settings
     with np.load(model.calibration) as data:
         samples = {k: data[k][:4] for k in data.files}

@@ -1,5 +1,6 @@
 """--processes N and the options it does not combine with: refused from the command line as one line naming
-both options, exit 2, before any connection (no server needed: the run itself must never start)."""
+both options, exit 2, before any connection (no server needed: the run itself must never start). SessionConfig
+decides them (tests/client/test_workers.py: the same refusals without the CLI)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,11 @@ def no_run(monkeypatch: pytest.MonkeyPatch) -> None:
     (["-m", "b", "--concurrency", "4", "--model-concurrency", "b=1"], "--model-concurrency b=1"),
 ])
 def test_refused_combinations_are_one_line_naming_both_and_exit_2(
-        args: list[str], other: str, no_run: None, dead_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+        args: list[str], other: str, no_run: None, dead_url: str, capsys: pytest.CaptureFixture[str],
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The file exists: SessionConfig decides the conflict once the options are read (a missing file is its own error).
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "gaps.txt").write_text("1000\n", encoding="utf-8")
     code = main(["-m", "a", "-u", dead_url, "--processes", "2", "--no-progress", *args])
     captured = capsys.readouterr()
     assert code == 2
@@ -65,6 +70,7 @@ def test_one_process_combines_with_everything() -> None:
 
 def test_the_installed_entry_point_exits_2(dead_url: str, tmp_path: Path) -> None:
     # `python -m client` itself: the exit status a shell script sees, and no traceback.
+    (tmp_path / "gaps.txt").write_text("1000\n", encoding="utf-8")
     proc = subprocess.run(
         [sys.executable, "-m", "client", "-m", "a", "-u", dead_url, "--processes", "2", "--request-intervals",
          str(tmp_path / "gaps.txt"), "--no-progress"],

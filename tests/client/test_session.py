@@ -422,5 +422,5 @@ def test_merged_tallies_keep_every_record() -> None:
     assert [level.concurrency for level, _ in shares(LoadLevel(concurrency=5), 2)] == [3, 2]
     halves = shares(LoadLevel(request_rate=100.0), 2)
     assert [(level.request_rate, offset) for level, offset in halves] == [(50.0, 0.0), (50.0, 1e7)]
-    with pytest.raises(PerfClientError, match="--processes 3: more processes than --concurrency 2"):
-        shares(LoadLevel(concurrency=2), 3)
+    with pytest.raises(PerfClientError, match=r"^--processes 3: not with --concurrency 2 \(expected at least one"):
+        SessionConfig(models=("m",), url="h:1", levels=(LoadLevel(concurrency=2),), processes=3)

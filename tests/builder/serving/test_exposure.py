@@ -29,7 +29,8 @@ from builder.serving.exposure import (
     read_key_file,
     scrub_argv,
 )
-from builder.serving.triton_server import ModelControl, Ports, TritonServer, free_ports, read_record
+from builder.serving.processes import read_record
+from builder.serving.triton_server import ModelControl, Ports, TritonServer, free_ports
 from builder.tuning.control import Http, Rejected
 
 KEY = "test-admin-key-0123456789abcdef"

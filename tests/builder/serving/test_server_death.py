@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 from builder.cli import main
-from builder.serving.triton_server import STATE_FILE, exit_text, free_ports, last_lines, ready
+from builder.serving.processes import STATE_FILE
+from builder.serving.triton_server import exit_text, free_ports, last_lines, ready
 from builder.spec import ModelSpec
 from builder.tuning.objective import Goal, Objective
 from builder.tuning.points import Space

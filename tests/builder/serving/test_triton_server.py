@@ -17,21 +17,23 @@ from pathlib import Path
 import pytest
 
 from builder.cli import main
-from builder.serving.triton_server import (
+from builder.serving.processes import (
     LEGACY_PID_FILE,
     SHM_DIR,
     SHM_REGION,
     STATE_FILE,
     STUB_NAME,
-    STUB_TIMEOUT_S,
-    Ports,
     ServerRecord,
-    TritonServer,
     alive,
-    free_ports,
-    prepare_backends,
     read_record,
     start_ticks,
+)
+from builder.serving.triton_server import (
+    STUB_TIMEOUT_S,
+    Ports,
+    TritonServer,
+    free_ports,
+    prepare_backends,
 )
 
 

@@ -63,7 +63,7 @@ def test_plain_fp16_misses_the_default_tolerance_and_the_guard_meets_it_keeping_
     evaluation = dict(np.load(tmp_path / "eval.npz"))
     # Plain FP16 with real feeds: outside the tolerance.
     plain = tmp_path / "plain.onnx"
-    precision.to_fp16(spec.onnx, plain, feeds=precision.autocast_feeds([evaluation], 8), what="offset")
+    precision.to_fp16(spec.onnx, plain, feeds=precision.autocast_feeds([evaluation], 8), what="offset", log_file=None)
     assert fp16_nodes(onnx.load(str(plain))) == ["centre", "scale", "fc1", "relu", "fc2"]
     metrics = accuracy.compare(run_file(spec.onnx, evaluation, 8), run_file(plain, evaluation, 8), Task.GENERIC)
     with pytest.raises(AccuracyError, match="cosine_min"):
@@ -104,14 +104,14 @@ def test_a_candidate_autocast_refuses_is_recorded_and_the_search_goes_on(tmp_pat
     feeds = precision.autocast_feeds([evaluation], 8)
     reference = run_file(model, evaluation, 8)
     plain = tmp_path / "plain.onnx"
-    precision.to_fp16(model, plain, feeds=feeds, what="offset")
+    precision.to_fp16(model, plain, feeds=feeds, what="offset", log_file=None)
     refused: list[Fp16Settings] = []
 
     def convert(settings: Fp16Settings, out: Path) -> None:
         if len(settings.nodes_to_exclude) == 4 and "relu" not in settings.nodes_to_exclude:
             refused.append(settings)  # relu alone in FP16: refused, as autocast may refuse a combination
             raise ToolError("model 'offset': FP16 conversion (ModelOpt autocast) failed: refused (full output: -)")
-        precision.to_fp16(model, out, feeds=feeds, what="offset", settings=settings)
+        precision.to_fp16(model, out, feeds=feeds, what="offset", settings=settings, log_file=None)
 
     def evaluate(path: Path) -> accuracy.Metrics:
         return accuracy.compare(reference, run_file(path, evaluation, 8), Task.GENERIC)

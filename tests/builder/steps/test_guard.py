@@ -78,7 +78,7 @@ def test_plain_int8_misses_and_the_guarded_build_meets_it_with_a_small_exclusion
     plain = tmp_path / "plain.onnx"
     cal, ev = dict(np.load(tmp_path / "cal.npz")), dict(np.load(tmp_path / "eval.npz"))
     precision.to_int8(spec.onnx, fp32_sha=sha256_file(spec.onnx), calibration=cal, data_digest="plain",
-                      spec=spec.calibration, out_path=plain, cache_dir=tmp_path / "cache")
+                      spec=spec.calibration, out_path=plain, cache_dir=tmp_path / "cache", log_file=None)
     assert quantized_nodes(onnx.load(str(plain)))
     metrics = accuracy.compare(run_session(ort_session(spec.onnx), ev, 8), run_session(ort_session(plain), ev, 8),
                                Task.CLASSIFICATION)

@@ -18,6 +18,7 @@ from builder.errors import BuilderError, ToolError, tool_cause
 from builder.repository.onnx_files import sha256_file
 from builder.spec import CalibrationMethod, CalibrationSpec, DataSpec, Int8Recipe
 from builder.steps import precision
+from common.logs import active_log_file
 from tests.helpers.tiny_models import mlp_onnx, mlp_samples
 
 
@@ -42,7 +43,7 @@ def feeds_at(height: int, width: int) -> list[precision.Feed]:
 def test_autocast_runs_the_graph_on_the_feeds_given_not_on_its_own_guesses(tmp_path: Path) -> None:
     # Autocast's own random inputs set dynamic dims to 1: this graph runs only where H = W = 4.
     model = concat_with_fixed_tile(tmp_path / "detector.onnx")
-    settings = precision.to_fp16(model, tmp_path / "fp16.onnx", feeds=feeds_at(4, 4), what="model 'det'")
+    settings = precision.to_fp16(model, tmp_path / "fp16.onnx", feeds=feeds_at(4, 4), what="model 'det'", log_file=None)
     assert settings["data_max"] == precision.FP16_DATA_MAX and settings["nodes_to_exclude"] == []
     assert onnx.load(str(tmp_path / "fp16.onnx")).graph.node
 
@@ -61,7 +62,7 @@ def test_a_tool_failure_is_one_line_naming_the_model_the_step_and_a_log(tmp_path
     monkeypatch.setenv("TRTBUILD_CACHE", str(tmp_path / "cache"))
     model = concat_with_fixed_tile(tmp_path / "detector.onnx")
     with pytest.raises(ToolError) as caught:
-        precision.to_fp16(model, tmp_path / "fp16.onnx", feeds=feeds_at(8, 8), what="model 'det'")
+        precision.to_fp16(model, tmp_path / "fp16.onnx", feeds=feeds_at(8, 8), what="model 'det'", log_file=None)
     message = str(caught.value)
     assert message.startswith("model 'det': FP16 conversion (ModelOpt autocast) failed: Concat node ")
     assert "dimensions must match" in message and "\n" not in message
@@ -72,6 +73,22 @@ def test_a_tool_failure_is_one_line_naming_the_model_the_step_and_a_log(tmp_path
     assert "Traceback" in log_path.read_text()
 
 
+def test_a_tool_failure_goes_to_the_build_log_it_is_given(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The build log comes as an argument (BuildOptions -> ModelContext -> the step), not from a global the CLI
+    # sets: none is set here, and the output still goes to the given file, which the line names.
+    monkeypatch.setenv("TRTBUILD_CACHE", str(tmp_path / "cache"))
+    assert active_log_file() is None
+    build_log = tmp_path / "build.log"
+    build_log.write_text("earlier lines\n", encoding="utf-8")
+    model = concat_with_fixed_tile(tmp_path / "detector.onnx")
+    with pytest.raises(ToolError) as caught:
+        precision.to_fp16(model, tmp_path / "fp16.onnx", feeds=feeds_at(8, 8), what="model 'det'", log_file=build_log)
+    assert str(caught.value).endswith(f"(full output: {build_log})")
+    text = build_log.read_text(encoding="utf-8")
+    assert text.startswith("earlier lines\n") and "fp16 model 'det'" in text and "Traceback" in text
+    assert not (tmp_path / "cache" / "logs").exists()  # no file of its own beside it
+
+
 def test_an_unexpected_exception_keeps_its_traceback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import modelopt.onnx.autocast as autocast
 
@@ -80,7 +97,8 @@ def test_an_unexpected_exception_keeps_its_traceback(tmp_path: Path, monkeypatch
 
     monkeypatch.setattr(autocast, "convert_to_mixed_precision", broken)
     with pytest.raises(KeyError, match="a bug"):
-        precision.to_fp16(mlp_onnx(tmp_path / "m.onnx"), tmp_path / "fp16.onnx", feeds=[mlp_samples(4)], what="m")
+        precision.to_fp16(mlp_onnx(tmp_path / "m.onnx"), tmp_path / "fp16.onnx", feeds=[mlp_samples(4)], what="m",
+                          log_file=None)
 
 
 def test_modelopt_logging_is_restored_after_a_step(tmp_path: Path) -> None:
@@ -88,7 +106,8 @@ def test_modelopt_logging_is_restored_after_a_step(tmp_path: Path) -> None:
 
     mo_log = logging.getLogger("modelopt.onnx")
     before = (mo_log.propagate, list(mo_log.handlers))
-    precision.to_fp16(mlp_onnx(tmp_path / "m.onnx"), tmp_path / "fp16.onnx", feeds=[mlp_samples(4)], what="m")
+    precision.to_fp16(mlp_onnx(tmp_path / "m.onnx"), tmp_path / "fp16.onnx", feeds=[mlp_samples(4)], what="m",
+                      log_file=None)
     assert (mo_log.propagate, list(mo_log.handlers)) == before
 
 
@@ -100,7 +119,7 @@ def test_a_stuck_quantizer_subprocess_is_stopped_by_its_timeout(tmp_path: Path,
     spec = CalibrationSpec(DataSpec("x.npz", 8), method=CalibrationMethod.MAX, recipe=Int8Recipe.ONNXRUNTIME)
     with pytest.raises(BuilderError, match=r"did not finish within 0.05 s \(TRTBUILD_QUANTIZER_TIMEOUT_S\)"):
         precision.to_int8(model, fp32_sha=sha256_file(model), calibration=mlp_samples(8), data_digest="d",
-                          spec=spec, out_path=tmp_path / "int8.onnx", cache_dir=tmp_path / "cache")
+                          spec=spec, out_path=tmp_path / "int8.onnx", cache_dir=tmp_path / "cache", log_file=None)
     assert not list(tmp_path.glob("cache/calibration/*.onnx"))  # nothing cached from a failed calibration
 
 
@@ -129,7 +148,7 @@ def test_a_value_error_of_our_own_code_is_no_tool_failure(tmp_path: Path, monkey
     spec = CalibrationSpec(DataSpec("x.npz", 8), method=CalibrationMethod.MAX, recipe=Int8Recipe.MODELOPT)
     with pytest.raises(ValueError, match="a bug of ours"):
         precision.to_int8(model, fp32_sha=sha256_file(model), calibration=mlp_samples(8), data_digest="d",
-                          spec=spec, out_path=tmp_path / "int8.onnx", cache_dir=tmp_path / "cache")
+                          spec=spec, out_path=tmp_path / "int8.onnx", cache_dir=tmp_path / "cache", log_file=None)
 
 
 def test_the_quantizer_subprocess_reports_a_bug_of_its_own_as_a_crash_not_a_tool_failure(tmp_path: Path) -> None:

@@ -29,7 +29,7 @@ def test_one_pass_ranks_the_layer_fed_the_outlier_channel_first(tmp_path: Path) 
     plain = tmp_path / "int8.onnx"
     spec = CalibrationSpec(DataSpec("unused.npz", 64), method=CalibrationMethod.MAX, recipe=Int8Recipe.MODELOPT)
     precision.to_int8(model, fp32_sha=sha256_file(model), calibration=mlp_samples(64, seed=0), data_digest="t",
-                      spec=spec, out_path=plain, cache_dir=tmp_path / "cache")
+                      spec=spec, out_path=plain, cache_dir=tmp_path / "cache", log_file=None)
     nodes = quantized_nodes(onnx.load(str(plain)))
     scores = one_pass(model, plain, nodes, mlp_samples(32, seed=1), 8)
     ranked = sorted(nodes, key=lambda n: scores[n], reverse=True)
@@ -44,7 +44,7 @@ def test_one_pass_ranks_the_subtraction_fp16_cannot_hold_first(tmp_path: Path) -
     model = offset_model(tmp_path / "offset.onnx")
     evaluation = offset_samples(32, seed=1)
     plain = tmp_path / "fp16.onnx"
-    precision.to_fp16(model, plain, feeds=precision.autocast_feeds([evaluation], 8), what="offset")
+    precision.to_fp16(model, plain, feeds=precision.autocast_feeds([evaluation], 8), what="offset", log_file=None)
     nodes = fp16_nodes(onnx.load(str(plain)))
     scores = one_pass(model, plain, nodes, evaluation, 8)
     assert max(scores, key=lambda n: scores[n]) == "centre", scores
@@ -60,7 +60,7 @@ def test_one_pass_reads_a_model_whose_weights_are_in_an_external_file(tmp_path: 
               save_as_external_data=True, all_tensors_to_one_file=True, location="model.weights", size_threshold=0)
     evaluation = offset_samples(16, seed=1)
     plain = tmp_path / "fp16.onnx"
-    precision.to_fp16(model, plain, feeds=precision.autocast_feeds([evaluation], 8), what="offset")
+    precision.to_fp16(model, plain, feeds=precision.autocast_feeds([evaluation], 8), what="offset", log_file=None)
     scores = one_pass(model, plain, fp16_nodes(onnx.load(str(plain))), evaluation, 8)
     assert max(scores, key=lambda n: scores[n]) == "centre", scores
     assert sorted(p.name for p in folder.iterdir()) == ["model.onnx", "model.weights"]
