@@ -176,6 +176,11 @@ def from_samples(meta: ModelMeta, batch: int, data: Mapping[str, NDArray[Any]], 
                 raise PerfClientError(f"{flag} {source}: {tensor.name!r} has {len(array)} samples, "
                                       f"fewer than -b {batch}")
             sample_shape = chunk.shape[1:] if meta.max_batch_size else chunk.shape
+            if sample_shape == () and tuple(tensor.shape) in ((1,), (-1,)):
+                # A scalar sample (a VAD's sample rate, saved 0-d per sample) for an input Triton declares [1]:
+                # the builder serves an ONNX scalar so (dims [1], reshape to []); the same one value is sent.
+                chunk = np.asarray(chunk).reshape((*chunk.shape, 1))
+                sample_shape = (1,)
             if len(sample_shape) != len(tensor.shape) or any(
                 d != -1 and d != s for d, s in zip(tensor.shape, sample_shape, strict=True)
             ):

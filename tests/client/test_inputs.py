@@ -74,6 +74,16 @@ def test_real_samples_from_npz_and_from_a_folder(tmp_path: Path) -> None:
     assert len(build_payloads(MLP, 4, InputData.parse(str(folder)), {})) == 1
 
 
+def test_a_scalar_sample_feeds_an_input_triton_declares_as_one_value(tmp_path: Path) -> None:
+    """silero VAD's sample rate: the .npz holds one 0-d value per sample, the served config declares it [1]
+    (the builder's form of an ONNX scalar). The corpus run refused it: "'sr' samples are [], model expects [1]"."""
+    vad = ModelMeta("vad", 0, (TensorMeta("input", "FP32", (1, 512)), TensorMeta("sr", "INT64", (1,))), ())
+    np.savez(tmp_path / "vad.npz", input=np.zeros((3, 1, 512), np.float32), sr=np.full(3, 16000, np.int64))
+    payloads = build_payloads(vad, 1, InputData.parse(str(tmp_path / "vad.npz")), {})
+    assert len(payloads) == 3 and all(p["sr"].shape == (1,) and p["sr"][0] == 16000 for p in payloads)
+    assert all(p["input"].shape == (1, 512) for p in payloads)
+
+
 def test_real_samples_that_do_not_fit_name_the_problem(tmp_path: Path) -> None:
     np.savez(tmp_path / "names.npz", pixels=np.zeros((8, 4, 32), np.float32))
     np.savez(tmp_path / "dtype.npz", x=np.zeros((8, 4, 32), np.float64))
