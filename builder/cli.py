@@ -347,7 +347,7 @@ def _build(args: argparse.Namespace, specs: list[ModelSpec]) -> int:
     from builder.summary import FailedVariant, render, summarize
 
     failures = [f for result in results for f in result.failures]
-    render(summarize(results, specs, repository=args.repository, report=report, log_file=active_log_file(),
+    render(summarize(results, specs, repository=args.repository, report=report, log_file=build_log,
                      manifest=getattr(args, "manifest", None), whole_manifest=not getattr(args, "only", None),
                      failures=[FailedVariant(f.variant, f.precision.value, f.reason) for f in failures]), sys.stdout)
     # One line per failure on stderr (a model that failed before its variants: one line for the model).

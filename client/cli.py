@@ -245,6 +245,15 @@ def _levels(args: argparse.Namespace) -> tuple[LoadLevel, ...]:
     return (LoadLevel(concurrency=args.concurrency if args.concurrency is not None else 1),)
 
 
+def _load_flag(args: argparse.Namespace) -> str | None:
+    """The closed-loop load flag as typed, for SessionConfig's messages; None when none was given (the default)."""
+    if args.concurrency_range:
+        return f"--concurrency-range {args.concurrency_range}"
+    if args.concurrency is not None:
+        return f"--concurrency {args.concurrency}"
+    return None
+
+
 def _model_levels(args: argparse.Namespace) -> dict[str, tuple[LoadLevel, ...]]:
     """--model-concurrency MODEL=N and --model-request-rate MODEL=R: a model's own load level."""
     levels: dict[str, tuple[LoadLevel, ...]] = {}
@@ -290,7 +299,7 @@ def parse_config(argv: Sequence[str] | None) -> CliConfig:
     session = SessionConfig(
         models=tuple(args.model), url=args.url or f"localhost:{protocol.default_port}", protocol=protocol,
         model_levels=_model_levels(args), simultaneous=args.simultaneous,
-        levels=_levels(args), batch=args.batch_size, input_data=_input_data(args),
+        levels=_levels(args), load_flag=_load_flag(args), batch=args.batch_size, input_data=_input_data(args),
         shapes=parse_shapes(args.shape),
         measurement=Measurement(measurement_ms=args.measurement_interval,
                                 stability_percentage=args.stability_percentage, max_trials=args.max_trials,

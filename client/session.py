@@ -149,6 +149,9 @@ class SessionConfig:
     tls: Tls | None = None  # --ssl-grpc-* / --ssl-https-*: every connection over TLS
     compression: str | None = None  # --grpc/--http-compression-algorithm: gzip | deflate
     sequence: SequenceOptions | None = None  # --sequence-length & co. (None: defaults, for sequence models only)
+    # The load flag as the user typed it (`--concurrency-range 2:9:3`, `--concurrency 1`), quoted in messages;
+    # None where no load flag was given (the CLI) or for a library caller: then it is written from `levels`.
+    load_flag: str | None = None
     grpc_client: GrpcClient = GrpcClient.NATIVE  # --grpc-client
     streaming: bool = False  # --streaming
 
@@ -267,9 +270,10 @@ class SessionConfig:
                 shown = ", ".join(f"--model-concurrency {model}={level.concurrency}" for level in levels)
                 raise UsageConflict(f"{flag}: not with {shown} (expected at least one request in flight per process)")
             if len(levels) > 1:
-                raise UsageConflict(f"{flag}: not with --concurrency-range {_concurrency_range(levels)} "
-                                    f"(every level needs >= {n})")
-            shown = f"--concurrency {levels[0].concurrency}" + (" (the default)" if levels == _DEFAULT_LEVELS else "")
+                typed = self.load_flag or f"--concurrency-range {_concurrency_range(levels)}"
+                raise UsageConflict(f"{flag}: not with {typed} (every level needs >= {n})")
+            shown = self.load_flag or (f"--concurrency {levels[0].concurrency}"
+                                       + (" (the default)" if levels == _DEFAULT_LEVELS else ""))
             raise UsageConflict(f"{flag}: not with {shown} (expected at least one request in flight per process)")
 
     def _check_transport(self) -> None:

@@ -31,6 +31,9 @@ def no_run(monkeypatch: pytest.MonkeyPatch) -> None:
     (["--concurrency", "1"], "--concurrency 1"),
     ([], "--concurrency 1 (the default)"),
     (["--concurrency-range", "1:8"], "--concurrency-range 1:8"),
+    # Quoted as typed, not rebuilt from the levels (1:7:3, or --concurrency 1 for a one-level range).
+    (["--concurrency-range", "1:9:3"], "--concurrency-range 1:9:3 "),
+    (["--concurrency-range", "1:1"], "--concurrency-range 1:1 "),
     (["-m", "b", "--concurrency", "4", "--model-concurrency", "b=1"], "--model-concurrency b=1"),
 ])
 def test_refused_combinations_are_one_line_naming_both_and_exit_2(
@@ -45,6 +48,7 @@ def test_refused_combinations_are_one_line_naming_both_and_exit_2(
     assert captured.err.count("\n") == 1 and captured.out == ""
     line = captured.err.strip()
     assert line.startswith("perfclient: error: --processes 2: not with ") and other in line, line
+    assert ("(the default)" in line) == (args == []), line  # a typed --concurrency 1 is no default
 
 
 @pytest.mark.parametrize("args", [
