@@ -112,9 +112,20 @@ def to_fp16_onnxconverter(fp32_path: Path, out_path: Path, *, what: str, log_fil
         log.debug("%s: onnxconverter-common's FP16 keeps in FP32 the op types %s and the nodes %s (ONNX Runtime "
                   "refused their mixed or FP16 inputs)", what, sorted(ops - set(float16.DEFAULT_OP_BLOCK_LIST)),
                   sorted(nodes))
+    # The repair can keep every weighted op in FP32 (each blocked node leaves its shared weight FP32, and the next
+    # consumer is refused in turn): then this "FP16" computes in FP32. Said in one line and recorded.
+    compute = [n for n in model.graph.node if n.op_type in _COMPUTE_OPS]
+    fp16_compute = sum(1 for n in compute if n.op_type not in ops and n.name not in nodes)
+    if compute and fp16_compute == 0:
+        log.warning("%s: onnxconverter-common's FP16 keeps every one of the %d Conv/MatMul/Gemm nodes in FP32 "
+                    "(ONNX Runtime refused them in FP16): this variant computes in FP32", what, len(compute))
     onnx_files.save(converted, out_path)
     return {"tool": TOOL, "keep_io_types": True, "op_block_list": sorted(ops), "node_block_list": sorted(nodes),
-            "named_nodes": named}
+            "named_nodes": named, "fp16_compute_nodes": fp16_compute, "compute_nodes": len(compute)}
+
+
+# The ops whose FP16 pays (the weighted, compute-bound ones), counted in the top-level graph.
+_COMPUTE_OPS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm", "Attention", "LSTM", "GRU"})
 
 
 def _name_unnamed_nodes(graph: onnx.GraphProto) -> int:

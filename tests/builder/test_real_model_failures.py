@@ -240,6 +240,7 @@ def test_onnxconverter_common_keeps_in_fp32_the_node_onnx_runtime_refuses_mixed(
     out = tmp_path / "fp16.onnx"
     settings = to_fp16_onnxconverter(model.onnx, out, what="model 'float_cast'", log_file=None)
     assert settings["node_block_list"] == ["/Add"], settings
+    assert settings["fp16_compute_nodes"] == 1  # the MatMul runs in FP16
     with np.load(model.calibration) as data:
         samples = {k: data[k][:4] for k in data.files}
     reference, converted = run_file(model.onnx, samples, 4), run_file(out, samples, 4)
@@ -278,6 +279,9 @@ def test_the_fp16_fallback_repairs_an_op_that_takes_no_fp16(workdir: Path, capfd
     assert code == 0, capfd.readouterr().err
     settings = json.loads((workdir / "repo" / "gelu_fp16" / "build.json").read_text())["precision_settings"]
     assert "Gelu" in settings["op_block_list"] and settings["node_block_list"] == ["fc", "fc2"], settings
+    # Both MatMuls ended in FP32: said and recorded, not passed off as FP16 compute.
+    assert settings["fp16_compute_nodes"] == 0 and settings["compute_nodes"] == 2
+    assert "computes in FP32" in capfd.readouterr().err
     assert settings["instead_of"] == "modelopt.onnx.autocast"
 
 
