@@ -2,25 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 from client.cli import main as perfclient
-from common import progress
-from tests.helpers.cli_state import restored
+from tests.helpers.cli_state import cli_progress_restored  # noqa: F401 - autouse fixture
 from tests.helpers.servers import Endpoints
 
 QUICK = ["--measurement-interval", "300", "--max-trials", "3", "--stability-percentage", "60", "--warmup", "5"]
-
-
-@pytest.fixture(autouse=True)
-def silent_afterwards(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """The CLIs choose by the terminal (tests/conftest.py turns progress off); afterwards progress is off
-    and logging as it was: main() configures both for the process."""
-    monkeypatch.delenv(progress.ENV, raising=False)
-    with restored("client"):
-        yield
 
 
 def test_perfclient_prints_window_progress_off_a_terminal(endpoints: Endpoints,

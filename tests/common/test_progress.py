@@ -11,24 +11,15 @@ import subprocess
 import sys
 import termios
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from common import progress
-from tests.helpers.cli_state import restored
+from tests.helpers.cli_state import cli_progress_restored  # noqa: F401 - autouse fixture
 from tests.helpers.tiny_models import mlp_onnx
 from tests.helpers.waiting import wait_until
-
-
-@pytest.fixture(autouse=True)
-def silent_afterwards(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """The CLIs choose by the terminal (tests/conftest.py turns progress off); afterwards progress is off
-    and logging as it was: main() configures both for the process."""
-    monkeypatch.delenv(progress.ENV, raising=False)
-    with restored("client"):
-        yield
 
 
 def test_plain_lines_say_start_progress_and_end() -> None:

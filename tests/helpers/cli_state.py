@@ -7,6 +7,8 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import pytest
+
 from common import progress
 from common.logs import close_log_file
 
@@ -26,3 +28,13 @@ def restored(package: str) -> Iterator[None]:
         root.setLevel(saved[0])
         ours.setLevel(saved[1])
         root.handlers[:] = saved[2]
+
+
+@pytest.fixture(autouse=True)
+def cli_progress_restored(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """For a test module that runs a CLI's main() (import it there): the CLIs choose progress by the terminal
+    (tests/conftest.py turns it off through the environment, removed here); afterwards progress is off and
+    logging as it was."""
+    monkeypatch.delenv(progress.ENV, raising=False)
+    with restored("client"):
+        yield
