@@ -152,15 +152,18 @@ def _sequences(steps: list[tuple[int, str]]) -> tuple[list[tuple[int, int]], int
 
 
 @pytest.mark.server
-@pytest.mark.parametrize("protocol", ["grpc", "http"])
+@pytest.mark.parametrize(("protocol", "compression"), [("grpc", None), ("http", None), ("grpc", "gzip"),
+                                                       ("http", "deflate")])
 def test_closed_loop_sequences_arrive_in_order_with_their_flags_and_ids_in_range(
-        sequence_server: tuple[TritonServer, Path], protocol: str, tmp_path: Path) -> None:
+        sequence_server: tuple[TritonServer, Path], protocol: str, compression: str | None, tmp_path: Path) -> None:
+    # Compressed: each step's flags are merged into the decompressed payload and compressed again (off the loop).
     server, log = sequence_server
     offset = log.stat().st_size if log.exists() else 0
     report = tmp_path / "run.json"
+    compress = [] if compression is None else [f"--{protocol}-compression-algorithm", compression]
     code = main(["-m", "counter", "-u", _url(server, protocol), "-i", protocol, "--concurrency", "3",
                  "--sequence-length", "5", "--sequence-length-variation", "40", "--sequence-id-range", "100:104",
-                 "--seed", "7", "--json", str(report), *QUICK])
+                 "--seed", "7", "--json", str(report), *compress, *QUICK])
     assert code == 0
     sequences, most = _sequences(_steps(log, offset))
     ids = {corrid for corrid, _ in sequences}
