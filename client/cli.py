@@ -11,7 +11,7 @@ from pathlib import Path
 from client.admin_key import KEY_ENV, request_headers
 from client.compression import ALGORITHMS
 from client.engine import DEFAULT_MAX_INFLIGHT, Distribution, LoadLevel, Measurement
-from client.errors import PerfClientError, RunAborted, UsageConflict
+from client.errors import PerfClientError, UsageConflict
 from client.grpc_aio import GrpcClient
 from client.html_report import write_html
 from client.inputs import InputData, parse_shapes
@@ -27,7 +27,7 @@ from client.sequences import (
     SequenceOptions,
     parse_id_range,
 )
-from client.session import WHOLE_RUN, ModelResult, SessionConfig, run
+from client.session import WHOLE_RUN, ModelResult, RunAborted, SessionConfig, run
 from client.shared_memory import DEFAULT_OUTPUT_SIZE, SharedMemory, SharedMemoryKind
 from client.tls import Tls
 from client.validate import ATOL as VALIDATE_ATOL

@@ -38,7 +38,7 @@ from client.engine import (
     Measurement,
     Together,
 )
-from client.errors import PerfClientError, RunAborted, UsageConflict
+from client.errors import PerfClientError, UsageConflict
 from client.grpc_aio import GrpcClient
 from client.inputs import InputData, InputKind, build_payloads
 from client.power import (
@@ -327,6 +327,16 @@ class ModelResult:
 
     model: str
     result: LevelResult
+
+
+class RunAborted(PerfClientError):
+    """The run stopped part-way (the server died); `partial` holds what was measured before, the
+    last level possibly incomplete (`result.complete` False). Here, beside ModelResult, so that client.errors
+    needs no type from the session (a TYPE_CHECKING import there closed a 13-module cycle)."""
+
+    def __init__(self, message: str, partial: list[ModelResult]) -> None:
+        super().__init__(message)
+        self.partial = partial
 
 
 async def measure(config: SessionConfig, progress: ProgressFn | None = None,

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 
 from client.engine import Abort, Distribution, LoadLevel, Measurement
-from client.errors import PerfClientError, RunAborted
+from client.errors import PerfClientError
 from client.inputs import InputData
 from client.power import PowerSource
 from client.protocol import Connection, Protocol
-from client.session import WHOLE_RUN, ModelResult, SessionConfig, measure, run
+from client.session import WHOLE_RUN, ModelResult, RunAborted, SessionConfig, measure, run
 from client.stats import Tally, Window
 from client.workers import merge_tallies, shares
 from tests.helpers.servers import Endpoints, PrivateServer, served
