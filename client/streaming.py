@@ -5,8 +5,9 @@ responses. Each closed-loop worker holds one stream (grpc.aio, raw bytes: the se
 ModelStreamInferResponse out) and sends one request at a time on it, asking for an empty final response
 (`triton_enable_empty_final_response`), so that the request's end is the response whose parameters carry
 `triton_final_response` = true even when the model's last answer did not say so. Each request gets an id
-(echoed by Triton in every response), so that a late response of an earlier request (one that timed out) is
-never taken for the current one's.
+(echoed by Triton in every response), and a response naming another id is skipped: a request that times out
+drops its call (the next opens a new one), so such a response can only come after an error response that did
+not end its request.
 
 Per request: the time to the first response, the times between responses, the number of responses (the empty
 final one not counted) and, as perf_analyzer counts it, the latency up to the last response that carried an
