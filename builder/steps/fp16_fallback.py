@@ -48,15 +48,10 @@ def to_fp16_checked(fp32_path: Path, out_path: Path, *, feeds: Sequence[Mapping[
         check(out_path)
     except (ToolError, OnnxModelError) as exc:
         record = precision.failure_log(f"fp16 onnxconverter-common {what}", "", exc, log_file=log_file)
-        raise ToolError(f"{what}: {_reason(first, what)}; onnxconverter-common's FP16 neither: "
-                        f"{_reason(exc, what)} (full output: {record})") from exc
+        raise ToolError(f"{what}: {precision.reason(first, what)}; onnxconverter-common's FP16 neither: "
+                        f"{precision.reason(exc, what)} (full output: {record})") from exc
     log.warning("%s; the FP16 variant is onnxconverter-common's instead", first)  # one line, once it holds
-    return {**settings, "instead_of": "modelopt.onnx.autocast", "why": _reason(first, what)}
-
-
-def _reason(exc: BaseException, what: str) -> str:
-    """The one-line message without the model's name and the log it names (the caller names them once)."""
-    return re.sub(r" \(full output: [^()]*\)$", "", str(exc).removeprefix(f"{what}: "))
+    return {**settings, "instead_of": "modelopt.onnx.autocast", "why": precision.reason(first, what)}
 
 
 def to_fp16_onnxconverter(fp32_path: Path, out_path: Path, *, what: str, log_file: Path | None) -> dict[str, object]:
@@ -130,24 +125,17 @@ _COMPUTE_OPS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm", "Attention"
 
 def _name_unnamed_nodes(graph: onnx.GraphProto) -> int:
     """Give every unnamed node of the graph (its subgraphs too) a name not used elsewhere; how many were named."""
-    used = {node.name for node in graph.node if node.name}
+    nodes = list(onnx_model.all_nodes(graph))
+    used = {node.name for node in nodes if node.name}
     count = 0
-
-    def walk(g: onnx.GraphProto) -> None:
-        nonlocal count
-        for node in g.node:
-            if not node.name:
-                index = count
-                while f"{node.op_type}_{index}" in used:
-                    index += 1
-                node.name = f"{node.op_type}_{index}"
-                used.add(node.name)
-                count += 1
-            for attribute in node.attribute:
-                for sub in ([attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else attribute.graphs):
-                    walk(sub)
-
-    walk(graph)
+    for node in nodes:
+        if not node.name:
+            index = count
+            while f"{node.op_type}_{index}" in used:
+                index += 1
+            node.name = f"{node.op_type}_{index}"
+            used.add(node.name)
+            count += 1
     return count
 
 
@@ -195,13 +183,6 @@ def _quiet() -> Iterator[io.StringIO]:
         yield sink
 
 
-def _subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
-    for attribute in node.attribute:
-        if attribute.type == onnx.AttributeProto.GRAPH:
-            yield attribute.g
-        yield from attribute.graphs
-
-
 def outer_reads(graph: onnx.GraphProto) -> set[str]:
     """Names a subgraph reads from the scopes around it (not its own inputs, initializers or node outputs),
     its nested subgraphs' included."""
@@ -210,7 +191,7 @@ def outer_reads(graph: onnx.GraphProto) -> set[str]:
     reads: set[str] = set()
     for node in graph.node:
         reads |= {name for name in node.input if name}
-        for sub in _subgraphs(node):
+        for sub in onnx_model.subgraphs(node):
             reads |= outer_reads(sub)
     reads |= {o.name for o in graph.output}
     return reads - local
@@ -225,7 +206,7 @@ def _rename_reads(graph: onnx.GraphProto, old: str, new: str) -> None:
         for index, name in enumerate(node.input):
             if name == old:
                 node.input[index] = new
-        for sub in _subgraphs(node):
+        for sub in onnx_model.subgraphs(node):
             _rename_reads(sub, old, new)
     for output in graph.output:
         if output.name == old:  # a subgraph passing an outer value straight through: an Identity reads it
@@ -256,13 +237,13 @@ def feed_subgraphs_fp32(graph: onnx.GraphProto) -> None:
         if node.op_type not in CONTROL_FLOW:
             index += 1
             continue
-        reads = set().union(*(outer_reads(sub) for sub in _subgraphs(node))) & half
+        reads = set().union(*(outer_reads(sub) for sub in onnx_model.subgraphs(node))) & half
         for name in sorted(reads):
             copy = f"{name}_fp32_for_{node.name or node.op_type}"
             graph.node.insert(index, onnx.helper.make_node("Cast", [name], [copy], to=onnx.TensorProto.FLOAT,
                                                            name=f"{copy}_cast"))
             index += 1
-            for sub in _subgraphs(node):
+            for sub in onnx_model.subgraphs(node):
                 _rename_reads(sub, name, copy)
         index += 1
     _sort(graph)
@@ -277,7 +258,7 @@ def _sort(graph: onnx.GraphProto) -> None:
     needs = []
     for node in nodes:
         reads = {name for name in node.input if name}
-        for sub in _subgraphs(node):
+        for sub in onnx_model.subgraphs(node):
             reads |= outer_reads(sub)
         needs.append({producer[name] for name in reads if name in producer})
     done: list[int] = []

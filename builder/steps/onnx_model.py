@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -170,6 +170,22 @@ def check_runs_at_levels(path: Path, inputs: tuple[TensorSpec, ...], shapes: Mod
                                  f"{tool_cause(exc, limit=400)}") from exc
 
 
+def subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
+    """The graphs a node holds in its attributes (an If's branches, a Loop's or Scan's body)."""
+    for attribute in node.attribute:
+        if attribute.type == onnx.AttributeProto.GRAPH:
+            yield attribute.g
+        yield from attribute.graphs
+
+
+def all_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
+    """Every node of `graph` and of the subgraphs its nodes hold, depth first (a node before its subgraphs)."""
+    for node in graph.node:
+        yield node
+        for sub in subgraphs(node):
+            yield from all_nodes(sub)
+
+
 def refresh_value_info(model: onnx.ModelProto) -> onnx.ModelProto:
     """`model` without the shape annotations (`value_info`) a converter left, in the graph and its subgraphs,
     and with them inferred again: a converter's annotations can hold the shapes of the samples it ran on,
@@ -181,10 +197,7 @@ def refresh_value_info(model: onnx.ModelProto) -> onnx.ModelProto:
         graph = graphs.pop()
         del graph.value_info[:]
         for node in graph.node:
-            for attribute in node.attribute:
-                if attribute.type == onnx.AttributeProto.GRAPH:
-                    graphs.append(attribute.g)
-                graphs.extend(attribute.graphs)
+            graphs.extend(subgraphs(node))
     try:
         if model.ByteSize() >= onnx_files.PROTOBUF_LIMIT:
             return model

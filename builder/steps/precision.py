@@ -19,6 +19,7 @@ import tempfile
 import time
 import traceback
 import warnings
+from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from importlib.metadata import version
@@ -327,11 +328,11 @@ def to_int8(
         first = exc
     log.debug("%s; trying ONNX Runtime's INT8 recipe", first)
     fallback = replace(spec, recipe=Int8Recipe.ONNXRUNTIME)
-    why = re.sub(r"\.? \(full output: [^()]*\)$", "", str(first).removeprefix(f"{what}: "))
+    why = reason(first, what)
     try:
         result = quantize(fallback)
     except QuantizationFailed as exc:
-        second = re.sub(r"\.? \(full output: [^()]*\)$", "", str(exc).removeprefix(f"{what}: "))
+        second = reason(exc, what)
         raise ToolError(f"{what}: {why}; ONNX Runtime's INT8 recipe neither: {second} "
                         f"(full output: {exc.record})") from exc
     log.warning("%s: %s; the INT8 variant is ONNX Runtime's recipe instead", what, why)
@@ -348,20 +349,17 @@ def already_quantized(fp32_path: Path) -> str | None:
     """What makes the graph an already quantized one (its integer compute ops, counted) where it has no float
     Conv/MatMul/Gemm left to quantize (subgraphs included); None otherwise."""
     model = onnx.load(str(fp32_path), load_external_data=False)
-    counts: dict[str, int] = {}
-
-    def walk(graph: onnx.GraphProto) -> None:
-        for node in graph.node:
-            counts[node.op_type] = counts.get(node.op_type, 0) + 1
-            for attribute in node.attribute:
-                for sub in ([attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else attribute.graphs):
-                    walk(sub)
-
-    walk(model.graph)
+    counts = Counter(node.op_type for node in onnx_model.all_nodes(model.graph))
     integer = {op: n for op, n in counts.items() if op in _QUANTIZED_OPS}
     if not integer or any(op in _FLOAT_COMPUTE_OPS for op in counts):
         return None
     return ", ".join(f"{n} {op}" for op, n in sorted(integer.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def reason(exc: BaseException, what: str) -> str:
+    """A tool failure's one-line message without the model's name and the log it names, for a message that names
+    them once (a fallback's "why", or two failures in one line)."""
+    return re.sub(r"\.? \(full output: [^()]*\)$", "", str(exc).removeprefix(f"{what}: "))
 
 
 class QuantizationFailed(ToolError):
