@@ -19,10 +19,13 @@ Steps, each printed as one JSON line and gathered in DIR/ort_gpu_bench.json and 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import os
 import resource
 import shutil
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -35,7 +38,7 @@ import numpy as np
 from builder.repository import python_model  # the runner copied into each model folder (untyped)
 from builder.repository.triton_config import ConfigInputs, build, to_text
 from builder.runtimes.onnxruntime_cuda import CudaOptions, CudnnSearch, cuda_backend_config
-from builder.serving.triton_server import Ports, TritonServer, free_ports
+from builder.serving.triton_server import Ports, TritonServer, free_ports, library_dir
 from builder.spec import DimRange, ServingBackend, ServingSpec, TensorSpec
 from client.engine import LevelResult, LoadLevel, Measurement
 from client.power import PowerSource
@@ -254,7 +257,7 @@ def window_checks(level: LevelResult) -> list[dict[str, float | None]]:
 def served(models: Path, *, interval_ms: int, delay_us: int, tmp: Path, instances: int = 1,
            shm: str = "cuda", compare_shm: bool = True,
            precisions: tuple[str, ...] = PRECISIONS, also_instances: tuple[int, ...] = (),
-           rounds: int = 1) -> list[dict[str, Any]]:
+           rounds: int = 1, pa_rounds: int = 0) -> list[dict[str, Any]]:
     """Every model on one server, each load level measured in turn. `shm` is the shared memory of the
     main rows (cuda: inputs reach the runner as device tensors); FP16 is also measured with system
     shared memory and with none, to show what each host copy costs."""
@@ -328,11 +331,129 @@ def served(models: Path, *, interval_ms: int, delay_us: int, tmp: Path, instance
                                             "cpu_cores_busy", "power", "server")}
             latency = {"p50_ms": result["latency_us"]["p50"] / 1e3, "p99_ms": result["latency_us"]["p99"] / 1e3}
             print(json.dumps(brief | latency), flush=True)
+        if pa_rounds:
+            rows += compare_perf_analyzer("fp16_batched", grpc=grpc, interval_ms=interval_ms, rounds=pa_rounds,
+                                          tmp=tmp)
     finally:
         log_tail = server.log_tail(40)
         server.stop()
     rows.append({"server_log_tail": log_tail})
     return rows
+
+
+OUTPUT_BYTES = 1000 * 4  # logits [1, 1000] float32: one request's output region for both tools
+
+
+def compare_perf_analyzer(model: str, *, grpc: int, interval_ms: int, rounds: int, tmp: Path) -> list[dict[str, Any]]:
+    """perf_analyzer (the tritonclient 2.50 wheel's binary) against perfclient on the same server and model,
+    both over gRPC with inputs and outputs in CUDA shared memory, at concurrency 32 and 256, alternating
+    (pa, pc, pc, pa, ...) so drift and heat fall on both alike."""
+    binary = Path(sys.executable).parent / "perf_analyzer"
+    # The binary needs libb64 and CUDA 12's runtime, both among the pytriton wheel's bundled libraries.
+    libs = tmp / "palibs"
+    libs.mkdir(exist_ok=True)
+    for pattern, name in (("libb64-*.so.0d", "libb64.so.0d"), ("libcudart-*.so.12*", "libcudart.so.12")):
+        found = sorted(library_dir().glob(pattern))
+        if not found:
+            raise SystemExit(f"bench_ort: {pattern} not found in {library_dir()}")
+        shutil.copyfile(found[0], libs / name)
+    env = {"LD_LIBRARY_PATH": str(libs)}
+    rows: list[dict[str, Any]] = []
+    for concurrency in (32, 256):
+        for round_ in range(1, rounds + 1):
+            order = ("perf_analyzer", "perfclient") if round_ % 2 else ("perfclient", "perf_analyzer")
+            for tool in order:
+                if tool == "perf_analyzer":
+                    out = tmp / f"pa-{concurrency}-{round_}.csv"
+                    cmd = [str(binary), "-m", model, "-u", f"127.0.0.1:{grpc}", "-i", "grpc",
+                           "--concurrency-range", f"{concurrency}:{concurrency}",
+                           "--measurement-interval", str(interval_ms), "--max-trials", "5",
+                           "--shared-memory", "cuda", "--output-shared-memory-size", str(OUTPUT_BYTES),
+                           "-f", str(out)]
+                    proc = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True,
+                                          timeout=300, check=False)
+                    if proc.returncode != 0 or not out.is_file():
+                        row: dict[str, Any] = {"error": (proc.stdout + proc.stderr).strip().splitlines()[-3:]}
+                    else:
+                        with out.open() as handle:
+                            got = next(csv.DictReader(handle))
+                        row = {"throughput": float(got["Inferences/Second"]), "p50_us": float(got["p50 latency"]),
+                               "p99_us": float(got["p99 latency"])}
+                else:
+                    config = SessionConfig(
+                        models=(model,), url=f"127.0.0.1:{grpc}", levels=(LoadLevel(concurrency=concurrency),),
+                        measurement=Measurement(measurement_ms=interval_ms, max_trials=5,
+                                                warmup_requests=2 * concurrency),
+                        power_source=PowerSource.NONE,
+                        shared_memory=SharedMemory(SharedMemoryKind.CUDA, OUTPUT_BYTES))
+                    (level,) = run(config)
+                    lat = level.result.summary.latency_us
+                    row = {"throughput": level.result.summary.throughput,
+                           "p50_us": lat.p50 if lat else None, "p99_us": lat.p99 if lat else None}
+                row |= {"compare": tool, "model": model, "concurrency": concurrency, "round": round_,
+                        "shared_memory": "cuda in+out"}
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    return rows
+
+
+def spread(values: list[float]) -> str:
+    """Median and range of a level's rounds: the form every served figure is quoted in."""
+    if not values:
+        return "-"
+    med = statistics.median(values)
+    return f"{med:.0f} ({min(values):.0f}-{max(values):.0f})" if len(values) > 1 else f"{med:.0f}"
+
+
+def summary_markdown(doc: dict[str, Any]) -> list[str]:
+    """Medians and ranges over the rounds: per level, its ratio to the ceiling, p99/p50, where a request's
+    time goes on the server, and perf_analyzer against perfclient."""
+    ceilings = {p: r["ceiling_iobinding"]["infer_per_s"] for p, r in doc.get("in_process", {}).items()
+                if p != "variants" and "error" not in r}
+    levels: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+    compare: dict[tuple[str, int], list[float]] = {}
+    for r in doc.get("served", []):
+        if "compare" in r:
+            if "throughput" in r:
+                compare.setdefault((r["compare"], r["concurrency"]), []).append(r["throughput"])
+        elif "model" in r:
+            levels.setdefault((r["model"], r["concurrency"], r["shared_memory"]), []).append(r)
+    lines = ["", "Served, over the rounds: median (min-max)", "",
+             "| model | conc. | shm | rounds | infer/s | x ceiling | p50 ms | p99/p50 | J/inf | avg batch | "
+             "server us/request: queue / input / infer / output |", "|" + "---|" * 11]
+    for (model, concurrency, kind), rows in levels.items():
+        p = model.split("_")[0]
+        tput = [r["throughput"] for r in rows]
+        ratio = [t / ceilings[p] for t in tput] if p in ceilings else []
+        p50 = [r["latency_us"]["p50"] / 1e3 for r in rows]
+        tail = [r["latency_us"]["p99"] / r["latency_us"]["p50"] for r in rows]
+        joules = [r["power"]["j_per_infer"] for r in rows if r["power"].get("j_per_infer") is not None]
+        batch = [r["server"]["avg_batch"] for r in rows if r["server"].get("avg_batch") is not None]
+
+        def med(key: str, rows: list[dict[str, Any]] = rows) -> str:
+            got = [r["server"][key] for r in rows if r["server"].get(key) is not None]
+            return f"{statistics.median(got):.0f}" if got else "-"
+
+        def fmt(values: list[float], spec: str) -> str:
+            if not values:
+                return "-"
+            return (f"{format(statistics.median(values), spec)} ({format(min(values), spec)}-"
+                    f"{format(max(values), spec)})")
+
+        lines.append(f"| {model} | {concurrency} | {kind} | {len(rows)} | {spread(tput)} | {fmt(ratio, '.2f')} | "
+                     f"{fmt(p50, '.1f')} | {fmt(tail, '.2f')} | {fmt(joules, '.4f')} | {fmt(batch, '.1f')} | "
+                     f"{med('queue_us')} / {med('compute_input_us')} / {med('compute_infer_us')} / "
+                     f"{med('compute_output_us')} |")
+    if compare:
+        lines += ["", "perf_analyzer vs perfclient, same server, gRPC, inputs and outputs in CUDA shared memory "
+                  "(alternating rounds): median (min-max) infer/s", "",
+                  "| concurrency | perf_analyzer | perfclient | perfclient / perf_analyzer (medians) |",
+                  "|---|---|---|---|"]
+        for concurrency in sorted({c for _, c in compare}):
+            pa, pc = compare.get(("perf_analyzer", concurrency), []), compare.get(("perfclient", concurrency), [])
+            vs = f"{statistics.median(pc) / statistics.median(pa):.3f}" if pa and pc else "-"
+            lines.append(f"| {concurrency} | {spread(pa)} | {spread(pc)} | {vs} |")
+    return lines
 
 
 def f(x: Any, spec: str) -> str:
@@ -344,7 +465,7 @@ def markdown(doc: dict[str, Any]) -> str:
              "In-process, batch 64 (ONNX Runtime CUDA, IO binding):", "",
              "| precision | ceiling img/s | avg W | J/inf | with host copies img/s | J/inf | batch 1 img/s | J/inf |",
              "|---|---|---|---|---|---|---|---|"]
-    for p, r in doc["in_process"].items():
+    for p, r in doc.get("in_process", {}).items():
         if p == "variants":
             continue
         if "error" in r:
@@ -355,7 +476,7 @@ def markdown(doc: dict[str, Any]) -> str:
         lines.append(f"| {p} | {c['infer_per_s']:.0f} | {c['avg_w']:.0f} | {c['j_per_infer']:.4f} | "
                      f"{w['infer_per_s']:.0f} | {w['j_per_infer']:.4f} | {f(one.get('infer_per_s'), '.0f')} | "
                      f"{f(one.get('j_per_infer'), '.4f')} |")
-    for label, rows in doc["in_process"].get("variants", {}).items():
+    for label, rows in doc.get("in_process", {}).get("variants", {}).items():
         cells = [f"{p} {r['ceiling_iobinding']['infer_per_s']:.0f} img/s {r['ceiling_iobinding']['j_per_infer']:.4f} J"
                  if "error" not in r else f"{p} error: {r['error']}" for p, r in rows.items()]
         lines.append(f"\nCeiling with {label}: " + "; ".join(cells))
@@ -364,8 +485,8 @@ def markdown(doc: dict[str, Any]) -> str:
               "| Triton/NVML J (worst window) | CPU cores client/server/stubs |", "|" + "---|" * 13]
     ceilings = {p: r["ceiling_iobinding"]["infer_per_s"] for p, r in doc["in_process"].items()
                 if p != "variants" and "error" not in r}
-    for r in doc["served"]:
-        if "model" not in r:
+    for r in doc.get("served", []):
+        if "model" not in r or "compare" in r:
             continue
         p = r["model"].split("_")[0]
         ratios = [w["triton_vs_nvml"] for w in r["window_checks"] if w["triton_vs_nvml"] is not None]
@@ -378,7 +499,7 @@ def markdown(doc: dict[str, Any]) -> str:
             f"{r['latency_us']['p99'] / 1e3:.1f} | {f(r['power'].get('avg_w'), '.0f')} | "
             f"{f(r['power'].get('j_per_infer'), '.4f')} | {f(r['server'].get('avg_batch'), '.1f')} | "
             f"{f(worst, '.3f')} | {cpu['client']}/{cpu['tritonserver']}/{cpu['python_stubs']} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + summary_markdown(doc)) + "\n"
 
 
 def key_value(value: str) -> tuple[str, str]:
@@ -410,6 +531,8 @@ def main() -> int:
     p.add_argument("--in-process-variant", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
                    type=lambda v: dict(key_value(kv) for kv in v.split(",")),
                    help="also measure the in-process ceiling with these extra provider options (repeatable)")
+    p.add_argument("--pa-rounds", type=int, default=0,
+                   help="also compare perf_analyzer with perfclient on FP16 at 32 and 256, this many rounds each")
     p.add_argument("--skip", default="", help="comma-separated steps to skip: shape,ablation,inprocess,served")
     args = p.parse_args()
     SEARCH = args.search
@@ -437,12 +560,12 @@ def main() -> int:
                                    instances=args.instances, shm=args.shared_memory,
                                    compare_shm=not args.no_compare_shm,
                                    also_instances=tuple(int(n) for n in args.also_instances.split(",") if n),
-                                   rounds=args.rounds,
+                                   rounds=args.rounds, pa_rounds=args.pa_rounds,
                                    precisions=tuple(p for p in PRECISIONS
                                                     if p in args.served_precisions.split(",") or p == "fp16"))
     doc["instances"] = args.instances
     (args.out / "ort_gpu_bench.json").write_text(json.dumps(doc, indent=2) + "\n")
-    if doc["in_process"] and doc.get("served"):
+    if doc["in_process"] or doc.get("served"):  # whatever ran gets its table, whichever steps were skipped
         table = markdown(doc)
         (args.out / "ort_gpu_bench.md").write_text(table)
         print(table)
