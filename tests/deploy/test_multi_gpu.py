@@ -17,6 +17,7 @@ from tritonclient.grpc import model_config_pb2
 
 from builder.repository.triton_config import parse
 from builder.serving.triton_server import gpu_ids
+from tests.deploy.kubectl import kubectl as find_kubectl
 from tests.deploy.test_kubernetes import ALL_OVERLAYS, KUSTOMIZE, OVERLAYS, ROOT, container, one, render
 
 OVERLAY = "gpu-multi"
@@ -67,7 +68,7 @@ def test_n_is_set_in_one_place(tmp_path: Path) -> None:
     shutil.copytree(KUSTOMIZE, copy)
     patch = copy / "overlays" / OVERLAY / PATCH.name
     patch.write_text(patch.read_text().replace(f'{GPU}: "2"', f'{GPU}: "4"'))
-    proc = subprocess.run(["kubectl", "kustomize", str(copy / "overlays" / OVERLAY)], capture_output=True,
+    proc = subprocess.run([find_kubectl(), "kustomize", str(copy / "overlays" / OVERLAY)], capture_output=True,
                           text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr
     assert gpu_count([d for d in yaml.safe_load_all(proc.stdout) if d]) == 4
