@@ -166,7 +166,8 @@ def test_models_toml_shapes_name_the_key_once(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("table", "message"), [
-    ('[model.shapes]\nx = { min = [4, 3], opt = [1, 3] }', r"model\[0\].shapes.x: expected min <= opt <= max"),
+    ('[model.shapes]\nx = { min = [4, 3], opt = [1, 3] }', r"model\[0\].shapes.x: axis 0 has min 4, opt 1, max 1; "
+                                                           r"expected min <= opt <= max on every axis"),
     ('[model.shapes]\nx = { min = [1], opt = [1, 3] }', r"model\[0\].shapes.x: expected min, opt and max of the same"),
     ('[model.shapes]\nx = "1x3"', r"model\[0\].shapes.x: expected \[D, D, …\] \(fixed\)"),
     ('[model.input_ranges]\nids = [9, 0]', r"model\[0\].input_ranges.ids: expected \[LOW, HIGH\] integers"),
