@@ -10,9 +10,8 @@ max_queue_delay_us?`); all of them travel in one ManifestError. One [[model]] ta
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from pydantic import ValidationError
 
@@ -56,20 +55,6 @@ def parse_precisions(value: str | Sequence[str], what: str) -> tuple[Precision, 
     if not items:
         raise ManifestError(f"{what}: expected at least one of {', '.join(Precision.values())}")
     return _ordered([Precision.parse(p, f"{what}: unknown precision", error=ManifestError) for p in items])
-
-
-def parse_dim_range(value: Any, what: str) -> DimRange:
-    """[min, opt, max] or {min, opt, max} from a CLI flag (models.toml's go through its schema)."""
-    if isinstance(value, Mapping):
-        value = [value.get("min"), value.get("opt"), value.get("max")]
-    if (
-        not isinstance(value, Sequence)
-        or isinstance(value, str)
-        or len(value) != 3
-        or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
-    ):
-        raise ManifestError(f"{what}: expected [min, opt, max] as three integers, got {value!r}")
-    return DimRange(int(value[0]), int(value[1]), int(value[2])).check(what)
 
 
 def load_manifest(path: Path, base_dir: Path | None = None) -> list[ModelSpec]:
