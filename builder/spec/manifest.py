@@ -3,8 +3,9 @@
 The file is checked whole before anything is built: its schema (`builder.spec.schema`, pydantic) and
 then each model's cross-key rules (`ModelSpec.problems`). Every error found is one line naming the
 file and the key path (`models.toml: model[0].serving.max_queue_delay: unknown key; did you mean
-max_queue_delay_us?`); all of them travel in one ManifestError. One [[model]] table goes through
-`model_spec`, which `trtbuild build`'s flags go through too (`builder.spec.flags`), named by their flags.
+max_queue_delay_us?`); all of them travel in one ManifestError. Each [[model]] table goes through
+`model_entry`, as the table `trtbuild build`'s flags stand for does (`builder.spec.flags`, by `model_spec`);
+only the names in the lines differ (`builder.spec.schema.Keys`).
 """
 
 from __future__ import annotations
