@@ -8,30 +8,22 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 from builder.errors import BuilderError, ManifestError, ServerError, VariantsFailed
 from builder.spec import (
-    CalibrationMethod,
-    CalibrationSpec,
-    DataSpec,
-    DimRange,
     ModelSpec,
     Precision,
     RuntimeChoice,
     ServingBackend,
-    ServingSpec,
-    Task,
     check_model_name,
     load_manifest,
-    parse_dim_range,
     parse_precisions,
     variant_name,
 )
 from builder.spec.enums import GuardSensitivity
-from builder.spec.names import name_from_path
-from builder.spec.shapes import DEFAULT_BATCH, Shape, ShapeRange, combine, parse_shapes, parse_value_range
+from builder.spec.flags import CALIBRATION_SAMPLES, BuildFlags, spec_from_flags
 from common import progress
 from common.logs import active_log_file, close_log_file, configure_logging, default_log_file, native_stderr_to_log
 
@@ -105,10 +97,14 @@ def _parser() -> argparse.ArgumentParser:
                        help="Triton model name (default: the ONNX file's name without extension)")
     build.add_argument("--precision", default=None,
                        help="comma-separated fp32,fp16,int8 (default: fp32,fp16, plus int8 with --calibration)")
-    build.add_argument("--calibration", type=Path, help=".npz keyed by input name, leading sample axis")
-    build.add_argument("--calibration-method", default="entropy", help="entropy | max")
-    build.add_argument("--calibration-samples", type=int, default=512)
-    build.add_argument("--eval-data", type=Path, help="held-out .npz (default: last quarter of --calibration)")
+    build.add_argument("--calibration", type=Path,
+                       help=".npz keyed by input name, leading sample axis (or module:function, as in models.toml)")
+    build.add_argument("--calibration-method", default=None,
+                       help="with --calibration: entropy | max (default: entropy)")
+    build.add_argument("--calibration-samples", type=int, default=None,
+                       help=f"with --calibration: samples used at most (default: {CALIBRATION_SAMPLES})")
+    build.add_argument("--eval-data", type=Path,
+                       help="held-out .npz, or module:function (default: last quarter of --calibration)")
     build.add_argument("--max-batch", type=int, default=None,
                        help="largest batch (default: the shapes' axis 0, else 16)")
     build.add_argument("--dim", action="append", default=[], metavar="NAME=MIN:OPT:MAX",
@@ -219,69 +215,6 @@ def _parser() -> argparse.ArgumentParser:
     stop = sub.add_parser("stop", parents=[verbosity], help="stop a server started with serve --background")
     stop.add_argument("--state-dir", type=Path, default=Path(".run"))
     return parser
-
-
-def _parse_dims(values: list[str]) -> dict[str, DimRange]:
-    dims = {}
-    for value in values:
-        name, sep, rng = value.partition("=")
-        parts = rng.split(":")
-        if not sep or not name or len(parts) != 3 or not all(p.isdigit() for p in parts):
-            raise ManifestError(f"--dim {value!r}: expected NAME=MIN:OPT:MAX with integers")
-        dims[name] = parse_dim_range([int(p) for p in parts], f"--dim {name}")
-    return dims
-
-
-def _parse_shape_flags(args: argparse.Namespace) -> dict[str, ShapeRange]:
-    """--shapes / --min-shapes / --opt-shapes / --max-shapes (each repeatable, comma-separated)."""
-    def table(values: list[str], flag: str) -> dict[str, Shape]:
-        found: dict[str, Shape] = {}
-        for value in values:
-            for name, shape in parse_shapes(value, flag).items():
-                if name in found:
-                    raise ManifestError(f"{flag}: input {name!r} is given twice")
-                found[name] = shape
-        return found
-
-    return combine(fixed=table(args.shapes, "--shapes"), low=table(args.min_shapes, "--min-shapes"),
-                   opt=table(args.opt_shapes, "--opt-shapes"), high=table(args.max_shapes, "--max-shapes"))
-
-
-def _spec_from_build_args(args: argparse.Namespace) -> ModelSpec:
-    default = "fp32,fp16,int8" if args.calibration is not None else "fp32,fp16"
-    precisions = parse_precisions(args.precision or default, "--precision")
-    if args.max_batch is not None and args.max_batch < 1:
-        raise ManifestError(f"--max-batch {args.max_batch}: expected a positive integer")
-    if args.calibration_samples < 1:
-        raise ManifestError(f"--calibration-samples {args.calibration_samples}: expected a positive integer")
-    task = Task.parse(args.task, "--task", error=ManifestError)
-    method = CalibrationMethod.parse(args.calibration_method, "--calibration-method", error=ManifestError)
-    if Precision.INT8 in precisions and args.calibration is None:
-        raise ManifestError("--precision int8: expected --calibration FILE.npz (real inputs, keyed by input name)")
-    for flag, path in (("--calibration", args.calibration), ("--eval-data", args.eval_data)):
-        if path is not None and path.suffix != ".npz":
-            raise ManifestError(f"{flag} {path}: expected a .npz file")
-    calibration = None
-    if args.calibration is not None:
-        calibration = CalibrationSpec(data=DataSpec(str(args.calibration), args.calibration_samples), method=method)
-    evaluation = DataSpec(str(args.eval_data), 1 << 20) if args.eval_data else None
-    name = check_model_name(args.name if args.name is not None else name_from_path(str(args.onnx)), "--name")
-    batch = DEFAULT_BATCH if args.max_batch is None else DimRange(1, max(1, args.max_batch // 2), args.max_batch)
-    return ModelSpec(
-        name=name,
-        onnx=args.onnx,
-        batch=batch,
-        batch_given=args.max_batch is not None,
-        shapes=_parse_shape_flags(args),
-        input_ranges=dict(parse_value_range(v, "--input-range") for v in args.input_range),
-        no_batch=args.no_batch,
-        precisions=precisions,
-        task=task,
-        dims=_parse_dims(args.dim),
-        calibration=calibration,
-        evaluation=evaluation,
-        serving=ServingSpec(),
-    ).check()
 
 
 def _build(args: argparse.Namespace, specs: list[ModelSpec]) -> int:
@@ -677,7 +610,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 specs = [s for s in specs if s.name in args.only]
             return _build(args, specs)
         if args.command == "build":
-            return _build(args, [_spec_from_build_args(args)])
+            # The flags become the [[model]] table they stand for, checked as models.toml's are.
+            flags = BuildFlags(**{f.name: getattr(args, f.name) for f in fields(BuildFlags)})
+            return _build(args, [spec_from_flags(flags)])
         if args.command == "serve":
             return _serve(args)
         if args.command == "tune":

@@ -9,7 +9,7 @@ from builder.spec.enums import (
     ServingBackend,
     Task,
 )
-from builder.spec.manifest import load_manifest, parse_dim_range, parse_precisions
+from builder.spec.manifest import load_manifest, model_spec, parse_precisions
 from builder.spec.model import (
     DEFAULT_TOLERANCES,
     CalibrationSpec,
@@ -27,5 +27,5 @@ __all__ = [
     "DEFAULT_TOLERANCES", "CalibrationMethod", "CalibrationSpec", "DataSpec", "DimRange", "GuardSensitivity",
     "Int8Recipe", "ModelSpec",
     "Precision", "RuntimeChoice", "ServingBackend", "ServingSpec", "Task", "TensorSpec", "Tolerance",
-    "check_model_name", "default_cache_dir", "load_manifest", "parse_dim_range", "parse_precisions", "variant_name",
+    "check_model_name", "default_cache_dir", "load_manifest", "model_spec", "parse_precisions", "variant_name",
 ]

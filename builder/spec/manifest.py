@@ -3,15 +3,16 @@
 The file is checked whole before anything is built: its schema (`builder.spec.schema`, pydantic) and
 then each model's cross-key rules (`ModelSpec.problems`). Every error found is one line naming the
 file and the key path (`models.toml: model[0].serving.max_queue_delay: unknown key; did you mean
-max_queue_delay_us?`); all of them travel in one ManifestError.
+max_queue_delay_us?`); all of them travel in one ManifestError. Each [[model]] table goes through
+`model_entry`, as the table `trtbuild build`'s flags stand for does (`builder.spec.flags`, by `model_spec`);
+only the names in the lines differ (`builder.spec.schema.Keys`).
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from pydantic import ValidationError
 
@@ -26,7 +27,16 @@ from builder.spec.model import (
     TensorSpec,
     Tolerance,
 )
-from builder.spec.schema import DataTable, DimTable, ManifestFile, ModelTable, error_lines, toml_value
+from builder.spec.schema import (
+    DataTable,
+    DimTable,
+    Keys,
+    ManifestFile,
+    ModelTable,
+    TomlKeys,
+    error_lines,
+    toml_value,
+)
 from builder.spec.shapes import DEFAULT_BATCH, ShapeRange, ValueRange
 
 if sys.version_info >= (3, 11):
@@ -48,20 +58,6 @@ def parse_precisions(value: str | Sequence[str], what: str) -> tuple[Precision, 
     return _ordered([Precision.parse(p, f"{what}: unknown precision", error=ManifestError) for p in items])
 
 
-def parse_dim_range(value: Any, what: str) -> DimRange:
-    """[min, opt, max] or {min, opt, max} from a CLI flag (models.toml's go through its schema)."""
-    if isinstance(value, Mapping):
-        value = [value.get("min"), value.get("opt"), value.get("max")]
-    if (
-        not isinstance(value, Sequence)
-        or isinstance(value, str)
-        or len(value) != 3
-        or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
-    ):
-        raise ManifestError(f"{what}: expected [min, opt, max] as three integers, got {value!r}")
-    return DimRange(int(value[0]), int(value[1]), int(value[2])).check(what)
-
-
 def load_manifest(path: Path, base_dir: Path | None = None) -> list[ModelSpec]:
     """Read and validate models.toml. Relative file paths resolve against the manifest's folder
     (or `base_dir`). Raises one ManifestError holding every error of the file, one line each."""
@@ -74,15 +70,18 @@ def load_manifest(path: Path, base_dir: Path | None = None) -> list[ModelSpec]:
     # (model index or -1 for the file's own keys, line): reported grouped by model, schema errors first.
     errors: list[tuple[int, str]] = []
     try:
-        tables = list(enumerate(ManifestFile.model_validate(raw).model))
+        ManifestFile.model_validate(raw)
     except ValidationError as exc:
-        errors += [(_model_index(loc), line) for loc, line in error_lines(exc)]
-        tables = _valid_tables(raw.get("model"))
+        # The file's own keys here; each [[model]] table is checked (and reported) by model_entry below.
+        errors += [(-1, line) for loc, line in error_lines(exc) if _model_index(loc) < 0]
     base = base_dir or path.parent
-    specs = [(i, _to_spec(table, base)) for i, table in tables]
-    for i, spec in specs:
-        errors += [(i, f"model[{i}].{key}: {what}") for key, what in spec.problems()]
     models = raw.get("model")
+    specs = []
+    for i, entry in enumerate(models if isinstance(models, list) else []):
+        spec, lines = model_entry(entry, base=base, keys=TomlKeys(("model", i)))
+        errors += [(i, line) for line in lines]
+        if spec is not None:
+            specs.append(spec)
     first: dict[str, int] = {}
     for i, entry in enumerate(models if isinstance(models, list) else []):
         name = entry.get("name") if isinstance(entry, dict) else None
@@ -93,25 +92,30 @@ def load_manifest(path: Path, base_dir: Path | None = None) -> list[ModelSpec]:
     if errors:
         errors.sort(key=lambda error: error[0])  # stable: keeps each model's own order
         raise ManifestError("\n".join(f"{path}: {line}" for _, line in errors))
-    return [spec for _, spec in specs]
+    return specs
+
+
+def model_entry(entry: object, *, base: Path, keys: Keys) -> tuple[ModelSpec | None, list[str]]:
+    """One [[model]] table, as TOML reads it, → its spec and every error of it, one line each, named by `keys`:
+    the schema's errors, else the cross-key rules' (the spec is None when the schema refused the table)."""
+    try:
+        table = ModelTable.model_validate(entry)
+    except ValidationError as exc:
+        return None, [line for _, line in error_lines(exc, keys.at, inside=("model", 0))]
+    spec = _to_spec(table, base)
+    return spec, [f"{keys.at(loc)}: {what}" for loc, what in spec.problems(keys)]
+
+
+def model_spec(entry: object, *, base: Path, keys: Keys) -> ModelSpec:
+    """One [[model]] table → its spec, or ManifestError with every error of it, one line each."""
+    spec, lines = model_entry(entry, base=base, keys=keys)
+    if lines or spec is None:
+        raise ManifestError("\n".join(lines))
+    return spec
 
 
 def _model_index(loc: tuple[str | int, ...]) -> int:
     return loc[1] if len(loc) > 1 and loc[0] == "model" and isinstance(loc[1], int) else -1
-
-
-def _valid_tables(models: Any) -> list[tuple[int, ModelTable]]:
-    """The [[model]] tables that pass the schema on their own, so their cross-key rules are checked
-    (and reported) in the same run as another table's schema errors."""
-    if not isinstance(models, list):
-        return []
-    valid = []
-    for i, entry in enumerate(models):
-        try:
-            valid.append((i, ModelTable.model_validate(entry)))
-        except ValidationError:
-            continue  # already reported, with its key path, by the whole-file validation
-    return valid
 
 
 def _to_spec(table: ModelTable, base: Path) -> ModelSpec:

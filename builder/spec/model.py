@@ -8,6 +8,7 @@ from pathlib import Path
 
 from builder.errors import ManifestError
 from builder.spec.enums import CalibrationMethod, Int8Recipe, Precision, Task
+from builder.spec.schema import Keys, Loc, TomlKeys
 from builder.spec.shapes import DimRange as DimRange
 from builder.spec.shapes import ShapeRange, ValueRange
 
@@ -123,41 +124,44 @@ class ModelSpec:
     def tolerance(self, precision: Precision) -> Tolerance:
         return self.tolerances.get(precision, DEFAULT_TOLERANCES[precision])
 
-    def problems(self) -> list[tuple[str, str]]:
+    def problems(self, keys: Keys | None = None) -> list[tuple[Loc, str]]:
         """Every inconsistency between the fields, as (key, what is wrong); empty when the spec is sound.
-        Keys are models.toml's (`inputs[0].shape`), so a manifest error can name `model[i].<key>`."""
-        found: list[tuple[str, str]] = []
+        Keys are models.toml's (("inputs", 0, "shape")); `keys` says how a line asks for another key (models.toml's
+        table, or `trtbuild build`'s flag), so both entry points get one text."""
+        keys = keys if keys is not None else TomlKeys()
+        found: list[tuple[Loc, str]] = []
         if (self.source is None) == (self.onnx is None):
-            found.append(("source", "give exactly one of source (module:function) or onnx (a file)"))
+            found.append((("source",), "give exactly one of source (module:function) or onnx (a file)"))
         if self.source is not None and not self.inputs:
-            found.append(("inputs", "a source model needs inputs (name, dtype, shape)"))
+            found.append((("inputs",), "a source model needs inputs (name, dtype, shape)"))
         if self.source is not None and ":" not in self.source:
-            found.append(("source", f"{self.source!r} is not of the form module:function"))
+            found.append((("source",), f"{self.source!r} is not of the form module:function"))
         for i, tensor in enumerate(self.inputs):
-            key = f"inputs[{i}].shape"
+            key: Loc = ("inputs", i, "shape")
             if tensor.shape and tensor.shape[0] != -1:
                 found.append((key, f"input {tensor.name!r}: shape[0] must be -1 (the batch axis)"))
             for dim in tensor.sample_shape:
                 if isinstance(dim, str) and dim not in self.dims and tensor.name not in self.shapes:
                     found.append((key, f"input {tensor.name!r}: dynamic dim {dim!r} has no range; "
-                                       f"add dims.{dim} = [min, opt, max] or shapes.{tensor.name}"))
+                                       f"add {keys.give(('dims', dim))} or {keys.give(('shapes', tensor.name))}"))
                 if isinstance(dim, int) and dim < 1:
                     found.append((key, f"input {tensor.name!r}: non-batch dims must be >= 1 or a named range, "
                                        f"got {dim}"))
         declared = [t.name for t in self.inputs]
-        for key, names in (("shapes", self.shapes), ("input_ranges", self.input_ranges)):
+        for table, names in (("shapes", self.shapes), ("input_ranges", self.input_ranges)):
             for name in names:
                 if declared and name not in declared:
-                    found.append((f"{key}.{name}", f"no input {name!r} in inputs ({', '.join(declared)})"))
+                    found.append(((table, name), f"no input {name!r} in inputs ({', '.join(declared)})"))
         if Precision.INT8 in self.precisions and self.calibration is None:
-            found.append(("precisions", "int8 needs a [model.calibration] table"))
+            found.append((("precisions",), f"int8 needs {keys.give(('calibration',))}"))
         if self.opset < 17:
-            found.append(("opset", f"must be >= 17, got {self.opset}"))
+            found.append((("opset",), f"must be >= 17, got {self.opset}"))
         return found
 
-    def check(self) -> ModelSpec:
+    def check(self, keys: Keys | None = None) -> ModelSpec:
         """The spec itself, or ManifestError listing every problem, one line each."""
-        found = self.problems()
+        keys = keys if keys is not None else TomlKeys()
+        found = self.problems(keys)
         if found:
-            raise ManifestError("\n".join(f"model {self.name!r}: {key}: {what}" for key, what in found))
+            raise ManifestError("\n".join(f"model {self.name!r}: {keys.at(key)}: {what}" for key, what in found))
         return self

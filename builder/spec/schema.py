@@ -11,7 +11,8 @@ import difflib
 import functools
 import json
 from collections.abc import Callable
-from typing import Annotated, Any, ClassVar, cast
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar, Protocol, cast
 
 from pydantic import (
     AfterValidator,
@@ -33,6 +34,7 @@ from pydantic_core import CoreSchema, PydanticCustomError, core_schema
 from builder.spec.dtypes import SUPPORTED
 from builder.spec.enums import CalibrationMethod, Int8Recipe, Precision, Task
 from builder.spec.names import NAME_PATTERN, NAME_RULE
+from builder.spec.shapes import MAX_DIM
 
 # Error types raised by the validators below; their message is already the whole "expected ..." text.
 _OWN = "manifest_"
@@ -50,7 +52,9 @@ RecipeName = Annotated[Int8Recipe, Strict(False)]
 NonEmpty = Annotated[str, Field(min_length=1)]
 Count = Annotated[int, Field(ge=1)]
 NonNegative = Annotated[int, Field(ge=0)]
-Limit = Annotated[float, Field(ge=0)]
+Limit = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+Similarity = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]  # cosine, top-1 agreement: at most 1
+ShapeSize = Annotated[int, Field(ge=1, le=MAX_DIM)]
 
 
 class DimTable(_Table):
@@ -153,17 +157,20 @@ class ShapeTable(_Table):
     max is the opt, as in trtexec. Also written as one list: a fixed shape."""
 
     model_config = ConfigDict(title="shape range")
-    min: list[Count] | None = None
-    opt: list[Count]
-    max: list[Count] | None = None
+    min: list[ShapeSize] | None = None
+    opt: list[ShapeSize]
+    max: list[ShapeSize] | None = None
 
     @model_validator(mode="after")
     def _ordered(self) -> ShapeTable:
         low, high = self.min or self.opt, self.max or self.opt
         if not len(low) == len(self.opt) == len(high):
             raise PydanticCustomError(_OWN + "shape_rank", "expected min, opt and max of the same rank")
-        if not all(a <= b <= c for a, b, c in zip(low, self.opt, high, strict=True)):
-            raise PydanticCustomError(_OWN + "shape_order", "expected min <= opt <= max on every axis")
+        for axis, (a, b, c) in enumerate(zip(low, self.opt, high, strict=True)):
+            if not a <= b <= c:  # which axis: a long shape's table does not show it at a glance
+                raise PydanticCustomError(_OWN + "shape_order", "axis {axis} has min {min}, opt {opt}, max {max}; "
+                                          "expected min <= opt <= max on every axis",
+                                          {"axis": axis, "min": a, "opt": b, "max": c})
         return self
 
 
@@ -177,7 +184,8 @@ def _shape_range_input(value: Any) -> Any:
 
 class _ShapeListOrTable:
     def __get_pydantic_json_schema__(self, schema: CoreSchema, handler: GetJsonSchemaHandler) -> JsonSchemaValue:
-        return {"anyOf": [{"type": "array", "items": {"type": "integer", "minimum": 1}}, handler(schema)]}
+        size = {"type": "integer", "minimum": 1, "maximum": MAX_DIM}
+        return {"anyOf": [{"type": "array", "items": size}, handler(schema)]}
 
 
 ShapeRangeValue = Annotated[ShapeTable, BeforeValidator(_shape_range_input), _ShapeListOrTable()]
@@ -222,9 +230,9 @@ class ToleranceTable(_Table):
     model_config = ConfigDict(title="tolerance")
     max_abs: Limit | None = None
     max_rel: Limit | None = None
-    cosine_min: Limit | None = None
-    cosine_mean_min: Limit | None = None
-    top1_agreement_min: Limit | None = None
+    cosine_min: Similarity | None = None
+    cosine_mean_min: Similarity | None = None
+    top1_agreement_min: Similarity | None = None
 
 
 class TolerancesTable(_Table):
@@ -333,12 +341,16 @@ def did_you_mean(value: object, choices: Any) -> str:
 
 
 Loc = tuple[str | int, ...]
+Namer = Callable[[Loc], str]
 
 
-def error_lines(exc: ValidationError) -> list[tuple[Loc, str]]:
-    """(where, `key.path: what is wrong`) for each error pydantic found, in the schema's key order."""
+def error_lines(exc: ValidationError, at: Namer | None = None, inside: Loc = ()) -> list[tuple[Loc, str]]:
+    """(where, `key.path: what is wrong`) for each error pydantic found, in the schema's key order. `inside`
+    is where the validated table sits in models.toml (("model", 0) for one [[model]] table), for the
+    schema's description of each key; `at` names a location within it (default: its TOML key path)."""
     root = json_schema()
-    return [(tuple(error["loc"]), _line(root, error)) for error in exc.errors(include_url=False)]
+    name = at or key_path
+    return [(tuple(error["loc"]), _line(root, error, name, inside)) for error in exc.errors(include_url=False)]
 
 
 def key_path(loc: Loc) -> str:
@@ -351,6 +363,37 @@ def key_path(loc: Loc) -> str:
             key = part if part.replace("_", "").replace("-", "").isalnum() else json.dumps(part)
             out += f".{key}" if out else key
     return out
+
+
+class Keys(Protocol):
+    """How error lines name the keys of one [[model]] table: models.toml's key paths, or the `trtbuild
+    build` flags that fill them. Both entry points share the checks and so the text after the name."""
+
+    def at(self, loc: Loc) -> str:
+        """Where an error is (`model[0].shapes.x`, `--max-shapes x`); `loc` is within the table."""
+        ...
+
+    def give(self, loc: Loc) -> str:
+        """How a user gives that key, for a line that asks for it (`a [model.calibration] table`,
+        `--calibration FILE.npz`)."""
+        ...
+
+
+@dataclass(frozen=True)
+class TomlKeys:
+    """models.toml's names: key paths under `prefix` (("model", 2) → `model[2].precisions`)."""
+
+    prefix: Loc = ()
+
+    def at(self, loc: Loc) -> str:
+        return key_path(self.prefix + loc)
+
+    def give(self, loc: Loc) -> str:
+        if loc == ("calibration",):
+            return "a [model.calibration] table"
+        if len(loc) == 2 and loc[0] == "dims":
+            return f"{key_path(loc)} = [min, opt, max]"
+        return key_path(loc)
 
 
 def toml_value(value: Any, limit: int = 60) -> str:
@@ -368,22 +411,25 @@ def toml_value(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def _line(root: dict[str, Any], error: Any) -> str:
+def _line(root: dict[str, Any], error: Any, at: Namer, inside: Loc) -> str:
     loc: Loc = tuple(error["loc"])
+    where = inside + loc  # in the whole file: the schema's node
     kind: str = error["type"]
     got = toml_value(error["input"])
     if kind == "extra_forbidden":
-        parent = _node_at(root, loc[:-1])
+        parent = _node_at(root, where[:-1])
         keys = _keys(root, parent) if parent else []
         hint = did_you_mean(loc[-1], keys) or (f"; expected one of {', '.join(keys)}" if keys else "")
-        return f"{key_path(loc)}: unknown key{hint}"
-    if loc == ("model",) and kind in ("missing", "too_short", "list_type"):
+        return f"{at(loc)}: unknown key{hint}"
+    if where == ("model",) and kind in ("missing", "too_short", "list_type"):
         return "model: expected at least one [[model]] table" + ("" if kind == "missing" else f", got {got}")
-    node = _node_at(root, loc)
+    node = _node_at(root, where)
     expected = _describe(root, node) if node else "a valid value"
     if kind == "missing":
-        return f"{key_path(loc)}: missing; expected {expected}"
-    if kind.startswith(_OWN):
+        return f"{at(loc)}: missing; expected {expected}"
+    if kind == "finite_number":  # TOML's inf and nan: "a number >= 0" alone would admit inf
+        text = f"expected a finite {expected.removeprefix('a ')}"
+    elif kind.startswith(_OWN):
         text = str(error["msg"])
     elif kind == "too_short" and node and node.get("type") == "array":
         n = error["ctx"]["min_length"]
@@ -393,7 +439,7 @@ def _line(root: dict[str, Any], error: Any) -> str:
     else:
         text = f"expected {expected}"
     hint = did_you_mean(error["input"], node["enum"]) if node and "enum" in node else ""
-    return f"{key_path(loc)}: {text}, got {got}{hint}"
+    return f"{at(loc)}: {text}, got {got}{hint}"
 
 
 _PATTERNS = {
@@ -450,6 +496,8 @@ def _describe(root: dict[str, Any], node: dict[str, Any], plural: bool = False) 
         return "true or false values" if plural else "true or false"
     if kind in ("integer", "number"):
         word = {"integer": ("an integer", "integers"), "number": ("a number", "numbers")}[kind][plural]
+        if "minimum" in node and "maximum" in node:
+            return f"{word} from {node['minimum']} to {node['maximum']}"
         return word + (f" >= {node['minimum']}" if "minimum" in node else "")
     if kind == "string":
         if node.get("pattern") in _PATTERNS:

@@ -36,13 +36,6 @@ class DimRange:
     opt: int
     max: int
 
-    def check(self, what: str) -> DimRange:
-        if not (1 <= self.min <= self.opt <= self.max):
-            raise ManifestError(
-                f"{what}: expected 1 <= min <= opt <= max, got min={self.min} opt={self.opt} max={self.max}"
-            )
-        return self
-
 
 # When neither a batch range nor shapes say otherwise (`trtbuild build` without --max-batch: 1, 8, 16).
 DEFAULT_BATCH = DimRange(1, 8, 16)
@@ -69,16 +62,6 @@ class ShapeRange:
     def at(self, level: Level) -> Shape:
         return {Level.MIN: self.min, Level.OPT: self.opt, Level.MAX: self.max}[level]
 
-    def check(self, name: str) -> ShapeRange:
-        if not len(self.min) == len(self.opt) == len(self.max):
-            raise ManifestError(f"{self.where(name)}: min {format_shape(self.min)}, opt {format_shape(self.opt)} "
-                                f"and max {format_shape(self.max)} differ in rank; expected the same number of dims")
-        for axis, (low, mid, high) in enumerate(zip(self.min, self.opt, self.max, strict=True)):
-            if not 1 <= low <= mid <= high:
-                raise ManifestError(f"{self.where(name)}: axis {axis} has min {low}, opt {mid}, max {high}; "
-                                    "expected 1 <= min <= opt <= max")
-        return self
-
     def drop_first(self) -> ShapeRange:
         return ShapeRange(self.min[1:], self.opt[1:], self.max[1:], self.source)
 
@@ -92,11 +75,6 @@ class ValueRange:
 
     low: int
     high: int
-
-    def check(self, what: str) -> ValueRange:
-        if self.low > self.high:
-            raise ManifestError(f"{what}: LOW {self.low} is above HIGH {self.high}; expected LOW <= HIGH")
-        return self
 
 
 def format_shape(shape: Sequence[int | str]) -> str:
@@ -112,7 +90,8 @@ MAX_DIM = 2**31 - 1  # TensorRT's and ONNX Runtime's dims are int64, but no real
 
 def parse_shapes(value: str, flag: str) -> dict[str, Shape]:
     """`NAME:DxDxD[,NAME:DxDxD…]` → {NAME: shape}. The name is everything before the last `:`, so names
-    with `:` or `.` work; `NAME:[]` (or `NAME:`) is a scalar."""
+    with `:` or `.` work; `NAME:[]` (or `NAME:`) is a scalar. The syntax only: the sizes allowed are
+    models.toml's schema's to check (`builder.spec.flags`)."""
     found: dict[str, Shape] = {}
     for item in value.split(","):
         item = item.strip()
@@ -124,43 +103,19 @@ def parse_shapes(value: str, flag: str) -> dict[str, Shape]:
             raise ManifestError(f"{flag} {item!r}: expected NAME:DxDxD (e.g. x:1x3x224x224), "
                                 "several separated by commas")
         shape = () if dims == "[]" else tuple(int(d) for d in dims.split("x"))
-        if any(not 1 <= d <= MAX_DIM for d in shape):
-            raise ManifestError(f"{flag} {item!r}: dims must be 1 to {MAX_DIM}")
         if name in found:
             raise ManifestError(f"{flag}: input {name!r} is given twice")
         found[name] = shape
     return found
 
 
-def combine(*, fixed: Mapping[str, Shape], low: Mapping[str, Shape], opt: Mapping[str, Shape],
-            high: Mapping[str, Shape], prefix: str = "--") -> dict[str, ShapeRange]:
-    """One ShapeRange per input from the four flags (trtexec's rule: a missing min or max is the opt)."""
-    flags = {k: f"{prefix}{k}" for k in ("shapes", "min-shapes", "opt-shapes", "max-shapes")}
-    ranges: dict[str, ShapeRange] = {}
-    for name in dict.fromkeys([*fixed, *low, *opt, *high]):
-        given = [flags[k] for k, table in (("min-shapes", low), ("opt-shapes", opt), ("max-shapes", high))
-                 if name in table]
-        if name in fixed:
-            if given:
-                raise ManifestError(f"{flags['shapes']} {name}: also given by {', '.join(given)}; "
-                                    f"expected either {flags['shapes']} or min/opt/max shapes for one input")
-            ranges[name] = ShapeRange.fixed(fixed[name], flags["shapes"]).check(name)
-            continue
-        if name not in opt:
-            raise ManifestError(f"{given[0]} {name}: expected {flags['opt-shapes']} {name}:DxD… too")
-        mid = opt[name]
-        source = "/".join(given)
-        ranges[name] = ShapeRange(low.get(name, mid), mid, high.get(name, mid), source).check(name)
-    return ranges
-
-
-def parse_value_range(value: str, flag: str) -> tuple[str, ValueRange]:
-    """`NAME:LOW:HIGH` (integers; the name may hold `:`)."""
+def parse_value_range(value: str, flag: str) -> tuple[str, int, int]:
+    """`NAME:LOW:HIGH` (integers; the name may hold `:`) → (NAME, LOW, HIGH); LOW <= HIGH is the schema's."""
     head, sep1, high = value.rpartition(":")
     name, sep2, low = head.rpartition(":")
     if not (sep1 and sep2 and name and re.fullmatch(r"-?[0-9]+", low) and re.fullmatch(r"-?[0-9]+", high)):
         raise ManifestError(f"{flag} {value!r}: expected NAME:LOW:HIGH with integers (e.g. ids:0:999)")
-    return name, ValueRange(int(low), int(high)).check(f"{flag} {value}")
+    return name, int(low), int(high)
 
 
 # ---- resolving against the graph ---------------------------------------------------------------

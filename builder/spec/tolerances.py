@@ -6,46 +6,50 @@ same limits of that precision (from models.toml, else the built-in default); the
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
-from dataclasses import fields, replace
+from dataclasses import replace
+
+from pydantic import ValidationError
 
 from builder.errors import ManifestError
 from builder.spec.enums import Precision
-from builder.spec.model import ModelSpec, Tolerance
-
-METRICS: tuple[str, ...] = tuple(f.name for f in fields(Tolerance))
+from builder.spec.model import ModelSpec
+from builder.spec.schema import TolerancesTable, error_lines
 
 
 def parse_tolerances(value: str, flag: str = "--tolerance") -> dict[Precision, dict[str, float]]:
-    """`PRECISION:METRIC=VALUE[,PRECISION:METRIC=VALUE...]` → limits by precision; ManifestError naming
-    the flag and the bad part otherwise."""
-    limits: dict[Precision, dict[str, float]] = {}
+    """`PRECISION:METRIC=VALUE[,PRECISION:METRIC=VALUE...]` → limits by precision. The syntax is parsed here;
+    the precisions, metrics and values are checked by models.toml's [model.tolerances] schema, so a bad one
+    gets its line with `--tolerance fp16:cosine_min` in place of `model[0].tolerances.fp16.cosine_min`.
+    ManifestError naming the flag otherwise, one line per error."""
+    given: dict[str, dict[str, object]] = {}
     for part in (p.strip() for p in value.split(",")):
         if not part:
             raise ManifestError(f"{flag} {value!r}: an empty item between commas; expected "
                                 "PRECISION:METRIC=VALUE[,PRECISION:METRIC=VALUE...]")
-        prec_text, colon, assignment = part.partition(":")
+        prec, colon, assignment = part.partition(":")
         metric, equals, number = assignment.partition("=")
-        if not (colon and equals and prec_text and metric):
+        prec, metric = prec.strip(), metric.strip()
+        if not (colon and equals and prec and metric):
             raise ManifestError(f"{flag} {part!r}: expected PRECISION:METRIC=VALUE "
                                 "(e.g. fp16:cosine_min=0.998), comma-separated")
-        prec = Precision.parse(prec_text.strip(), f"{flag} {part!r}: precision", error=ManifestError)
-        metric = metric.strip()
-        if metric not in METRICS:
-            raise ManifestError(f"{flag} {part!r}: metric {metric!r}: expected one of {', '.join(METRICS)}")
-        try:
-            limit = float(number)
-        except ValueError:
-            raise ManifestError(f"{flag} {part!r}: value {number.strip()!r}: expected a number >= 0") from None
-        if not math.isfinite(limit) or limit < 0:
-            raise ManifestError(f"{flag} {part!r}: value {number.strip()!r}: expected a finite number >= 0")
-        if metric.endswith("_min") and limit > 1:
-            raise ManifestError(f"{flag} {part!r}: value {limit:g}: {metric} is a similarity; expected 0 to 1")
-        if metric in limits.get(prec, {}):
-            raise ManifestError(f"{flag} {value!r}: {prec.value}:{metric} is given twice; expected it once")
-        limits.setdefault(prec, {})[metric] = limit
-    return limits
+        if metric in given.get(prec, {}):
+            raise ManifestError(f"{flag} {value!r}: {prec}:{metric} is given twice; expected it once")
+        given.setdefault(prec, {})[metric] = _number(number.strip())
+    try:
+        table = TolerancesTable.model_validate(given)
+    except ValidationError as exc:
+        lines = error_lines(exc, lambda loc: f"{flag} {':'.join(map(str, loc))}", inside=("model", 0, "tolerances"))
+        raise ManifestError("\n".join(line for _, line in lines)) from None
+    return {Precision(prec): getattr(table, prec).model_dump(exclude_unset=True) for prec in given}
+
+
+def _number(text: str) -> object:
+    """The value as TOML would hold it: a float, else the text (the schema then says what it expected)."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
 
 
 def with_tolerances(spec: ModelSpec, limits: Mapping[Precision, Mapping[str, float]]) -> ModelSpec:

@@ -138,8 +138,8 @@ def _last_error(capsys: pytest.CaptureFixture[str]) -> str:
     (ocr_classifier, ["--shapes", "images:1x3x48x48"], "--shapes images: the model has no input 'images'; "
                                                       "its inputs: x"),
     (ocr_classifier, ["--min-shapes", "x:1x3x48x320", "--opt-shapes", "x:1x3x48x192"],
-     "--min-shapes/--opt-shapes x: axis 3 has min 320, opt 192, max 192; expected 1 <= min <= opt <= max"),
-    (ocr_classifier, ["--max-shapes", "x:8x3x48x320"], "--max-shapes x: expected --opt-shapes x:DxD… too"),
+     "--min-shapes/--opt-shapes x: axis 3 has min 320, opt 192, max 192; expected min <= opt <= max on every axis"),
+    (ocr_classifier, ["--max-shapes", "x:8x3x48x320"], "--opt-shapes x: missing; expected a list of integers"),
     (ocr_classifier, [], "model 'm': input 'x' [?, 3, '?', '?'] axis 2 ('?') is dynamic and has no range; "
                          "expected --shapes x:Dx3xDxD (or --min/--opt/--max-shapes), or --dim ?=MIN:OPT:MAX"),
     (ocr_classifier, ["--shapes", "x:1x1x48x48"], "--shapes x: axis 1 is fixed at 3 in the model "

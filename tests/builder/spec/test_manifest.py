@@ -138,7 +138,13 @@ batch = { min = 1, opt = 2, max = 4 }
          "model[0].tolerances.int8.cosine: unknown key; did you mean cosine_min?"),
         ("[model.tolerances.bf16]\ncosine_min = 0.9", "model[0].tolerances.bf16: unknown key; did you mean fp16?"),
         ("[model.tolerances.fp16]\ncosine_min = -1",
-         "model[0].tolerances.fp16.cosine_min: expected a number >= 0, got -1"),
+         "model[0].tolerances.fp16.cosine_min: expected a number from 0 to 1, got -1"),
+        ("[model.tolerances.fp16]\ncosine_min = 1.5",  # a similarity above 1: a limit no variant meets
+         "model[0].tolerances.fp16.cosine_min: expected a number from 0 to 1, got 1.5"),
+        ("[model.tolerances.fp16]\nmax_abs = inf", "model[0].tolerances.fp16.max_abs: expected a finite number >= 0, "
+                                                   "got inf"),
+        ("[model.shapes]\nx = [1, 4294967296]",
+         "model[0].shapes.x.opt[1]: expected an integer from 1 to 2147483647, got 4294967296"),
         ('[model.calibration]\nsource = "x:y"\nmethod = "minmax"',
          'model[0].calibration.method: expected one of entropy, max, got "minmax"; did you mean max?'),
         ('[model.calibration]\nsource = "x:y"\nrecipe = "tflite"',
