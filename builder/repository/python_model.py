@@ -452,16 +452,20 @@ def _has_qdq(path):
     return _graph_kind(path) == "qdq"
 
 
-def _resolve_auto(path, options):
+GRAPH_KINDS = ("qdq", "fp16", "fp32")  # what _graph_kind answers, and the config parameter graph_kind holds
+
+
+def _resolve_auto(path, options, kind=None):
     """`use_tf32` and `prefer_nhwc` left at auto, resolved for this graph as builder.runtimes.onnxruntime_cuda's
     CudaOptions.provider_options resolves them for the build's accuracy run (tests/builder/runtimes/
     test_graph_kind.py compares both). No TF32 for FP32 graphs (TF32 put the FP32 variant outside its accuracy
     gate); NHWC only where the convolutions run on tensor cores, FP16 or FP32 with TF32 (H200, batch 64: 1.2x
-    and 1.26x; FP32 without TF32 0.95x at 9 % more J; the INT8 Q/DQ graph 0.52x)."""
+    and 1.26x; FP32 without TF32 0.95x at 9 % more J; the INT8 Q/DQ graph 0.52x). `kind`: the graph's kind as
+    the build found it; None: read the graph here, which every instance does at every load (a graph with
+    200 MB of weights inside took 0.28 s to parse on a 2-core CPU)."""
     options = dict(options)
-    kind = None
     if options.get("use_tf32", "auto") == "auto":
-        kind = _graph_kind(path)
+        kind = kind or _graph_kind(path)
         options["use_tf32"] = "0" if kind == "fp32" else "1"
     if options.get("prefer_nhwc", "auto") == "auto":
         kind = kind or _graph_kind(path)
@@ -472,6 +476,17 @@ def _resolve_auto(path, options):
 
 # CUDA provider options a model config may set as parameters of the same name (measured choices).
 PROVIDER_PASSTHROUGH = ("prefer_nhwc", "use_tf32", "cudnn_conv_use_max_workspace")
+
+
+def _built_kind(params):
+    """The graph's kind as the build wrote it (parameter `graph_kind`); None where a repository built before
+    the parameter existed has none, or holds a value this runner does not know: the graph is read instead."""
+    kind = params.get("graph_kind") or None
+    if kind is not None and kind not in GRAPH_KINDS:
+        log.warning("parameter graph_kind %r: expected one of %s; reading the graph instead", kind,
+                    ", ".join(GRAPH_KINDS))
+        return None
+    return kind
 
 
 def make_runner(path, params, max_batch):
@@ -486,7 +501,7 @@ def make_runner(path, params, max_batch):
                "cudnn_conv_algo_search": params.get("cudnn_conv_algo_search", "HEURISTIC"),
                "arena_extend_strategy": "kSameAsRequested"}
     options |= {k: params[k] for k in PROVIDER_PASSTHROUGH if params.get(k)}
-    options = _resolve_auto(path, options)
+    options = _resolve_auto(path, options, _built_kind(params))
     if max_batch <= 0:  # no batch axis: one session, the shapes the clients send
         return CudaPlainRunner(path, provider_options=options)
     try:

@@ -5,6 +5,7 @@ image's native onnxruntime backend (CUDA provider, optionally handing subgraphs 
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -73,9 +74,18 @@ class CudaTF32(Choice):
 def graph_kind(path: Path) -> str:
     """'qdq' (INT8: any Q/DQ node), 'fp16' (any FP16 tensor: weight, Constant, input, output, value_info, or a
     Cast or dtype to FP16) or 'fp32', looking into subgraphs and local functions; the weights are not loaded.
-    The python runner decides it where Triton loads the model; the accuracy run asks the same code, so the
-    two cannot disagree."""
-    return str(_RUNNER._graph_kind(str(path)))
+    The python runner's own code decides, so the build and the runner cannot disagree; the build hands its
+    answer to the runner as the config parameter `graph_kind`. One analysis per file: the accuracy run, the
+    config and build.json all ask about the same artifact (a graph with 200 MB of weights inside took 0.28 s to
+    parse on a 2-core CPU; the weights of a model over 2 GB live outside it and are not read)."""
+    stat = path.stat()
+    return _kind_of(str(path.resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=32)
+def _kind_of(path: str, inode: int, size: int, mtime_ns: int) -> str:
+    """graph_kind's answer for one version of one file (a rewritten file is another key)."""
+    return str(_RUNNER._graph_kind(path))
 
 
 @dataclass(frozen=True)
@@ -254,12 +264,15 @@ class OnnxRuntimeCUDA:
         return run_padded(session, samples, batch_size)
 
     def backend_config(self, target: CompileTarget, version_dir: Path) -> BackendConfig:
-        return cuda_backend_config(self.serving_backend, self.options)
+        kind = graph_kind(version_dir / self.artifact) if self.serving_backend is ServingBackend.PYTHON else None
+        return cuda_backend_config(self.serving_backend, self.options, kind)
 
 
-def cuda_backend_config(serving_backend: ServingBackend, o: CudaOptions) -> BackendConfig:
+def cuda_backend_config(serving_backend: ServingBackend, o: CudaOptions, kind: str | None = None) -> BackendConfig:
     """A GPU instance group; the python runner gets provider cuda and its options, the native
-    onnxruntime backend the CUDA provider's search mode and, with tensorrt_fp16, TensorRT in FP16."""
+    onnxruntime backend the CUDA provider's search mode and, with tensorrt_fp16, TensorRT in FP16.
+    `kind`: the artifact's graph_kind, which the runner's `auto` options are resolved from (the runner reads the
+    graph itself where the parameter is absent)."""
     if serving_backend is ServingBackend.ONNXRUNTIME:
         accelerator: tuple[tuple[str, str], ...] = ()
         if o.tensorrt_fp16:
@@ -276,6 +289,7 @@ def cuda_backend_config(serving_backend: ServingBackend, o: CudaOptions) -> Back
                                      ("cuda_graphs", "1" if o.cuda_graphs else "0"),
                                      ("prefer_nhwc", o.runner_layout()),
                                      ("use_tf32", o.runner_tf32()),
+                                     *((("graph_kind", kind),) if kind is not None else ()),
                                      # Inputs a client sent through CUDA shared memory reach the runner
                                      # as device tensors (copied on the GPU into its bound buffers)
                                      # instead of being staged through host memory by the backend.

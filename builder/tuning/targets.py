@@ -11,7 +11,6 @@ import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 from google.protobuf import json_format
 
@@ -57,7 +56,7 @@ class Target:
         raise NotImplementedError
 
     def unload(self, variant: str) -> None:
-        self.http.request(f"/v2/repository/models/{variant}/unload", {}, timeout=120.0)
+        self.http.unload(variant)
 
     def where(self) -> str:
         """Where to look when the server misbehaves."""
@@ -124,8 +123,7 @@ class LocalTarget(Target):
         assert self.tmp is not None, "use LocalTarget as a context manager"
         write_atomic(self.tmp / "repository" / point.variant / "config.pbtxt",
                      apply(self.originals[point.variant], point))
-        self._while_running(point.label(), lambda: self.http.request(f"/v2/repository/models/{point.variant}/load", {},
-                                                             timeout=300.0))
+        self._while_running(point.label(), lambda: self.http.load(point.variant))
 
     def unload(self, variant: str) -> None:
         self._while_running(variant, lambda: Target.unload(self, variant), stage="unloading")
@@ -203,20 +201,17 @@ class RemoteTarget(Target):
 
     def __enter__(self) -> RemoteTarget:
         try:
-            self.http.request("/v2/health/ready", timeout=10.0)
+            self.http.ready()
         except ServerError as exc:
             raise ServerError(f"--url {self.endpoints.http}: Triton is not ready ({exc})") from exc
-        index = self.http.request("/v2/repository/index", {}, timeout=30.0) or []
-        self.loaded_before = {str(m.get("name")) for m in index if isinstance(m, dict) and m.get("state") == "READY"}
+        self.loaded_before = {str(m.get("name")) for m in self.http.index() if m.get("state") == "READY"}
         return self
 
     def _load(self, variant: str, config_text: str | None) -> None:
-        body: dict[str, Any] = {}
-        if config_text is not None:
-            config = json_format.MessageToJson(triton_config.parse(config_text), preserving_proto_field_name=True)
-            body = {"parameters": {"config": config}}
+        config = None if config_text is None else json_format.MessageToJson(
+            triton_config.parse(config_text), preserving_proto_field_name=True)
         try:
-            self.http.request(f"/v2/repository/models/{variant}/load", body, timeout=300.0)
+            self.http.load(variant, config)
         except Rejected as exc:
             if "not allowed" in str(exc):
                 raise ServerError(f"--url {self.endpoints.http}: the server does not load models on request; "

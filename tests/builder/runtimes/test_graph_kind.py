@@ -2,11 +2,13 @@
 (builder.runtimes.onnxruntime_cuda.graph_kind) and where Triton loads the model (the python runner's
 _graph_kind, which the former calls). Both must give the same answer on every graph, including FP16 that
 lives only in Constant nodes, graph inputs or value_info, Q/DQ or FP16 inside If/Loop bodies or local
-functions, and weights in an external data file that is never read."""
+functions, and weights in an external data file that is never read. The build writes its answer into the
+config (parameter graph_kind) and the runner takes it from there, reading the graph only without one."""
 
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,11 +16,21 @@ from typing import Any
 import numpy as np
 import onnx
 import pytest
+from google.protobuf import json_format
 from onnx import TensorProto, helper, numpy_helper
 
 from builder.repository import python_model
-from builder.runtimes.onnxruntime_cuda import CudaLayout, CudaOptions, CudaTF32, cuda_backend_config, graph_kind
-from builder.spec import ServingBackend
+from builder.repository.triton_config import ConfigInputs, build, parse, to_text
+from builder.runtimes.base import CompileTarget
+from builder.runtimes.onnxruntime_cuda import (
+    CudaLayout,
+    CudaOptions,
+    CudaTF32,
+    OnnxRuntimeCUDA,
+    cuda_backend_config,
+    graph_kind,
+)
+from builder.spec import DimRange, ServingBackend, ServingSpec, TensorSpec
 
 RUNNER: Any = python_model  # untyped: copied into model folders, where Triton imports it
 F32, F16 = TensorProto.FLOAT, TensorProto.FLOAT16
@@ -165,3 +177,120 @@ def test_auto_takes_nhwc_only_where_convolutions_run_on_tensor_cores(tmp_path: P
     assert got == {"fp32": (False, False), "fp32, tf32 on": (True, True),
                    "fp16 initializer": (True, True), "fp16 initializer, tf32 on": (True, True),
                    "qdq": (False, True), "qdq, tf32 on": (False, True)}
+
+
+# The build hands its answer to the runner (config parameter graph_kind), so a model that loads does not parse
+# its graph again; a repository built before the parameter existed still loads, the runner reading the graph.
+
+KINDS = {"fp32": "fp32", "fp16 initializer": "fp16", "qdq": "qdq"}
+
+
+class Stop(Exception):
+    """Raised by the stand-in for the CUDA runner, whose construction needs a GPU."""
+
+
+def _version(tmp_path: Path, name: str) -> Path:
+    """A model version folder holding the case's graph as model.onnx."""
+    version = tmp_path / "1"
+    version.mkdir(exist_ok=True)
+    onnx.save(CASES[name][0], str(version / "model.onnx"))
+    return version
+
+
+def _built_config(version: Path, options: CudaOptions,
+                  serving: ServingBackend = ServingBackend.PYTHON) -> dict[str, Any]:
+    """The config the build writes for the artifact in `version`, as JSON (what Triton gives the runner)."""
+    runtime = object.__new__(OnnxRuntimeCUDA)  # the constructor wants a GPU; backend_config only reads the graph
+    runtime.options, runtime.serving_backend = options, serving
+    x, y = TensorSpec("x", "float32", (-1, 4)), TensorSpec("y", "float32", (-1, 4))
+    target = CompileTarget(inputs=(x,), batch=DimRange(1, 4, 8), dims={}, onnx_sha256="0" * 64)
+    config = build(ConfigInputs(name="m", inputs=(x,), outputs=(y,), batch=DimRange(1, 4, 8), serving=ServingSpec(),
+                                backend=runtime.backend_config(target, version)))
+    doc: dict[str, Any] = json_format.MessageToDict(parse(to_text(config)), preserving_proto_field_name=True)
+    return doc
+
+
+def _served(monkeypatch: pytest.MonkeyPatch, version: Path, config: dict[str, Any]) -> dict[str, str]:
+    """The CUDA provider options the runner's initialize() asks for, loading `config` from `version`."""
+    seen: list[dict[str, str]] = []
+
+    def bucket_runner(path: str, *, provider_options: dict[str, str], **kwargs: object) -> None:
+        seen.append(dict(provider_options))
+        raise Stop
+
+    monkeypatch.setattr(RUNNER, "CudaBucketRunner", bucket_runner)
+    with pytest.raises(Stop):
+        RUNNER.TritonPythonModel().initialize({
+            "model_config": json.dumps(config), "model_repository": str(version.parent),
+            "model_version": version.name, "model_name": "m", "model_instance_kind": "GPU",
+            "model_instance_device_id": "0"})
+    return seen[0]
+
+
+def _no_analysis(path: str) -> str:
+    raise AssertionError(f"the runner read the graph {path}")
+
+
+@pytest.mark.parametrize("name", sorted(KINDS))
+def test_the_config_carries_the_graphs_kind(tmp_path: Path, name: str) -> None:
+    version = _version(tmp_path, name)
+    params = {k: v["string_value"] for k, v in _built_config(version, CudaOptions())["parameters"].items()}
+    assert params["graph_kind"] == KINDS[name] and params["graph_kind"] in RUNNER.GRAPH_KINDS
+    native = _built_config(version, CudaOptions(layout=CudaLayout.NCHW, tf32=CudaTF32.ON), ServingBackend.ONNXRUNTIME)
+    assert "graph_kind" not in native.get("parameters", {})  # no runner there to hand it to
+
+
+@pytest.mark.parametrize("name", sorted(KINDS))
+def test_the_runner_takes_the_kind_from_the_config_and_reads_no_graph(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    version = _version(tmp_path, name)
+    for layout, tf32 in itertools.product(CudaLayout, CudaTF32):
+        options = CudaOptions(layout=layout, tf32=tf32)
+        config = _built_config(version, options)
+        accuracy_run = options.provider_options(version / "model.onnx")
+        with monkeypatch.context() as patch:
+            patch.setattr(RUNNER, "_graph_kind", _no_analysis)
+            served = _served(patch, version, config)
+        assert _effective(served) == _effective(accuracy_run), (name, layout, tf32)
+
+
+@pytest.mark.parametrize("value", [None, "int4"])
+def test_without_a_known_kind_in_the_config_the_runner_reads_the_graph(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, value: str | None) -> None:
+    """None: a repository built before the parameter existed; int4: a value this runner does not know."""
+    version = _version(tmp_path, "fp16 initializer")
+    config = _built_config(version, CudaOptions())
+    del config["parameters"]["graph_kind"]
+    if value is not None:
+        config["parameters"]["graph_kind"] = {"string_value": value}
+    read: list[str] = []
+    analysis = RUNNER._graph_kind
+
+    def counted(path: str) -> str:
+        read.append(path)
+        return str(analysis(path))
+
+    monkeypatch.setattr(RUNNER, "_graph_kind", counted)
+    served = _served(monkeypatch, version, config)
+    assert read == [str(version / "model.onnx")]  # once, though use_tf32 and prefer_nhwc both asked
+    assert _effective(served) == (True, True)  # FP16: NHWC on tensor cores, as the build decided
+
+
+def test_the_build_reads_each_artifact_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The accuracy run, the config and build.json ask about the same file: one analysis; a rewritten file
+    is analysed again."""
+    read: list[str] = []
+    analysis = RUNNER._graph_kind
+
+    def counted(path: str) -> str:
+        read.append(path)
+        return str(analysis(path))
+
+    monkeypatch.setattr(RUNNER, "_graph_kind", counted)
+    version = _version(tmp_path, "fp32")
+    config = _built_config(version, CudaOptions())
+    CudaOptions().provider_options(version / "model.onnx")
+    assert config["parameters"]["graph_kind"]["string_value"] == graph_kind(version / "model.onnx") == "fp32"
+    assert len(read) == 1
+    onnx.save(CASES["qdq"][0], str(version / "model.onnx"))
+    assert graph_kind(version / "model.onnx") == "qdq" and len(read) == 2

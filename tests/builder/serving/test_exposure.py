@@ -122,9 +122,9 @@ def test_exposed_the_restricted_apis_need_the_key_which_no_one_can_read(
     assert repository_index(http, "wrong-key-0123456789") == 403
     assert repository_index(http, KEY) == 200
     # `trtbuild tune --url` sends it on its repository requests
-    assert Http(f"127.0.0.1:{http}", KEY).request("/v2/repository/index", {}) == []
-    with pytest.raises(Rejected, match="HTTP 403"):
-        Http(f"127.0.0.1:{http}").request("/v2/repository/index", {})
+    assert Http(f"127.0.0.1:{http}", KEY).index() == []
+    with pytest.raises(Rejected, match=rf"^http://127.0.0.1:{http}/v2/repository/index: HTTP 403: "):
+        Http(f"127.0.0.1:{http}").index()
 
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc}")
     with pytest.raises(InferenceServerException, match=GRPC_KEY_HEADER):
