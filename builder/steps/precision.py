@@ -310,8 +310,8 @@ def to_int8(
     if quantized is not None:
         # Nothing left to calibrate: the INT8 variant is the model as given (the gate and the speed check
         # still judge it), said in one line and recorded.
-        log.warning("%s: the model is already quantized (%s) with no float Conv/MatMul/Gemm left; the INT8 "
-                    "variant is the model as given (the FP32 graph itself)", what, quantized)
+        log.warning("%s: the model is already quantized (%s); the INT8 variant is the model as given (the FP32 "
+                    "graph itself)", what, quantized)
         onnx_files.copy_model(fp32_path, out_path)
         return CalibrationResult(spec.recipe, spec.method, 0, "", False, 0,
                                  {"tool": None, "as_given": True, "why": f"already quantized ({quantized})"})
@@ -342,18 +342,44 @@ def to_int8(
 # Ops that compute in integers (dynamic or static quantization already applied), and the float ops INT8 targets.
 _QUANTIZED_OPS = frozenset({"ConvInteger", "MatMulInteger", "QLinearConv", "QLinearMatMul", "DynamicQuantizeLSTM",
                             "DynamicQuantizeMatMul", "MatMulIntegerToFloat", "QGemm", "QAttention"})
-_FLOAT_COMPUTE_OPS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm", "LSTM", "GRU", "Attention"})
+_FLOAT_COMPUTE_OPS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm", "LSTM", "GRU", "Attention", "Einsum",
+                                "FusedMatMul"})
+# Ops between a DequantizeLinear and the compute op it feeds in Q/DQ graphs (a weight's layout change).
+_DQ_PATH = frozenset({"Transpose", "Reshape", "Cast", "Identity", "Unsqueeze", "Squeeze", "Flatten"})
 
 
 def already_quantized(fp32_path: Path) -> str | None:
-    """What makes the graph an already quantized one (its integer compute ops, counted) where it has no float
-    Conv/MatMul/Gemm left to quantize (subgraphs included); None otherwise."""
+    """What makes the graph an already quantized one, in words; None otherwise (subgraphs included): integer
+    compute ops with no float Conv/MatMul/Gemm left to quantize, or Q/DQ, i.e. float compute ops that take
+    DequantizeLinear outputs (their weights or activations quantized by whoever made the model: quantizing
+    again would stack a second Q/DQ on the first)."""
     model = onnx.load(str(fp32_path), load_external_data=False)
-    counts = Counter(node.op_type for node in onnx_model.all_nodes(model.graph))
+    nodes = list(onnx_model.all_nodes(model.graph))
+    counts = Counter(node.op_type for node in nodes)
     integer = {op: n for op, n in counts.items() if op in _QUANTIZED_OPS}
-    if not integer or any(op in _FLOAT_COMPUTE_OPS for op in counts):
+    if integer and not any(op in _FLOAT_COMPUTE_OPS for op in counts):
+        listed = ", ".join(f"{n} {op}" for op, n in sorted(integer.items(), key=lambda kv: (-kv[1], kv[0])))
+        return f"{listed}, no float Conv/MatMul/Gemm left"
+    producers = {out: node for node in nodes for out in node.output if out}
+
+    def dequantized(tensor: str) -> bool:
+        for _ in range(8):
+            node = producers.get(tensor)
+            if node is None:
+                return False
+            if node.op_type == "DequantizeLinear":
+                return True
+            if node.op_type not in _DQ_PATH or not node.input:
+                return False
+            tensor = node.input[0]
+        return False
+
+    compute = [node for node in nodes if node.op_type in _FLOAT_COMPUTE_OPS]
+    fed = [node for node in compute if any(dequantized(t) for t in node.input if t)]
+    if not fed:
         return None
-    return ", ".join(f"{n} {op}" for op, n in sorted(integer.items(), key=lambda kv: (-kv[1], kv[0])))
+    return (f"Q/DQ: {counts['QuantizeLinear']} QuantizeLinear, {counts['DequantizeLinear']} DequantizeLinear; "
+            f"{len(fed)} of {len(compute)} {'/'.join(sorted({n.op_type for n in compute}))} take dequantized inputs")
 
 
 def reason(exc: BaseException, what: str) -> str:
