@@ -17,6 +17,7 @@ from builder.spec import (
     CalibrationSpec,
     DataSpec,
     DimRange,
+    Int8Recipe,
     ModelSpec,
     Precision,
     RuntimeChoice,
@@ -108,6 +109,8 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("--calibration", type=Path, help=".npz keyed by input name, leading sample axis")
     build.add_argument("--calibration-method", default="entropy", help="entropy | max")
     build.add_argument("--calibration-samples", type=int, default=512)
+    build.add_argument("--int8-recipe", default="auto",
+                       help="auto (by runtime and model class) | modelopt | onnxruntime | onnxruntime-dynamic")
     build.add_argument("--eval-data", type=Path, help="held-out .npz (default: last quarter of --calibration)")
     build.add_argument("--max-batch", type=int, default=None,
                        help="largest batch (default: the shapes' axis 0, else 16)")
@@ -256,6 +259,7 @@ def _spec_from_build_args(args: argparse.Namespace) -> ModelSpec:
         raise ManifestError(f"--calibration-samples {args.calibration_samples}: expected a positive integer")
     task = Task.parse(args.task, "--task", error=ManifestError)
     method = CalibrationMethod.parse(args.calibration_method, "--calibration-method", error=ManifestError)
+    recipe = Int8Recipe.parse(args.int8_recipe, "--int8-recipe", error=ManifestError)
     if Precision.INT8 in precisions and args.calibration is None:
         raise ManifestError("--precision int8: expected --calibration FILE.npz (real inputs, keyed by input name)")
     for flag, path in (("--calibration", args.calibration), ("--eval-data", args.eval_data)):
@@ -263,7 +267,8 @@ def _spec_from_build_args(args: argparse.Namespace) -> ModelSpec:
             raise ManifestError(f"{flag} {path}: expected a .npz file")
     calibration = None
     if args.calibration is not None:
-        calibration = CalibrationSpec(data=DataSpec(str(args.calibration), args.calibration_samples), method=method)
+        calibration = CalibrationSpec(data=DataSpec(str(args.calibration), args.calibration_samples), method=method,
+                                      recipe=recipe)
     evaluation = DataSpec(str(args.eval_data), 1 << 20) if args.eval_data else None
     name = check_model_name(args.name if args.name is not None else name_from_path(str(args.onnx)), "--name")
     batch = DEFAULT_BATCH if args.max_batch is None else DimRange(1, max(1, args.max_batch // 2), args.max_batch)

@@ -16,6 +16,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 from builder.errors import BuilderError, ToolError, tool_cause
 from builder.repository.onnx_files import sha256_file
+from builder.runtimes.onnxruntime import OnnxRuntimeCPU
+from builder.runtimes.onnxruntime_cuda import OnnxRuntimeCUDA
+from builder.runtimes.tensorrt import TensorRTRuntime
 from builder.spec import CalibrationMethod, CalibrationSpec, DataSpec, Int8Recipe
 from builder.steps import precision
 from common.logs import active_log_file
@@ -198,7 +201,7 @@ def test_a_qdq_model_is_its_own_int8_variant_said_in_one_line(
     assert precision.already_quantized(tmp_path / "float.onnx") is None
     why = precision.already_quantized(model)
     assert why is not None and why.startswith("Q/DQ: ") and "2 of 2 MatMul take dequantized inputs" in why, why
-    spec = CalibrationSpec(DataSpec("x.npz", 8), method=CalibrationMethod.MAX)
+    spec = CalibrationSpec(DataSpec("x.npz", 8), method=CalibrationMethod.MAX)  # recipe "auto"
     with caplog.at_level(logging.INFO, logger="builder"):
         result = precision.to_int8(model, fp32_sha=sha256_file(model), calibration=mlp_samples(8), data_digest="d",
                                    spec=spec, out_path=tmp_path / "int8.onnx", cache_dir=tmp_path / "cache",
@@ -239,3 +242,51 @@ def test_an_integer_model_with_a_float_einsum_or_fused_matmul_left_is_not_alread
         "1 MatMulInteger, no float Conv/MatMul/Gemm left"
     assert precision.already_quantized(integer_matmul_onnx(tmp_path / "mixed.onnx", float_op)) is None
 
+
+def zero_points(path: Path) -> tuple[set[int], set[int], set[int]]:
+    """The data types of the zero points of the activations (QuantizeLinear) and of the MatMul weights
+    (DequantizeLinear of an initializer feeding a MatMul), and every zero point's values."""
+    graph = onnx.load(str(path)).graph
+    inits = {i.name: i for i in graph.initializer}
+    activations = {inits[n.input[2]].data_type for n in graph.node if n.op_type == "QuantizeLinear"}
+    matmul_inputs = {i for n in graph.node if n.op_type == "MatMul" for i in n.input}
+    weights = {inits[n.input[2]].data_type for n in graph.node
+               if n.op_type == "DequantizeLinear" and n.input[0] in inits and n.output[0] in matmul_inputs}
+    values = {int(v) for n in graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear")
+              for v in numpy_helper.to_array(inits[n.input[2]]).ravel()}
+    return activations, weights, values
+
+
+@pytest.mark.parametrize(("runtime", "activations"), [
+    (OnnxRuntimeCPU.name, TensorProto.UINT8), (TensorRTRuntime.name, TensorProto.INT8),
+    (OnnxRuntimeCUDA.name, TensorProto.INT8)])
+def test_onnx_runtimes_static_recipe_writes_the_integer_types_the_runtime_takes(
+        tmp_path: Path, runtime: str, activations: int) -> None:
+    """U8S8 for ONNX Runtime on the CPU; symmetric int8 activations and weights (zero points 0) for TensorRT and
+    for ONNX Runtime on a GPU (whose TensorRT provider builds the same graph)."""
+    model = mlp_onnx(tmp_path / "m.onnx")
+    spec = CalibrationSpec(DataSpec("x.npz", 8), method=CalibrationMethod.MAX, recipe=Int8Recipe.ONNXRUNTIME)
+    result = precision.to_int8(model, fp32_sha=sha256_file(model), calibration=mlp_samples(8), data_digest="d",
+                               spec=spec, out_path=tmp_path / "int8.onnx", cache_dir=tmp_path / "cache",
+                               runtime=runtime, log_file=None)
+    found, weights, values = zero_points(tmp_path / "int8.onnx")
+    assert found == {activations} and weights == {TensorProto.INT8}, (found, weights)
+    if activations == TensorProto.INT8:
+        assert values == {0} and result.settings["activations"] == "QInt8 (symmetric)"
+    assert precision.calibration_key("s", "d", spec, runtime) != precision.calibration_key(
+        "s", "d", spec, OnnxRuntimeCPU.name if runtime != OnnxRuntimeCPU.name else TensorRTRuntime.name)
+
+
+def test_where_modelopt_fails_for_tensorrt_onnx_runtimes_fallback_is_symmetric_int8(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def failing_modelopt(*args: object, **kwargs: object) -> None:
+        onnx.checker.check_model(onnx.ModelProto())  # raises inside onnx: a tool's failure
+
+    monkeypatch.setattr(precision, "_quantize_modelopt", failing_modelopt)
+    model = mlp_onnx(tmp_path / "m.onnx")
+    spec = CalibrationSpec(DataSpec("x.npz", 8), method=CalibrationMethod.MAX)  # "auto": ModelOpt's for TensorRT
+    result = precision.to_int8(model, fp32_sha=sha256_file(model), calibration=mlp_samples(8), data_digest="d",
+                               spec=spec, out_path=tmp_path / "int8.onnx", cache_dir=tmp_path / "cache",
+                               runtime=TensorRTRuntime.name, log_file=None)
+    assert result.recipe is Int8Recipe.ONNXRUNTIME and result.settings["instead_of"] == "modelopt.onnx.quantization"
+    assert zero_points(tmp_path / "int8.onnx") == ({TensorProto.INT8}, {TensorProto.INT8}, {0})
