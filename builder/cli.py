@@ -103,6 +103,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="with --calibration: entropy | max (default: entropy)")
     build.add_argument("--calibration-samples", type=int, default=None,
                        help=f"with --calibration: samples used at most (default: {CALIBRATION_SAMPLES})")
+    build.add_argument("--int8-recipe", default=None,
+                       help="with --calibration: auto (by runtime and model class, the default) | modelopt | "
+                            "onnxruntime | onnxruntime-dynamic")
     build.add_argument("--eval-data", type=Path,
                        help="held-out .npz, or module:function (default: last quarter of --calibration)")
     build.add_argument("--max-batch", type=int, default=None,

@@ -34,7 +34,7 @@ from builder.spec.names import variant_name
 from builder.spec.settings import default_cache_dir
 from builder.spec.shapes import Level, ModelShapes, for_model
 from builder.spec.tuned import TunedServing
-from builder.steps import cleanup, onnx_model, precision, samples, speed
+from builder.steps import cleanup, int8_recipe, onnx_model, precision, samples, speed
 from builder.steps.cleanup import SlimReport
 from builder.steps.context import EVAL_BATCH, LevelSamples, ModelContext, VariantContext
 from builder.steps.results import VariantResult
@@ -202,21 +202,35 @@ def spec_fields(spec: ModelSpec) -> dict[str, str]:
     return {name: _digest(value)[:16] for name, value in sorted(raw.items()) if name not in _PER_PRECISION}
 
 
-def precision_settings(spec: ModelSpec, prec: Precision) -> dict[str, Any]:
+def precision_settings(spec: ModelSpec, prec: Precision, int8: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """What only this precision's variant depends on: its tolerance and, for INT8, the calibration settings
-    (the data itself is in the inputs every variant shares: FP16 measures its ranges on it too)."""
+    (the data itself is in the inputs every variant shares: FP16 measures its ranges on it too) and the recipe
+    `int8` the graph and runtime decide (int8_key)."""
     settings: dict[str, Any] = {"tolerance": asdict(spec.tolerance(prec))}
     if prec is not Precision.FP32:
         settings["guard"] = spec.guard
     if prec is Precision.INT8 and spec.calibration is not None:
         settings["calibration"] = {k: v for k, v in asdict(spec.calibration).items() if k != "data"}
+        if int8 is not None:
+            settings["int8_recipe"] = dict(int8)
     recorded: dict[str, Any] = json.loads(json.dumps(settings, sort_keys=True, default=str))  # as build.json holds it
     return recorded
 
 
-def variant_inputs(spec: ModelSpec, shared: Mapping[str, Any]) -> dict[Precision, dict[str, Any]]:
+def variant_inputs(spec: ModelSpec, shared: Mapping[str, Any],
+                   int8: Mapping[str, Any] | None = None) -> dict[Precision, dict[str, Any]]:
     """Each variant's inputs: what every variant shares and its own settings; its digest is its build key."""
-    return {prec: {**shared, "settings": precision_settings(spec, prec)} for prec in spec.precisions}
+    return {prec: {**shared, "settings": precision_settings(spec, prec, int8)} for prec in spec.precisions}
+
+
+def int8_key(spec: ModelSpec, fp32_path: Path, runtime: str) -> dict[str, Any] | None:
+    """The INT8 recipe the graph and the runtime decide (steps/int8_recipe.py), as the INT8 variant's build key
+    holds it: a new runtime or class rebuilds that variant. None without an INT8 variant."""
+    if Precision.INT8 not in spec.precisions or spec.calibration is None:
+        return None
+    choice = int8_recipe.choose_for(fp32_path, spec.calibration.recipe, runtime)
+    return {"recipe": choice.recipe.value, "class": choice.model_class.value,
+            "as_given": precision.already_quantized(fp32_path) is not None}
 
 
 def _stale(spec: ModelSpec, repository: Path, keys: Mapping[Precision, str]) -> list[Precision]:
@@ -309,7 +323,7 @@ def build_model(spec: ModelSpec, options: BuildOptions, staging: Staging) -> Mod
                          "runtime": {"name": options.runtime.name, **options.runtime.identity()},
                          "recipe": precision.RECIPE_VERSION, "tools": tool_versions()}
         key = _digest(inputs_record)
-        per_variant = variant_inputs(spec, inputs_record)
+        per_variant = variant_inputs(spec, inputs_record, int8_key(spec, fp32_path, options.runtime.name))
         keys = {prec: _digest(record) for prec, record in per_variant.items()}
         stale = list(spec.precisions) if options.force else _stale(spec, options.repository, keys)
         if not stale:

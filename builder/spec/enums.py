@@ -23,10 +23,15 @@ class CalibrationMethod(Choice):
 
 
 class Int8Recipe(Choice):
+    # Chosen per build by the runtime and the model's class (steps/int8_recipe.py).
+    AUTO = "auto"
     # Symmetric INT8 Q/DQ, the form TensorRT builds strongly typed.
     MODELOPT = "modelopt"
-    # Per-channel U8S8 Q/DQ, the form ONNX Runtime's CPU kernels fuse.
+    # ONNX Runtime's static per-channel Q/DQ: U8S8 (the form its CPU kernels fuse) for ONNX Runtime on the CPU,
+    # symmetric S8S8 for TensorRT.
     ONNXRUNTIME = "onnxruntime"
+    # ONNX Runtime's dynamic quantization (int8 weights, activations quantized at run time): ORT CPU only.
+    ONNXRUNTIME_DYNAMIC = "onnxruntime-dynamic"
 
 
 class ServingBackend(Choice):

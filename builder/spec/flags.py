@@ -35,6 +35,7 @@ class BuildFlags:
     calibration: Path | None = None
     calibration_method: str | None = None
     calibration_samples: int | None = None
+    int8_recipe: str | None = None
     eval_data: Path | None = None
     max_batch: int | None = None
     dim: Sequence[str] = ()  # NAME=MIN:OPT:MAX each
@@ -50,7 +51,8 @@ class BuildFlags:
 # The flag that fills each key of the table; keys per input, per dim and calibration's are named in FlagKeys.at.
 _FLAGS = {"name": "--name", "onnx": "--onnx", "precisions": "--precision", "task": "--task", "batch": "--max-batch",
           "no_batch": "--no-batch", "evaluation": "--eval-data", "calibration": "--calibration"}
-_CALIBRATION = {"source": "--calibration", "samples": "--calibration-samples", "method": "--calibration-method"}
+_CALIBRATION = {"source": "--calibration", "samples": "--calibration-samples", "method": "--calibration-method",
+                "recipe": "--int8-recipe"}
 _RANGE_FLAGS = {"--min-shapes": "min", "--opt-shapes": "opt", "--max-shapes": "max"}
 
 
@@ -92,7 +94,8 @@ def model_table(flags: BuildFlags) -> tuple[dict[str, Any], FlagKeys]:
     Raises ManifestError for flag syntax, and for what a table cannot hold."""
     if flags.calibration is None:
         alone = [flag for flag, value in (("--calibration-method", flags.calibration_method),
-                                          ("--calibration-samples", flags.calibration_samples)) if value is not None]
+                                          ("--calibration-samples", flags.calibration_samples),
+                                          ("--int8-recipe", flags.int8_recipe)) if value is not None]
         if alone:  # they would be dropped without a word: there is nothing to calibrate on
             raise ManifestError(f"{'/'.join(alone)}: only with --calibration FILE.npz")
     precisions = flags.precision or ("fp32,fp16,int8" if flags.calibration is not None else "fp32,fp16")
@@ -115,6 +118,7 @@ def model_table(flags: BuildFlags) -> tuple[dict[str, Any], FlagKeys]:
             "source": str(flags.calibration),
             "samples": CALIBRATION_SAMPLES if flags.calibration_samples is None else flags.calibration_samples,
             "method": "entropy" if flags.calibration_method is None else flags.calibration_method,
+            **({} if flags.int8_recipe is None else {"recipe": flags.int8_recipe}),
         }
     if flags.eval_data is not None:
         source = str(flags.eval_data)

@@ -44,7 +44,7 @@ class DataSpec:
 class CalibrationSpec:
     data: DataSpec
     method: CalibrationMethod = CalibrationMethod.ENTROPY
-    recipe: Int8Recipe = Int8Recipe.MODELOPT
+    recipe: Int8Recipe = Int8Recipe.AUTO
     op_types_to_quantize: tuple[str, ...] = ()
     nodes_to_exclude: tuple[str, ...] = ()
     nodes_to_quantize: tuple[str, ...] = ()  # set by the accuracy guard's per-node sensitivity runs

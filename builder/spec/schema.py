@@ -218,8 +218,9 @@ class CalibrationTable(DataTable):
 
     model_config = ConfigDict(title="[model.calibration]")
     method: MethodName = CalibrationMethod.ENTROPY
-    recipe: Annotated[RecipeName, Field(description="modelopt: TensorRT's Q/DQ; onnxruntime: ORT CPU's")] = (
-        Int8Recipe.MODELOPT)
+    recipe: Annotated[RecipeName, Field(description=(
+        "auto: by runtime and model class; modelopt: TensorRT's Q/DQ; onnxruntime: ORT's static Q/DQ; "
+        "onnxruntime-dynamic: ORT CPU's dynamic quantization"))] = Int8Recipe.AUTO
     op_types_to_quantize: list[NonEmpty] = []
     nodes_to_exclude: list[NonEmpty] = []
 

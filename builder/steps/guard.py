@@ -33,7 +33,7 @@ from builder.runtimes.base import feeds as sample_feeds
 from builder.runtimes.onnxruntime import ort_throughput, run_file
 from builder.spec.enums import GuardSensitivity, Precision, Task
 from builder.spec.model import CalibrationSpec, Tolerance
-from builder.steps import accuracy, precision
+from builder.steps import accuracy, int8_recipe, precision
 from builder.steps.accuracy import Metrics
 from builder.steps.resources import peak_rss_mib
 from builder.steps.sensitivity import FIGURES, SensitivityRecord, one_pass
@@ -67,11 +67,18 @@ class GuardResult:
     ranking: SensitivityRecord | None = None
 
 
+# Dynamic quantization's integer ops, named after the float node they replace plus this suffix.
+_DYNAMIC_OPS = frozenset({"MatMulInteger", "ConvInteger"})
+_DYNAMIC_SUFFIX = "_quant"
+
+
 def quantized_nodes(model: onnx.ModelProto) -> list[str]:
-    """Compute nodes fed by a DequantizeLinear: the nodes this quantization touched, in graph order."""
+    """The nodes this quantization touched, in graph order, by the names the quantizer excludes them by: compute
+    nodes fed by a DequantizeLinear (Q/DQ), or the float nodes dynamic quantization replaced by integer ops."""
     dq_outputs = {n.output[0] for n in model.graph.node if n.op_type == "DequantizeLinear"}
-    return [n.name for n in model.graph.node
-            if n.op_type not in _QDQ and n.name and any(i in dq_outputs for i in n.input)]
+    return [n.name.removesuffix(_DYNAMIC_SUFFIX) if n.op_type in _DYNAMIC_OPS else n.name for n in model.graph.node
+            if n.name and (n.op_type in _DYNAMIC_OPS
+                           or (n.op_type not in _QDQ and any(i in dq_outputs for i in n.input)))]
 
 
 def guard(
@@ -217,11 +224,12 @@ def throughput(path: Path, evaluation: Mapping[str, NDArray[Any]], seconds: floa
 
 
 def make_quantizer(fp32_path: Path, fp32_sha: str, calibration: Mapping[str, NDArray[Any]], calib_digest: str,
-                   cache_dir: Path, what: str = "", *,
+                   cache_dir: Path, what: str = "", *, runtime: str = int8_recipe.CPU_RUNTIME,
                    log_file: Path | None) -> Callable[[CalibrationSpec, Path], None]:
     def quantize(spec: CalibrationSpec, out: Path) -> None:
         precision.to_int8(fp32_path, fp32_sha=fp32_sha, calibration=calibration, data_digest=calib_digest,
-                          spec=spec, out_path=out, cache_dir=cache_dir, what=what, log_file=log_file)
+                          spec=spec, out_path=out, cache_dir=cache_dir, what=what, runtime=runtime,
+                          log_file=log_file)
 
     return quantize
 
@@ -262,7 +270,8 @@ def guard_int8(*, fp32_path: Path, fp32_sha: str, calibration: Mapping[str, NDAr
                work: Path, fp16_feeds: Sequence[Mapping[str, NDArray[Any]]], what: str, log_file: Path | None,
                batch_size: int | None = 16,
                method: GuardSensitivity = GuardSensitivity.ONE_PASS,
-               measure: Callable[[Path], Metrics] | None = None) -> GuardReport:
+               measure: Callable[[Path], Metrics] | None = None,
+               runtime: str = int8_recipe.CPU_RUNTIME) -> GuardReport:
     """Replace variant_onnx by the guarded INT8 mix, or by FP16 when none meets the tolerance. `measure`:
     how the gate scores a candidate (all its shape levels), so the search's pick is the one the gate passes."""
     plain = work / "int8_plain.onnx"
@@ -270,7 +279,7 @@ def guard_int8(*, fp32_path: Path, fp32_sha: str, calibration: Mapping[str, NDAr
     search_dir = work / "guard"
     search_dir.mkdir(exist_ok=True)
     quantize = make_quantizer(fp32_path, fp32_sha, calibration, calibration_digest, cache_dir, what,
-                              log_file=log_file)
+                              runtime=runtime, log_file=log_file)
     result, guarded = guard(quantize, spec=spec, plain=plain, evaluation=evaluation, reference=reference,
                             task=task, tolerance=tolerance, work=search_dir, batch_size=batch_size,
                             method=method, fp32=fp32_path, measure=measure)

@@ -21,7 +21,7 @@ import traceback
 import warnings
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,8 @@ from builder.runtimes.onnxruntime import ORT_ERRORS
 from builder.spec.enums import CalibrationMethod, Int8Recipe
 from builder.spec.model import CalibrationSpec
 from builder.spec.settings import default_cache_dir
-from builder.steps import onnx_model
+from builder.steps import int8_recipe, onnx_model
+from builder.steps.int8_recipe import CPU_RUNTIME
 from common import progress
 
 log = logging.getLogger(__name__)
@@ -53,8 +54,34 @@ class CalibrationResult:
     samples: int
     cache_key: str
     cached: bool  # reused from the calibration cache
-    quantize_linear_nodes: int
+    quantize_linear_nodes: int  # QuantizeLinear, or DynamicQuantizeLinear for dynamic quantization
     settings: dict[str, object]  # the tool and the options it ran with, as recorded in build.json
+    # The settings the recipe that made it ran with (the recipe chosen for "auto", its op types and the nodes it
+    # left in float): what the accuracy guard's candidates are quantized with. None: nothing was quantized.
+    spec: CalibrationSpec | None = None
+
+
+@dataclass(frozen=True)
+class OrtForm:
+    """The integer types ONNX Runtime's static recipe writes, by the runtime that runs the graph."""
+
+    activations: str  # QuantType member name
+    weights: str
+    symmetric_activations: bool
+
+    def activations_text(self) -> str:
+        return f"{self.activations} ({'symmetric' if self.symmetric_activations else 'asymmetric'})"
+
+    def record(self) -> str:
+        return f"activations {self.activations_text()}, weights {self.weights} (symmetric)"
+
+
+def ort_form(runtime: str) -> OrtForm:
+    """U8S8 for ONNX Runtime on the CPU (the form its kernels fuse); symmetric S8S8 elsewhere: TensorRT (and ONNX
+    Runtime's TensorRT provider on a GPU) takes only int8 Q/DQ with zero points of 0."""
+    if runtime == CPU_RUNTIME:
+        return OrtForm("QUInt8", "QInt8", False)
+    return OrtForm("QInt8", "QInt8", True)
 
 
 # Failures of the tools a variant is made with that mean "this model or these settings do not work
@@ -271,7 +298,7 @@ def to_fp16(fp32_path: Path, out_path: Path, *, feeds: Sequence[Mapping[str, NDA
     return settings.record()
 
 
-def calibration_key(fp32_sha: str, data_digest: str, spec: CalibrationSpec) -> str:
+def calibration_key(fp32_sha: str, data_digest: str, spec: CalibrationSpec, runtime: str = CPU_RUNTIME) -> str:
     payload = {
         "onnx": fp32_sha,
         "data": data_digest,
@@ -280,6 +307,8 @@ def calibration_key(fp32_sha: str, data_digest: str, spec: CalibrationSpec) -> s
         "op_types_to_quantize": list(spec.op_types_to_quantize),
         "nodes_to_exclude": list(spec.nodes_to_exclude),
         "nodes_to_quantize": list(spec.nodes_to_quantize),
+        # ONNX Runtime's static recipe writes other types for other runtimes (ort_form).
+        "form": ort_form(runtime).record() if spec.recipe is Int8Recipe.ONNXRUNTIME else None,
         "modelopt": version("nvidia-modelopt"),
         "onnxruntime": version("onnxruntime"),
         "recipe_version": RECIPE_VERSION,
@@ -297,63 +326,109 @@ def to_int8(
     out_path: Path,
     cache_dir: Path,
     what: str = "",
+    runtime: str = CPU_RUNTIME,
     log_file: Path | None,
 ) -> CalibrationResult:
-    """INT8 Q/DQ by post-training quantization (ModelOpt or ONNX Runtime); reuses a cached result.
-    `what` names the model in errors (default: the file's name); a tool's full output goes to `log_file`
-    (failure_log).
+    """INT8 by post-training quantization (ModelOpt's Q/DQ, ONNX Runtime's static Q/DQ or its dynamic
+    quantization); reuses a cached result. `runtime` (a Runtime.name) is what will run the graph: it decides the
+    recipe for "auto" (steps/int8_recipe.py) and the integer types of ONNX Runtime's static recipe. `what` names
+    the model in errors (default: the file's name); a tool's full output goes to `log_file` (failure_log).
 
     Where ModelOpt fails on the model (a graph its loader rejects, custom ops it hands to TensorRT), ONNX
-    Runtime's recipe is tried instead, with one warning line; build.json records which ran and why."""
+    Runtime's static recipe is tried instead; where a recipe chosen for "auto" fails, ModelOpt's: each with one
+    warning line; build.json records which ran and why."""
     what = what or fp32_path.name
     quantized = already_quantized(fp32_path)
     if quantized is not None:
         # Nothing left to calibrate: the INT8 variant is the model as given (the gate and the speed check
         # still judge it), said in one line and recorded.
-        log.warning("%s: the model is already quantized (%s) with no float Conv/MatMul/Gemm left; the INT8 "
-                    "variant is the model as given (the FP32 graph itself)", what, quantized)
+        log.warning("%s: the model is already quantized (%s); the INT8 variant is the model as given (the FP32 "
+                    "graph itself)", what, quantized)
         onnx_files.copy_model(fp32_path, out_path)
         return CalibrationResult(spec.recipe, spec.method, 0, "", False, 0,
                                  {"tool": None, "as_given": True, "why": f"already quantized ({quantized})"})
+    graph = onnx.load(str(fp32_path), load_external_data=False)
+    choice = int8_recipe.choose(graph, spec.recipe, runtime)
+    chosen = int8_recipe.apply(choice, spec, graph)
+    del graph
+    if choice.chosen:
+        log.info("%s: %s", what, choice.line())
 
     def quantize(with_spec: CalibrationSpec) -> CalibrationResult:
-        return _to_int8(fp32_path, fp32_sha=fp32_sha, calibration=calibration, data_digest=data_digest,
-                        spec=with_spec, out_path=out_path, cache_dir=cache_dir, what=what, log_file=log_file)
+        result = _to_int8(fp32_path, fp32_sha=fp32_sha, calibration=calibration, data_digest=data_digest,
+                          spec=with_spec, out_path=out_path, cache_dir=cache_dir, what=what, runtime=runtime,
+                          log_file=log_file)
+        return replace(result, settings={**result.settings, "recipe_choice": choice.record()})
 
     try:
-        return quantize(spec)
+        return quantize(chosen)
     except QuantizationFailed as exc:
-        if spec.recipe is not Int8Recipe.MODELOPT:
+        if chosen.recipe is Int8Recipe.MODELOPT:
+            fallback = replace(spec, recipe=Int8Recipe.ONNXRUNTIME)
+        elif choice.chosen:  # a recipe chosen for "auto" failed: ModelOpt's, the one "auto" took before
+            fallback = replace(spec, recipe=Int8Recipe.MODELOPT)
+        else:
             raise
         first = exc
-    log.debug("%s; trying ONNX Runtime's INT8 recipe", first)
-    fallback = replace(spec, recipe=Int8Recipe.ONNXRUNTIME)
+    log.debug("%s; trying %s", first, _RECIPE_NAMES[fallback.recipe])
     why = reason(first, what)
     try:
         result = quantize(fallback)
     except QuantizationFailed as exc:
         second = reason(exc, what)
-        raise ToolError(f"{what}: {why}; ONNX Runtime's INT8 recipe neither: {second} "
+        raise ToolError(f"{what}: {why}; {_RECIPE_NAMES[fallback.recipe]} (INT8) neither: {second} "
                         f"(full output: {exc.record})") from exc
-    log.warning("%s: %s; the INT8 variant is ONNX Runtime's recipe instead", what, why)
-    return replace(result, settings={**result.settings, "instead_of": "modelopt.onnx.quantization", "why": why})
+    log.warning("%s: %s; the INT8 variant is %s instead", what, why, _RECIPE_NAMES[fallback.recipe])
+    return replace(result, settings={**result.settings, "instead_of": _TOOLS[chosen.recipe], "why": why})
 
+
+_RECIPE_NAMES = {Int8Recipe.MODELOPT: "ModelOpt's recipe", Int8Recipe.ONNXRUNTIME: "ONNX Runtime's recipe",
+                 Int8Recipe.ONNXRUNTIME_DYNAMIC: "ONNX Runtime's dynamic quantization"}
+_TOOLS = {Int8Recipe.MODELOPT: "modelopt.onnx.quantization",
+          Int8Recipe.ONNXRUNTIME: "onnxruntime.quantization.quantize_static",
+          Int8Recipe.ONNXRUNTIME_DYNAMIC: "onnxruntime.quantization.quantize_dynamic"}
 
 # Ops that compute in integers (dynamic or static quantization already applied), and the float ops INT8 targets.
 _QUANTIZED_OPS = frozenset({"ConvInteger", "MatMulInteger", "QLinearConv", "QLinearMatMul", "DynamicQuantizeLSTM",
                             "DynamicQuantizeMatMul", "MatMulIntegerToFloat", "QGemm", "QAttention"})
-_FLOAT_COMPUTE_OPS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm", "LSTM", "GRU", "Attention"})
+_FLOAT_COMPUTE_OPS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm", "LSTM", "GRU", "Attention", "Einsum",
+                                "FusedMatMul"})
+# Ops between a DequantizeLinear and the compute op it feeds in Q/DQ graphs (a weight's layout change).
+_DQ_PATH = frozenset({"Transpose", "Reshape", "Cast", "Identity", "Unsqueeze", "Squeeze", "Flatten"})
 
 
 def already_quantized(fp32_path: Path) -> str | None:
-    """What makes the graph an already quantized one (its integer compute ops, counted) where it has no float
-    Conv/MatMul/Gemm left to quantize (subgraphs included); None otherwise."""
+    """What makes the graph an already quantized one, in words; None otherwise (subgraphs included): integer
+    compute ops with no float Conv/MatMul/Gemm left to quantize, or Q/DQ, i.e. float compute ops that take
+    DequantizeLinear outputs (their weights or activations quantized by whoever made the model: quantizing
+    again would stack a second Q/DQ on the first)."""
     model = onnx.load(str(fp32_path), load_external_data=False)
-    counts = Counter(node.op_type for node in onnx_model.all_nodes(model.graph))
+    nodes = list(onnx_model.all_nodes(model.graph))
+    counts = Counter(node.op_type for node in nodes)
     integer = {op: n for op, n in counts.items() if op in _QUANTIZED_OPS}
-    if not integer or any(op in _FLOAT_COMPUTE_OPS for op in counts):
+    if integer and not any(op in _FLOAT_COMPUTE_OPS for op in counts):
+        listed = ", ".join(f"{n} {op}" for op, n in sorted(integer.items(), key=lambda kv: (-kv[1], kv[0])))
+        return f"{listed}, no float Conv/MatMul/Gemm left"
+    producers = {out: node for node in nodes for out in node.output if out}
+
+    def dequantized(tensor: str) -> bool:
+        for _ in range(8):
+            node = producers.get(tensor)
+            if node is None:
+                return False
+            if node.op_type == "DequantizeLinear":
+                return True
+            if node.op_type not in _DQ_PATH or not node.input:
+                return False
+            tensor = node.input[0]
+        return False
+
+    compute = [node for node in nodes if node.op_type in _FLOAT_COMPUTE_OPS]
+    fed = [node for node in compute if any(dequantized(t) for t in node.input if t)]
+    if not fed:
         return None
-    return ", ".join(f"{n} {op}" for op, n in sorted(integer.items(), key=lambda kv: (-kv[1], kv[0])))
+    return (f"Q/DQ: {counts['QuantizeLinear']} QuantizeLinear, {counts['DequantizeLinear']} DequantizeLinear; "
+            f"{len(fed)} of {len(compute)} {'/'.join(sorted({n.op_type for n in compute}))} take dequantized inputs")
 
 
 def reason(exc: BaseException, what: str) -> str:
@@ -371,9 +446,9 @@ class QuantizationFailed(ToolError):
 
 
 def _to_int8(fp32_path: Path, *, fp32_sha: str, calibration: Mapping[str, NDArray[Any]], data_digest: str,
-             spec: CalibrationSpec, out_path: Path, cache_dir: Path, what: str,
+             spec: CalibrationSpec, out_path: Path, cache_dir: Path, what: str, runtime: str,
              log_file: Path | None) -> CalibrationResult:
-    key = calibration_key(fp32_sha, data_digest, spec)
+    key = calibration_key(fp32_sha, data_digest, spec, runtime)
     samples = len(next(iter(calibration.values())))
     settings: dict[str, object] = {
         "recipe": spec.recipe,
@@ -383,15 +458,23 @@ def _to_int8(fp32_path: Path, *, fp32_sha: str, calibration: Mapping[str, NDArra
         "nodes_to_exclude": list(spec.nodes_to_exclude),
     }
     if spec.recipe is Int8Recipe.MODELOPT:
-        settings.update(tool="modelopt.onnx.quantization", high_precision_dtype="fp32", calibration_eps=["cpu"])
+        settings.update(tool=_TOOLS[spec.recipe], high_precision_dtype="fp32", calibration_eps=["cpu"])
+    elif spec.recipe is Int8Recipe.ONNXRUNTIME:
+        form = ort_form(runtime)
+        settings.update(tool=_TOOLS[spec.recipe], format="QDQ", per_channel=True, runtime=runtime,
+                        activations=form.activations_text(), weights=f"{form.weights} (symmetric)")
+    elif spec.recipe is Int8Recipe.ONNXRUNTIME_DYNAMIC:
+        # No calibration: activations are quantized at run time (the samples still key the cache and gate it).
+        settings.update(tool=_TOOLS[spec.recipe], per_channel=True, weights="QInt8 (symmetric, per channel)",
+                        activations="QUInt8, quantized at run time", gemm_as_matmul=True)
+        settings.pop("method")
     else:
-        settings.update(tool="onnxruntime.quantization.quantize_static", format="QDQ", per_channel=True,
-                        activations="uint8 (asymmetric)", weights="int8 (symmetric)")
+        raise AssertionError(f"INT8 recipe {spec.recipe} reached the quantizer unresolved")
     cached = cache_dir / "calibration" / f"{key}.onnx"
     if cached.is_file():
         log.debug("INT8: reusing calibration %s (inputs unchanged)", key[:12])
         onnx_files.copy_model(cached, out_path)
-        return CalibrationResult(spec.recipe, spec.method, samples, key, True, _count_q(out_path), settings)
+        return CalibrationResult(spec.recipe, spec.method, samples, key, True, _count_q(out_path), settings, spec)
     log.debug("INT8: calibrating on %d samples (%s, %s recipe)", samples, spec.method, spec.recipe)
     with progress.task(f"INT8 calibration: {samples} samples, {spec.method}, {spec.recipe}"), \
             tempfile.TemporaryDirectory(prefix="trtbuild-int8-") as tmp, _quiet() as sink:
@@ -400,8 +483,8 @@ def _to_int8(fp32_path: Path, *, fp32_sha: str, calibration: Mapping[str, NDArra
         try:
             # In the temporary folder: see to_fp16 (files ONNX Runtime's shape inference leaves behind).
             with contextlib.chdir(tmp):
-                if spec.recipe is Int8Recipe.ONNXRUNTIME:
-                    _quantize_ort(fp32_path, calibration, spec, Path(tmp), tmp_out)
+                if spec.recipe is not Int8Recipe.MODELOPT:
+                    _quantize_ort(fp32_path, calibration, spec, Path(tmp), tmp_out, runtime)
                 else:
                     _quantize_modelopt(fp32_path, calibration, spec, tmp_out)
         except Exception as exc:
@@ -415,19 +498,26 @@ def _to_int8(fp32_path: Path, *, fp32_sha: str, calibration: Mapping[str, NDArra
             raise QuantizationFailed(f"{what}: INT8 calibration ({spec.recipe}) failed: {cause} "
                                      f"(full output: {record})", record) from exc
         quantized = onnx_files.load(tmp_out)
-        qdq = sum(1 for n in quantized.graph.node if n.op_type == "QuantizeLinear")
+        qdq = sum(1 for n in quantized.graph.node if n.op_type in _QUANTIZE_OPS)
+        del quantized
         if qdq == 0 and not spec.nodes_to_quantize:
-            log.warning("INT8: %s quantized no node of %s (ModelOpt skips GEMV-shaped and small MatMuls); "
-                        "the int8 variant computes in FP32", spec.recipe, fp32_path.name)
+            hint = " (ModelOpt skips GEMV-shaped and small MatMuls)" if spec.recipe is Int8Recipe.MODELOPT else ""
+            log.warning("INT8: %s quantized no node of %s%s; the int8 variant computes in FP32", spec.recipe,
+                        fp32_path.name, hint)
         # With the data file ModelOpt writes beside a model over 2 GB.
         cached.parent.mkdir(parents=True, exist_ok=True)
         onnx_files.copy_model(tmp_out, cached)
         onnx_files.copy_model(tmp_out, out_path)
-    return CalibrationResult(spec.recipe, spec.method, samples, key, False, qdq, settings)
+    return CalibrationResult(spec.recipe, spec.method, samples, key, False, qdq, settings, spec)
+
+
+# What a quantized graph's quantized tensors are counted by: static Q/DQ's, dynamic quantization's.
+_QUANTIZE_OPS = frozenset({"QuantizeLinear", "DynamicQuantizeLinear"})
 
 
 def _count_q(path: Path) -> int:
-    return sum(1 for n in onnx.load(str(path)).graph.node if n.op_type == "QuantizeLinear")
+    model = onnx.load(str(path), load_external_data=False)
+    return sum(1 for n in model.graph.node if n.op_type in _QUANTIZE_OPS)
 
 
 def _quantize_modelopt(fp32_path: Path, calibration: Mapping[str, NDArray[Any]], spec: CalibrationSpec,
@@ -490,7 +580,7 @@ class _WholeSamples:
 
 
 def _quantize_ort(fp32_path: Path, calibration: Mapping[str, NDArray[Any]], spec: CalibrationSpec,
-                  tmp: Path, out: Path) -> None:
+                  tmp: Path, out: Path, runtime: str) -> None:
     """Run ONNX Runtime's quantizer in a fresh interpreter: importing ModelOpt patches ORT's
     quantization classes in place (modelopt/onnx/quantization/ort_patching.py), after which
     quantize_static fails or changes behaviour in the same process. A subprocess (rather than a
@@ -500,6 +590,8 @@ def _quantize_ort(fp32_path: Path, calibration: Mapping[str, NDArray[Any]], spec
     job = tmp / "job.json"
     job.write_text(json.dumps({"fp32": str(fp32_path), "samples": str(samples), "tmp": str(tmp), "out": str(out),
                                "method": spec.method.value, "op_types_to_quantize": list(spec.op_types_to_quantize),
+                               "dynamic": spec.recipe is Int8Recipe.ONNXRUNTIME_DYNAMIC,
+                               "form": asdict(ort_form(runtime)),
                                "nodes_to_exclude": list(spec.nodes_to_exclude),
                                "nodes_to_quantize": list(spec.nodes_to_quantize),
                                "external": onnx_files.has_external_data(fp32_path),
@@ -536,12 +628,23 @@ class QuantizerFailed(Exception):
         self.output = output
 
 
+def _rewrite_for_ort(prepared: Path, *, dynamic: bool) -> None:
+    """int8_recipe's rewrites of the pre-processed graph, in place: Gemm biases made 1-D (its optimizer writes
+    MatMul + Add as a Gemm with a [1, N] bias), and for dynamic quantization Gemms made MatMuls."""
+    model = onnx.load(str(prepared))
+    changed = int8_recipe.flatten_gemm_bias(model) + (int8_recipe.gemm_as_matmul(model) if dynamic else 0)
+    if changed:
+        onnx_files.save(model, prepared)
+
+
 def _ort_quantize_worker(job_path: str) -> None:
-    """Per-channel U8S8 Q/DQ: the form ONNX Runtime's CPU kernels fuse (QLinearConv, MatMulInteger)."""
+    """Per-channel Q/DQ, U8S8 (the form ONNX Runtime's CPU kernels fuse: QLinearConv, QLinearMatMul) or symmetric
+    S8S8 (TensorRT's) by the job's form; or dynamic quantization (MatMulInteger, per-channel int8 weights)."""
     from onnxruntime.quantization import (
         CalibrationDataReader,
         QuantFormat,
         QuantType,
+        quantize_dynamic,
         quantize_static,
     )
     from onnxruntime.quantization import (
@@ -552,12 +655,24 @@ def _ort_quantize_worker(job_path: str) -> None:
     job = json.loads(Path(job_path).read_text())
     with np.load(job["samples"]) as archive:
         calibration = {k: archive[k] for k in archive.files}
-    prepared = str(Path(job["tmp"]) / "prepared.onnx")
+    dynamic = bool(job.get("dynamic"))
+    prepared = Path(job["tmp"]) / "prepared.onnx"
     # A model with its weights beside it (over 2 GB) stays so: ORT's pre-processing otherwise reads the
     # data file from its own temporary folder, where it is not, and writes a message protobuf cannot hold.
+    # Dynamic quantization: shape inference only, so that the nodes a guard excludes keep their names.
     external = bool(job.get("external"))
-    quant_pre_process(job["fp32"], prepared, skip_symbolic_shape=True, save_as_external_data=external,
-                      all_tensors_to_one_file=True, external_data_location="prepared.onnx.data" if external else None)
+    quant_pre_process(job["fp32"], str(prepared), skip_optimization=dynamic, skip_symbolic_shape=True,
+                      save_as_external_data=external, all_tensors_to_one_file=True,
+                      external_data_location=onnx_files.data_file(prepared).name if external else None)
+    _rewrite_for_ort(prepared, dynamic=dynamic)
+    external = onnx_files.has_external_data(prepared)
+    op_types = list(dict.fromkeys("MatMul" if op == "Gemm" and dynamic else op for op in job["op_types_to_quantize"]))
+    if dynamic:
+        quantize_dynamic(str(prepared), job["out"], op_types_to_quantize=op_types or None, per_channel=True,
+                         weight_type=QuantType.QInt8, nodes_to_exclude=job["nodes_to_exclude"] or None,
+                         nodes_to_quantize=job["nodes_to_quantize"] or None, use_external_data_format=external)
+        return
+    form = job["form"]
     count = len(next(iter(calibration.values())))
     whole = bool(job.get("whole"))  # one whole input per leading index (a model that does not batch)
 
@@ -578,19 +693,20 @@ def _ort_quantize_worker(job_path: str) -> None:
 
     with contextlib.redirect_stdout(io.StringIO()):  # ORT's calibrator prints its progress
         quantize_static(
-            prepared,
+            str(prepared),
             job["out"],
             Reader(),
             quant_format=QuantFormat.QDQ,
             per_channel=True,
-            activation_type=QuantType.QUInt8,
-            weight_type=QuantType.QInt8,
+            activation_type=QuantType[form["activations"]],
+            weight_type=QuantType[form["weights"]],
             calibrate_method=(OrtCalibrationMethod.Entropy if job["method"] == CalibrationMethod.ENTROPY.value
                              else OrtCalibrationMethod.MinMax),
-            op_types_to_quantize=job["op_types_to_quantize"] or None,
+            op_types_to_quantize=op_types or None,
             nodes_to_exclude=job["nodes_to_exclude"] or None,
             nodes_to_quantize=job["nodes_to_quantize"] or None,
             use_external_data_format=external,
+            extra_options={"ActivationSymmetric": form["symmetric_activations"], "WeightSymmetric": True},
         )
 
 

@@ -131,9 +131,18 @@ def node_tensors(fp32: onnx.ModelProto, candidate: onnx.ModelProto, nodes: Seque
             return None
         return _Pair(tensor, tensor)
 
+    candidate_tensors = set(produced) | {i.name for i in candidate.graph.input}
+    fp32_constant = _constants(fp32.graph)
     found: dict[str, NodeTensors] = {}
     for name in nodes:
         if name not in cand_nodes:
+            # Replaced under other names (dynamic quantization's MatMulInteger and its scale Mul, which writes the
+            # float node's output): by the tensors both graphs name alike.
+            original = fp32_nodes.get(name)
+            kept = tuple(_Pair(t, t) for t in original.output if t in candidate_tensors) if original else ()
+            if original is not None and kept:
+                found[name] = NodeTensors(kept, tuple(_Pair(t, t) for t in dict.fromkeys(original.input)
+                                                      if t in candidate_tensors and t not in fp32_constant))
             continue
         converted = cand_nodes[name]
         if name in fp32_nodes:  # by node name and output index

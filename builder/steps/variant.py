@@ -10,7 +10,6 @@ in a test given a context that holds what it reads.
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 from pathlib import Path
 from typing import Protocol
 
@@ -104,7 +103,7 @@ class MakePrecision:
             ctx.calibration = precision.to_int8(
                 model.fp32_path, fp32_sha=model.fp32_sha, calibration=model.calibration,
                 data_digest=model.calibration_digest, spec=calibration_spec, out_path=ctx.variant_onnx,
-                cache_dir=model.cache_dir, what=what(model), log_file=model.log_file)
+                cache_dir=model.cache_dir, what=what(model), runtime=ctx.runtime.name, log_file=model.log_file)
             ctx.settings = ctx.calibration.settings
 
 
@@ -214,12 +213,13 @@ class Guard:
         spec = model.spec
         assert spec.calibration is not None and model.calibration is not None
         assert model.calibration_digest is not None
-        # The recipe that made the plain INT8: ONNX Runtime's where ModelOpt's failed on this model (to_int8's
-        # fallback), so the guard's candidates do not run the failing recipe again, each with its warning.
-        recipe = ctx.calibration.recipe if ctx.calibration is not None else spec.calibration.recipe
+        # The settings that made the plain INT8: the recipe chosen for "auto" with its op types and the nodes it
+        # left in float, or the fallback's where the first recipe failed on this model (to_int8), so the guard's
+        # candidates do not run the failing recipe again, each with its warning.
+        done = ctx.calibration.spec if ctx.calibration is not None else None
         ctx.guard = guard_int8(
             fp32_path=model.fp32_path, fp32_sha=model.fp32_sha, calibration=model.calibration,
-            calibration_digest=model.calibration_digest, spec=replace(spec.calibration, recipe=recipe),
+            calibration_digest=model.calibration_digest, spec=done or spec.calibration, runtime=ctx.runtime.name,
             variant_onnx=ctx.variant_onnx,
             evaluation=model.evaluation, reference=model.reference, task=spec.task,
             tolerance=spec.tolerance(ctx.precision), cache_dir=model.cache_dir, work=model.work,

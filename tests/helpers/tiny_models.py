@@ -66,6 +66,94 @@ def sequence_onnx(path: Path, vocab: int = 50, width: int = 8, seed: int = 0) ->
     return path
 
 
+def _saved(graph: onnx.GraphProto, path: Path) -> Path:
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    onnx.checker.check_model(model)
+    onnx.save(model, str(path))
+    return path
+
+
+def encoder_onnx(path: Path, width: int = 32, seed: int = 0) -> Path:
+    """A one-layer attention encoder: x[batch, 4, width] → Q/K/V MatMuls → Q·Kᵀ (an activation x activation
+    MatMul) → Softmax → ·V → Reshape → Gemm (transB, a [1, width] bias, as exporters write it) → Reshape →
+    mean over the tokens → embedding[batch, width]."""
+    rng = np.random.default_rng(seed)
+
+    def weight(name: str) -> onnx.TensorProto:
+        return numpy_helper.from_array((rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32), name)
+
+    nodes = [
+        helper.make_node("MatMul", ["x", "wq"], ["q"], name="query"),
+        helper.make_node("MatMul", ["x", "wk"], ["k"], name="key"),
+        helper.make_node("MatMul", ["x", "wv"], ["v"], name="value"),
+        helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 2, 1], name="key_t"),
+        helper.make_node("MatMul", ["q", "kt"], ["scores"], name="scores"),
+        helper.make_node("Mul", ["scores", "scale"], ["scaled"], name="scale"),
+        helper.make_node("Softmax", ["scaled"], ["attention"], axis=-1, name="softmax"),
+        helper.make_node("MatMul", ["attention", "v"], ["context"], name="context"),
+        helper.make_node("Shape", ["x"], ["x_shape"], name="x_shape"),
+        helper.make_node("Reshape", ["context", "rows"], ["flat"], name="flatten"),
+        helper.make_node("Gemm", ["flat", "wo", "bo"], ["projected"], transB=1, name="output"),
+        helper.make_node("Reshape", ["projected", "x_shape"], ["y"], name="unflatten"),
+        helper.make_node("ReduceMean", ["y"], ["embedding"], axes=[1], keepdims=0, name="pool"),
+    ]
+    bias = (rng.standard_normal((1, width)) * 0.1).astype(np.float32)
+    graph = helper.make_graph(
+        nodes, "encoder",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", TOKENS, width])],
+        [helper.make_tensor_value_info("embedding", TensorProto.FLOAT, ["batch", width])],
+        initializer=[weight("wq"), weight("wk"), weight("wv"), weight("wo"), numpy_helper.from_array(bias, "bo"),
+                     numpy_helper.from_array(np.array(1 / np.sqrt(width), np.float32), "scale"),
+                     numpy_helper.from_array(np.array([-1, width], np.int64), "rows")],
+    )
+    return _saved(graph, path)
+
+
+def encoder_samples(count: int, width: int = 32, seed: int = 0) -> dict[str, np.ndarray]:
+    return {"x": np.random.default_rng(seed).standard_normal((count, TOKENS, width)).astype(np.float32)}
+
+
+CNN_SIDE = 16
+
+
+def cnn_onnx(path: Path, seed: int = 0) -> Path:
+    """image[batch, 3, 16, 16] → Conv 3x3 → Relu → depthwise Conv 3x3 (`depthwise`) → Relu → Conv 1x1 → Relu →
+    GlobalAveragePool → Flatten → Gemm (a [1, 10] bias) → logits[batch, 10]."""
+    rng = np.random.default_rng(seed)
+
+    def array(*shape: int, scale: float = 1.0) -> NDArray[np.float32]:
+        fan_in = int(np.prod(shape[1:])) if len(shape) > 1 else 1
+        return (rng.standard_normal(shape) * scale / np.sqrt(fan_in)).astype(np.float32)
+
+    nodes = [
+        helper.make_node("Conv", ["image", "w1", "b1"], ["c1"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], name="stem"),
+        helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+        helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], group=16,
+                         name="depthwise"),
+        helper.make_node("Relu", ["c2"], ["r2"], name="relu2"),
+        helper.make_node("Conv", ["r2", "w3", "b3"], ["c3"], kernel_shape=[1, 1], name="pointwise"),
+        helper.make_node("Relu", ["c3"], ["r3"], name="relu3"),
+        helper.make_node("GlobalAveragePool", ["r3"], ["pooled"], name="pool"),
+        helper.make_node("Flatten", ["pooled"], ["features"], name="flatten"),
+        helper.make_node("Gemm", ["features", "wf", "bf"], ["logits"], transB=1, name="classifier"),
+    ]
+    graph = helper.make_graph(
+        nodes, "cnn",
+        [helper.make_tensor_value_info("image", TensorProto.FLOAT, ["batch", 3, CNN_SIDE, CNN_SIDE])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 10])],
+        initializer=[numpy_helper.from_array(a, n) for a, n in (
+            (array(16, 3, 3, 3), "w1"), (array(16, scale=0.1), "b1"), (array(16, 1, 3, 3), "w2"),
+            (array(16, scale=0.1), "b2"), (array(32, 16, 1, 1), "w3"), (array(32, scale=0.1), "b3"),
+            (array(10, 32), "wf"), (array(1, 10, scale=0.1), "bf"))],
+    )
+    return _saved(graph, path)
+
+
+def cnn_samples(count: int, seed: int = 0) -> dict[str, np.ndarray]:
+    shape = (count, 3, CNN_SIDE, CNN_SIDE)
+    return {"image": np.random.default_rng(seed).standard_normal(shape).astype(np.float32)}
+
+
 def mlp_samples(count: int, features: int = 32, seed: int = 0) -> dict[str, np.ndarray]:
     return {"x": np.random.default_rng(seed).standard_normal((count, TOKENS, features)).astype(np.float32)}
 

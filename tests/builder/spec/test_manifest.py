@@ -148,7 +148,7 @@ batch = { min = 1, opt = 2, max = 4 }
         ('[model.calibration]\nsource = "x:y"\nmethod = "minmax"',
          'model[0].calibration.method: expected one of entropy, max, got "minmax"; did you mean max?'),
         ('[model.calibration]\nsource = "x:y"\nrecipe = "tflite"',
-         'model[0].calibration.recipe: expected one of modelopt, onnxruntime, got "tflite"'),
+         'model[0].calibration.recipe: expected one of auto, modelopt, onnxruntime, onnxruntime-dynamic, got "tflite"'),
         ('[model.calibration]\nsource = "data"',
          'model[0].calibration.source: expected module:function or a .npz file, got "data"'),
         ("[model.evaluation]\nsamples = 64.0",
@@ -336,5 +336,6 @@ def test_library_callers_may_pass_plain_strings_and_get_members_or_a_named_error
     assert spec.precisions == (Precision.FP32, Precision.FP16) and spec.task is Task.EMBEDDING
     cal = CalibrationSpec(DataSpec("x:y", 8), method="max")  # type: ignore[arg-type]
     assert cal.method is CalibrationMethod.MAX
-    with pytest.raises(ManifestError, match=r"calibration\.recipe 'tflite': expected one of modelopt, onnxruntime"):
+    with pytest.raises(ManifestError,
+                       match=r"calibration\.recipe 'tflite': expected one of auto, modelopt, onnxruntime"):
         CalibrationSpec(DataSpec("x:y", 8), recipe="tflite")  # type: ignore[arg-type]

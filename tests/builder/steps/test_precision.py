@@ -16,6 +16,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 from builder.errors import BuilderError, ToolError, tool_cause
 from builder.repository.onnx_files import sha256_file
+from builder.runtimes.onnxruntime import OnnxRuntimeCPU
+from builder.runtimes.onnxruntime_cuda import OnnxRuntimeCUDA
+from builder.runtimes.tensorrt import TensorRTRuntime
 from builder.spec import CalibrationMethod, CalibrationSpec, DataSpec, Int8Recipe
 from builder.steps import precision
 from common.logs import active_log_file
@@ -158,3 +161,132 @@ def test_the_quantizer_subprocess_reports_a_bug_of_its_own_as_a_crash_not_a_tool
                           text=True, timeout=120)
     assert proc.returncode not in (0, precision._TOOL_FAILED), proc.stderr
     assert "Traceback" in proc.stderr and "JSONDecodeError" in proc.stderr
+
+
+_QUANTIZE_STATIC = """
+import sys
+import numpy as np
+from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantize_static
+
+data = np.load(sys.argv[2])["x"]
+
+
+class Reader(CalibrationDataReader):
+    def __init__(self):
+        self.rows = iter([data[i:i + 1] for i in range(len(data))])
+
+    def get_next(self):
+        row = next(self.rows, None)
+        return None if row is None else {"x": row}
+
+
+quantize_static(sys.argv[1], sys.argv[3], Reader(), quant_format=QuantFormat.QDQ)
+"""
+
+
+def qdq_onnx(tmp_path: Path) -> Path:
+    """The tiny float MLP quantized by onnxruntime.quantization.quantize_static (Q/DQ pairs around its weights and
+    activations), in a fresh interpreter: ModelOpt, once another test imported it, patches ORT's quantizer here."""
+    float_model, samples, out = mlp_onnx(tmp_path / "float.onnx"), tmp_path / "samples.npz", tmp_path / "qdq.onnx"
+    np.savez(samples, **mlp_samples(8))
+    subprocess.run([sys.executable, "-c", _QUANTIZE_STATIC, str(float_model), str(samples), str(out)], check=True,
+                   capture_output=True, timeout=300)
+    return out
+
+
+def test_a_qdq_model_is_its_own_int8_variant_said_in_one_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("TRTBUILD_CACHE", str(tmp_path / "cache"))
+    model = qdq_onnx(tmp_path)
+    assert precision.already_quantized(tmp_path / "float.onnx") is None
+    why = precision.already_quantized(model)
+    assert why is not None and why.startswith("Q/DQ: ") and "2 of 2 MatMul take dequantized inputs" in why, why
+    spec = CalibrationSpec(DataSpec("x.npz", 8), method=CalibrationMethod.MAX)  # recipe "auto"
+    with caplog.at_level(logging.INFO, logger="builder"):
+        result = precision.to_int8(model, fp32_sha=sha256_file(model), calibration=mlp_samples(8), data_digest="d",
+                                   spec=spec, out_path=tmp_path / "int8.onnx", cache_dir=tmp_path / "cache",
+                                   what="model 'qdq'", log_file=None)
+    said = [r.getMessage() for r in caplog.records if r.name.startswith("builder")]
+    assert len(said) == 1 and "already quantized (Q/DQ: " in said[0] and "as given" in said[0], said
+    assert result.settings["as_given"] is True and result.quantize_linear_nodes == 0
+    given, written = onnx.load(str(model)).graph, onnx.load(str(tmp_path / "int8.onnx")).graph
+    assert [n.op_type for n in written.node] == [n.op_type for n in given.node]
+
+
+def integer_matmul_onnx(path: Path, float_op: str | None) -> Path:
+    """x → DynamicQuantizeLinear → MatMulInteger → Cast, then `float_op` (a float compute op left) or nothing."""
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("DynamicQuantizeLinear", ["x"], ["xq", "xs", "xz"]),
+             helper.make_node("MatMulInteger", ["xq", "wq", "xz", "wz"], ["yi"], name="mm"),
+             helper.make_node("Cast", ["yi"], ["y" if float_op is None else "yf"], to=TensorProto.FLOAT)]
+    if float_op == "Einsum":
+        nodes.append(helper.make_node("Einsum", ["yf", "w2"], ["y"], equation="ij,jk->ik", name="tail"))
+    elif float_op == "FusedMatMul":
+        nodes.append(helper.make_node("FusedMatMul", ["yf", "w2"], ["y"], domain="com.microsoft", name="tail"))
+    graph = helper.make_graph(
+        nodes, "integer",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
+        initializer=[numpy_helper.from_array(rng.integers(0, 255, (4, 4)).astype(np.uint8), "wq"),
+                     numpy_helper.from_array(np.array(128, np.uint8), "wz"),
+                     numpy_helper.from_array(rng.standard_normal((4, 4)).astype(np.float32), "w2")])
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    onnx.save(helper.make_model(graph, opset_imports=opsets, ir_version=8), str(path))
+    return path
+
+
+@pytest.mark.parametrize("float_op", ["Einsum", "FusedMatMul"])
+def test_an_integer_model_with_a_float_einsum_or_fused_matmul_left_is_not_already_quantized(
+        tmp_path: Path, float_op: str) -> None:
+    assert precision.already_quantized(integer_matmul_onnx(tmp_path / "int.onnx", None)) == \
+        "1 MatMulInteger, no float Conv/MatMul/Gemm left"
+    assert precision.already_quantized(integer_matmul_onnx(tmp_path / "mixed.onnx", float_op)) is None
+
+
+def zero_points(path: Path) -> tuple[set[int], set[int], set[int]]:
+    """The data types of the zero points of the activations (QuantizeLinear) and of the MatMul weights
+    (DequantizeLinear of an initializer feeding a MatMul), and every zero point's values."""
+    graph = onnx.load(str(path)).graph
+    inits = {i.name: i for i in graph.initializer}
+    activations = {inits[n.input[2]].data_type for n in graph.node if n.op_type == "QuantizeLinear"}
+    matmul_inputs = {i for n in graph.node if n.op_type == "MatMul" for i in n.input}
+    weights = {inits[n.input[2]].data_type for n in graph.node
+               if n.op_type == "DequantizeLinear" and n.input[0] in inits and n.output[0] in matmul_inputs}
+    values = {int(v) for n in graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear")
+              for v in numpy_helper.to_array(inits[n.input[2]]).ravel()}
+    return activations, weights, values
+
+
+@pytest.mark.parametrize(("runtime", "activations"), [
+    (OnnxRuntimeCPU.name, TensorProto.UINT8), (TensorRTRuntime.name, TensorProto.INT8),
+    (OnnxRuntimeCUDA.name, TensorProto.INT8)])
+def test_onnx_runtimes_static_recipe_writes_the_integer_types_the_runtime_takes(
+        tmp_path: Path, runtime: str, activations: int) -> None:
+    """U8S8 for ONNX Runtime on the CPU; symmetric int8 activations and weights (zero points 0) for TensorRT and
+    for ONNX Runtime on a GPU (whose TensorRT provider builds the same graph)."""
+    model = mlp_onnx(tmp_path / "m.onnx")
+    spec = CalibrationSpec(DataSpec("x.npz", 8), method=CalibrationMethod.MAX, recipe=Int8Recipe.ONNXRUNTIME)
+    result = precision.to_int8(model, fp32_sha=sha256_file(model), calibration=mlp_samples(8), data_digest="d",
+                               spec=spec, out_path=tmp_path / "int8.onnx", cache_dir=tmp_path / "cache",
+                               runtime=runtime, log_file=None)
+    found, weights, values = zero_points(tmp_path / "int8.onnx")
+    assert found == {activations} and weights == {TensorProto.INT8}, (found, weights)
+    if activations == TensorProto.INT8:
+        assert values == {0} and result.settings["activations"] == "QInt8 (symmetric)"
+    assert precision.calibration_key("s", "d", spec, runtime) != precision.calibration_key(
+        "s", "d", spec, OnnxRuntimeCPU.name if runtime != OnnxRuntimeCPU.name else TensorRTRuntime.name)
+
+
+def test_where_modelopt_fails_for_tensorrt_onnx_runtimes_fallback_is_symmetric_int8(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def failing_modelopt(*args: object, **kwargs: object) -> None:
+        onnx.checker.check_model(onnx.ModelProto())  # raises inside onnx: a tool's failure
+
+    monkeypatch.setattr(precision, "_quantize_modelopt", failing_modelopt)
+    model = mlp_onnx(tmp_path / "m.onnx")
+    spec = CalibrationSpec(DataSpec("x.npz", 8), method=CalibrationMethod.MAX)  # "auto": ModelOpt's for TensorRT
+    result = precision.to_int8(model, fp32_sha=sha256_file(model), calibration=mlp_samples(8), data_digest="d",
+                               spec=spec, out_path=tmp_path / "int8.onnx", cache_dir=tmp_path / "cache",
+                               runtime=TensorRTRuntime.name, log_file=None)
+    assert result.recipe is Int8Recipe.ONNXRUNTIME and result.settings["instead_of"] == "modelopt.onnx.quantization"
+    assert zero_points(tmp_path / "int8.onnx") == ({TensorProto.INT8}, {TensorProto.INT8}, {0})
