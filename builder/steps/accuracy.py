@@ -26,9 +26,6 @@ class Metrics:
     cosine_mean: float
     samples: int
     top1_agreement: float | None = None
-    # Samples whose reference output is near zero for its output (NEAR_ZERO): scored by their error against
-    # the output's scale, not by the direction of what is mostly rounding noise.
-    near_zero: int = 0
 
     def damage(self) -> float:
         """One number for how far a variant is from FP32 (0 = identical)."""
@@ -39,29 +36,8 @@ class Metrics:
 
     def summary(self) -> str:
         top1 = "" if self.top1_agreement is None else f", top1_agreement={self.top1_agreement:.4g}"
-        near = f", near_zero_samples={self.near_zero}" if self.near_zero else ""
         return (f"max_abs={self.max_abs:.4g}, max_rel={self.max_rel:.4g}, cosine_min={self.cosine_min:.4g}, "
-                f"cosine_mean={self.cosine_mean:.4g}{top1}{near}")
-
-
-# A sample whose reference output has under this share of the largest sample's norm (a text detector's map of an
-# image with no text, a mask with nothing found) has no direction worth comparing: FP16 rounding of values near
-# 1e-6 turns its cosine to noise (0.91 on a PP-OCR detector whose largest error was 7e-6). Such a sample's score
-# is 1 - (|a - b| / scale)^2 / 2, which is what the cosine gives a sample of the output's own scale with that error.
-NEAR_ZERO = 1e-2
-
-
-def _sample_scores(a: NDArray[Any], b: NDArray[Any]) -> tuple[NDArray[Any], int]:
-    """Per-sample cosine of one output (rows are samples), near-zero samples scored against the output's scale."""
-    ref_norms, cand_norms = np.linalg.norm(a, axis=1), np.linalg.norm(b, axis=1)
-    norms = ref_norms * cand_norms
-    cos = np.where(norms > 0, np.sum(a * b, axis=1) / np.maximum(norms, 1e-30), 1.0)
-    scale = float(np.max(ref_norms)) if ref_norms.size else 0.0
-    near = (ref_norms < NEAR_ZERO * scale) if scale > 0 else np.zeros(len(a), dtype=bool)
-    if near.any():
-        error = np.linalg.norm(a - b, axis=1) / scale
-        cos = np.where(near, np.clip(1.0 - 0.5 * error**2, -1.0, 1.0), cos)
-    return cos, int(np.count_nonzero(near))
+                f"cosine_mean={self.cosine_mean:.4g}{top1}")
 
 
 def compare(reference: Mapping[str, NDArray[Any]], candidate: Mapping[str, NDArray[Any]], task: Task) -> Metrics:
@@ -70,7 +46,6 @@ def compare(reference: Mapping[str, NDArray[Any]], candidate: Mapping[str, NDArr
     max_abs = 0.0
     max_ref = 0.0
     cosines: list[NDArray[Any]] = []
-    near_zero = 0
     for name, ref in reference.items():
         ref64 = np.asarray(ref, dtype=np.float64)
         cand64 = np.asarray(candidate[name], dtype=np.float64)
@@ -80,9 +55,8 @@ def compare(reference: Mapping[str, NDArray[Any]], candidate: Mapping[str, NDArr
         max_ref = max(max_ref, float(np.max(np.abs(ref64))) if ref64.size else 0.0)
         a = ref64.reshape(len(ref64), -1)
         b = cand64.reshape(len(cand64), -1)
-        scores, near = _sample_scores(a, b)
-        cosines.append(scores)
-        near_zero = max(near_zero, near)
+        norms = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
+        cosines.append(np.where(norms > 0, np.sum(a * b, axis=1) / np.maximum(norms, 1e-30), 1.0))
     cos = np.concatenate(cosines) if cosines else np.ones(1)
     top1 = None
     if task is Task.CLASSIFICATION:
@@ -97,7 +71,6 @@ def compare(reference: Mapping[str, NDArray[Any]], candidate: Mapping[str, NDArr
         cosine_mean=float(np.mean(cos)),
         samples=len(next(iter(reference.values()))),
         top1_agreement=top1,
-        near_zero=near_zero,
     )
 
 
@@ -116,7 +89,6 @@ def combine(parts: list[Metrics]) -> Metrics:
         samples=total,
         top1_agreement=(sum(p.top1_agreement * p.samples for p in top1 if p.top1_agreement is not None)
                         / sum(p.samples for p in top1)) if len(top1) == len(parts) else None,
-        near_zero=sum(p.near_zero for p in parts),
     )
 
 
