@@ -164,8 +164,10 @@ def test_a_build_records_the_chosen_recipe_in_build_json_and_the_build_log(
     monkeypatch.setenv("TRTBUILD_NO_SPEED", "1")
     encoder_onnx(tmp_path / "encoder.onnx")
     np.savez(tmp_path / "cal.npz", **encoder_samples(32))
+    # The CPU runtime named: on a GPU host auto picks ONNX Runtime CUDA, whose recipe is ModelOpt's Q/DQ.
     code = main(["build", "-q", "--onnx", "encoder.onnx", "--name", "enc", "--precision", "fp32,int8",
-                 "--calibration", "cal.npz", "--task", "embedding", "--repository", "repo", "--log", "build.log"])
+                 "--calibration", "cal.npz", "--task", "embedding", "--repository", "repo", "--log", "build.log",
+                 "--runtime", "onnxruntime"])
     assert code == 0
     record = json.loads((tmp_path / "repo" / "enc_int8" / "build.json").read_text())
     choice = record["precision_settings"]["recipe_choice"]
