@@ -312,6 +312,9 @@ class VariantRow:
     verify: str | None = None
     infer_per_s: float | None = None
     perf_error: str | None = None
+    # What the build says of the variant besides "built": not worth serving (slower or larger than FP32, with
+    # the figures), or the FP32 graph served under the FP16 name when no FP16 mix met the tolerance.
+    note: str | None = None
 
 
 @dataclass
@@ -383,7 +386,8 @@ def build(entry: Entry, repository: Path, logs: Path, *, timeout: float,
                 precision=precision, state="built", accuracy={k: v for k, v in accuracy.items()
                                                               if isinstance(v, (int, float)) or v is None},
                 build_seconds=result.get("build_seconds"),
-                size_mb=None if result.get("size_bytes") is None else round(result["size_bytes"] / 1e6, 2)))
+                size_mb=None if result.get("size_bytes") is None else round(result["size_bytes"] / 1e6, 2),
+                note=_build_note(result)))
         elif child.returncode is None:
             logged = _reason_in_log(logs / f"{entry.name}.build.log", variant)
             row.variants.append(VariantRow(precision, "failed", logged) if logged else
@@ -490,12 +494,24 @@ def _accuracy_text(acc: dict[str, Any] | None) -> str:
     return ", ".join(parts) or "-"
 
 
+def _build_note(record: dict[str, Any]) -> str | None:
+    """The build record's verdicts a reader of the table needs beside "built"."""
+    notes = []
+    if (record.get("fp16_guard") or {}).get("fallback") == "fp32":
+        notes.append("the FP32 graph under the FP16 name (no FP16 mix met the tolerance)")
+    if record.get("worth_serving") is False:
+        reason = (record.get("speed") or {}).get("reason")
+        notes.append(f"not worth serving: {reason}" if reason else "not worth serving")
+    return "; ".join(notes) or None
+
+
 def write_table(rows: list[ModelRow], out: Path, meta: dict[str, Any]) -> str:
     attempted = sum(v.state != "not attempted" for r in rows for v in r.variants)
     built = sum(v.state == "built" for r in rows for v in r.variants)
     verified = sum(v.verify == "ok" for r in rows for v in r.variants)
     served = sum(v.infer_per_s is not None for r in rows for v in r.variants)
     tracebacks = sum(len(r.tracebacks) for r in rows)
+    unworthy = sum(v.note is not None and "not worth serving" in v.note for r in rows for v in r.variants)
     lines = [
         f"Corpus run {meta['date']} on {meta['machine']} (load average {meta['load']}), command: `{meta['command']}`",
         "",
@@ -507,6 +523,8 @@ def write_table(rows: list[ModelRow], out: Path, meta: dict[str, Any]) -> str:
         for i, v in enumerate(r.variants):
             first = i == 0
             state = v.state if v.state == "built" else f"{v.state}: {v.reason}"
+            if v.note:
+                state = f"{state} ({v.note})"
             served_text = "-" if v.infer_per_s is None else f"{v.infer_per_s:g}"
             if v.infer_per_s is None and v.perf_error:
                 served_text = f"- ({v.perf_error})"
@@ -519,7 +537,7 @@ def write_table(rows: list[ModelRow], out: Path, meta: dict[str, Any]) -> str:
                 "-" if v.size_mb is None else f"{v.size_mb:g}", (v.verify or "-").replace("|", "/"), served_text,
             ]) + " |")
     lines += ["", f"Variants built / attempted: {built} / {attempted}; verified: {verified}; served with a "
-              f"throughput: {served}; tracebacks: {tracebacks}."]
+              f"throughput: {served}; marked not worth serving: {unworthy}; tracebacks: {tracebacks}."]
     for r in rows:
         for t in r.tracebacks:
             lines.append(f"- traceback in {r.name}: `{t}`")
@@ -528,7 +546,7 @@ def write_table(rows: list[ModelRow], out: Path, meta: dict[str, Any]) -> str:
     (out / "corpus.md").write_text(text, encoding="utf-8")
     (out / "corpus.json").write_text(json.dumps({
         **meta, "counts": {"attempted": attempted, "built": built, "verified": verified, "served": served,
-                           "tracebacks": tracebacks},
+                           "not_worth_serving": unworthy, "tracebacks": tracebacks},
         "models": [asdict(r) for r in rows]}, indent=2) + "\n", encoding="utf-8")
     return text
 

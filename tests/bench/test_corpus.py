@@ -65,3 +65,19 @@ def test_a_corpus_model_builds_fp32_and_fp16_without_a_traceback(corpus: ModuleT
     assert states == SMALL[name], [(v.precision, v.state, v.reason) for v in row.variants]
     for v in row.variants:
         assert v.accuracy and v.size_mb, v
+
+
+def test_the_table_says_what_the_build_said_of_a_built_variant(corpus: ModuleType, tmp_path: Path) -> None:
+    """"built" alone would hide an INT8 slower than FP32 and an FP16 that is the FP32 graph renamed."""
+    slow = {"worth_serving": False, "speed": {"reason": "int8 0.40x FP32's throughput, 6.8 MB vs 6.7 MB"}}
+    renamed = {"fp16_guard": {"fallback": "fp32"}, "worth_serving": True}
+    assert corpus._build_note(slow) == "not worth serving: int8 0.40x FP32's throughput, 6.8 MB vs 6.7 MB"
+    assert "FP32 graph under the FP16 name" in (corpus._build_note(renamed) or "")
+    assert corpus._build_note({"worth_serving": True, "fp16_guard": None}) is None
+    row = corpus.ModelRow(name="m", cls="c", flags=[])
+    row.variants = [corpus.VariantRow("fp32", "built"),
+                    corpus.VariantRow("fp16", "built", note=corpus._build_note(renamed)),
+                    corpus.VariantRow("int8", "built", note=corpus._build_note(slow))]
+    text = corpus.write_table([row], tmp_path, {"date": "d", "machine": "x", "load": "0", "command": "c"})
+    assert "| int8 | built (not worth serving: int8 0.40x FP32's throughput" in text
+    assert "marked not worth serving: 1;" in text
