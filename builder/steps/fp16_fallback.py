@@ -114,6 +114,7 @@ def to_fp16_onnxconverter(fp32_path: Path, out_path: Path, *, what: str, log_fil
     if compute and fp16_compute == 0:
         log.warning("%s: onnxconverter-common's FP16 keeps every one of the %d Conv/MatMul/Gemm nodes in FP32 "
                     "(ONNX Runtime refused them in FP16): this variant computes in FP32", what, len(compute))
+    onnx_model.dedupe_initializers(converted)
     onnx_files.save(converted, out_path)
     return {"tool": TOOL, "keep_io_types": True, "op_block_list": sorted(ops), "node_block_list": sorted(nodes),
             "named_nodes": named, "fp16_compute_nodes": fp16_compute, "compute_nodes": len(compute)}

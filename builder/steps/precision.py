@@ -293,6 +293,7 @@ def to_fp16(fp32_path: Path, out_path: Path, *, feeds: Sequence[Mapping[str, NDA
                             f"{_dependency_hint(exc)} (full output: {record})") from exc
     # Autocast's shape annotations can hold the shapes of the feeds it ran on: ONNX Runtime plans buffers by
     # them and fails at other shapes ("Shape mismatch attempting to re-use buffer"). Inferred again instead.
+    onnx_model.dedupe_initializers(model)
     onnx_files.save(onnx_model.refresh_value_info(model), out_path)
     onnx_files.load(out_path)
     return settings.record()
@@ -499,6 +500,8 @@ def _to_int8(fp32_path: Path, *, fp32_sha: str, calibration: Mapping[str, NDArra
                                      f"(full output: {record})", record) from exc
         quantized = onnx_files.load(tmp_out)
         qdq = sum(1 for n in quantized.graph.node if n.op_type in _QUANTIZE_OPS)
+        if onnx_model.dedupe_initializers(quantized):  # one copy of a weight the recipe quantized per consumer
+            onnx_files.save(quantized, tmp_out)
         del quantized
         if qdq == 0 and not spec.nodes_to_quantize:
             hint = " (ModelOpt skips GEMV-shaped and small MatMuls)" if spec.recipe is Int8Recipe.MODELOPT else ""

@@ -1,5 +1,8 @@
 from pathlib import Path
 
+import numpy as np
+import onnx
+import onnx.numpy_helper
 import pytest
 
 from builder.errors import OnnxModelError
@@ -87,3 +90,44 @@ def test_a_constant_node_s_external_value_is_copied_with_the_model(tmp_path: Pat
     onnx_files.copy_model(source, target)
     copied = onnx_files.load(target)
     assert numpy_helper.to_array(copied.graph.node[0].attribute[0].t)[0, -1] == 4095.0
+
+
+def _shared_weight_model(copies: int) -> onnx.ModelProto:
+    """`copies` MatMuls, each on its own copy of one weight (what a converter leaves of a shared weight), an If
+    whose branch reads one copy from the outer graph, and one copy that is also a graph output."""
+    weight = np.arange(16, dtype=np.float32).reshape(4, 4)
+    inits = [onnx.numpy_helper.from_array(weight, f"w_{i}") for i in range(copies)]
+    inits.append(onnx.numpy_helper.from_array(weight + 1, "other"))
+    nodes = [onnx.helper.make_node("MatMul", ["x", f"w_{i}"], [f"y_{i}"]) for i in range(copies)]
+    nodes.append(onnx.helper.make_node("MatMul", ["x", "other"], ["z"]))
+    nodes.append(onnx.helper.make_node("Sum", [f"y_{i}" for i in range(copies)] + ["z"], ["s"]))
+    branch = onnx.helper.make_graph([onnx.helper.make_node("MatMul", ["s", "w_3"], ["b_out"])], "b", [],
+                                    [onnx.helper.make_tensor_value_info("b_out", onnx.TensorProto.FLOAT, [2, 4])])
+    nodes.append(onnx.helper.make_node("If", ["cond"], ["out"], then_branch=branch, else_branch=branch))
+    graph = onnx.helper.make_graph(
+        nodes, "g", [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 4]),
+                     onnx.helper.make_tensor_value_info("cond", onnx.TensorProto.BOOL, [])],
+        [onnx.helper.make_tensor_value_info("out", onnx.TensorProto.FLOAT, [2, 4]),
+         onnx.helper.make_tensor_value_info("w_1", onnx.TensorProto.FLOAT, [4, 4])], initializer=inits)
+    return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+
+
+def test_identical_initializers_are_kept_once_and_the_graph_computes_the_same(tmp_path: Path) -> None:
+    import onnxruntime as ort
+
+    model = _shared_weight_model(5)
+    x = {"x": np.random.default_rng(0).normal(size=(2, 4)).astype(np.float32), "cond": np.array(True)}
+    before = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, x)
+    saved = onnx_model.dedupe_initializers(model)
+    names = [t.name for t in model.graph.initializer]
+    # w_1 is also a graph output: left alone. w_2..w_4 (w_3 in the If's branch too) now read w_0; "other" differs.
+    assert sorted(names) == ["other", "w_0", "w_1"] and saved == 3 * 16 * 4
+    assert [n.input[1] for n in model.graph.node if n.op_type == "MatMul"] == ["w_0", "w_1", "w_0", "w_0", "w_0",
+                                                                                "other"]
+    onnx.checker.check_model(model)
+    after = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, x)
+    branch = next(n for n in model.graph.node if n.op_type == "If").attribute[0].g
+    assert list(branch.node[0].input) == ["s", "w_0"]
+    for b, a in zip(before, after, strict=True):
+        np.testing.assert_array_equal(b, a)
+    assert onnx_model.dedupe_initializers(model) == 0
