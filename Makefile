@@ -186,7 +186,7 @@ test: $(STAMP) $(GPU_DEP) $(CHECKOV_STAMP) $(KUBECTL_STAMP)
 	$(BIN)/python -m pytest -q tests
 
 # Unit tests only: no Triton server, no real pretrained model (markers set in tests/conftest.py).
-test-fast: $(STAMP) $(GPU_DEP)
+test-fast: $(STAMP) $(GPU_DEP) $(KUBECTL_STAMP)
 	$(BIN)/python -m pytest -q -m "not server and not slow" tests
 
 test-gpu: $(STAMP) $(GPU_DEP)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import gevent
+import gevent.ssl
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
@@ -38,16 +39,24 @@ class Http:
     """
 
     def __init__(self, base: str, key: str | None = None) -> None:
-        self.address = base.split("://", 1)[-1].rstrip("/")  # HOST:PORT: tritonclient refuses a scheme
-        self.base = f"http://{self.address}"
+        scheme, sep, rest = base.partition("://")
+        scheme = scheme.lower() if sep else "http"
+        if scheme not in ("http", "https"):
+            raise ServerError(f"{base}: expected http://HOST:PORT, https://HOST:PORT or HOST:PORT")
+        self.address = (rest if sep else base).rstrip("/")  # HOST:PORT: tritonclient takes the scheme as ssl=
+        # https stays https, its certificate checked: the admin key must not cross the network in clear text.
+        self.tls = scheme == "https"
+        self.base = f"{scheme}://{self.address}"
         self.key = key  # the admin key of a server whose repository API is restricted (exposure.py)
 
     def _call(self, path: str, call: Callable[[Any, dict[str, str] | None], T], *, timeout: float) -> T:
         url = f"{self.base}{path}"
         headers = {KEY_HEADER: self.key} if self.key else None
         try:
+            tls: dict[str, Any] = {"ssl": True, "ssl_context_factory": gevent.ssl.create_default_context} \
+                if self.tls else {}
             with httpclient.InferenceServerClient(self.address, connection_timeout=min(timeout, CONNECT_TIMEOUT_S),
-                                                  network_timeout=timeout) as client:
+                                                  network_timeout=timeout, **tls) as client:
                 return call(client, headers)
         except InferenceServerException as exc:  # Triton answered with an error status and {"error": "..."}
             text = " ".join(str(exc.message() or "").split())[:MAX_ERROR_CHARS]  # one line
@@ -55,6 +64,8 @@ class Http:
             raise Rejected(f"{url}: {status}{text}") from exc
         except (OSError, http.client.HTTPException) as exc:  # refused, timed out, closed without an answer
             raise ServerError(f"{url}: no answer ({str(exc) or type(exc).__name__})") from exc
+        except ValueError as exc:  # an answer that is not Triton's JSON (a proxy's page, another service)
+            raise ServerError(f"{url}: not a Triton answer ({exc})") from exc
         finally:
             _drop_thread_hub()
 

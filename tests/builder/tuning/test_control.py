@@ -88,3 +88,66 @@ def test_calls_from_short_lived_threads_leave_no_descriptors_open() -> None:
         worker.join(timeout=30)
     assert answers == [False] * threads
     assert open_descriptors() - before < threads  # a hub left per thread would be 2 * threads
+
+
+class _Listener:
+    """A loopback socket that records the first bytes each connection sends, and answers `reply` (if any)."""
+
+    def __init__(self, reply: bytes | None = None) -> None:
+        import socket
+
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.received = b""
+        self.reply = reply
+        self.got = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                conn.settimeout(5)
+                try:
+                    self.received += conn.recv(65536)
+                    if self.reply is not None:
+                        conn.sendall(self.reply)
+                except OSError:
+                    pass
+                self.got.set()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_an_https_url_stays_https_and_the_admin_key_never_crosses_in_clear_text() -> None:
+    listener = _Listener()  # speaks no TLS: a client that stays on https fails the handshake
+    try:
+        with pytest.raises(ServerError) as caught:
+            Http(f"https://127.0.0.1:{listener.port}", key="s3cret-admin-key").ready(timeout=5)
+        assert listener.got.wait(5)
+        assert b"s3cret-admin-key" not in listener.received and b"GET /v2" not in listener.received
+        assert str(caught.value).startswith(f"https://127.0.0.1:{listener.port}/v2/health/ready: ")
+        assert "\n" not in str(caught.value)
+    finally:
+        listener.close()
+
+
+def test_a_scheme_other_than_http_is_one_line() -> None:
+    with pytest.raises(ServerError, match=r"^ftp://h:1: expected http://HOST:PORT, https://HOST:PORT or HOST:PORT$"):
+        Http("ftp://h:1")
+
+
+def test_an_answer_that_is_not_tritons_json_is_one_line_not_a_traceback() -> None:
+    page = b"<html>a proxy's page</html>"
+    listener = _Listener(b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Length: %d\r\n"
+                         b"Connection: close\r\n\r\n%s" % (len(page), page))
+    try:
+        with pytest.raises(ServerError, match=r"/v2/repository/index: not a Triton answer"):
+            Http(f"127.0.0.1:{listener.port}").index(timeout=5)
+    finally:
+        listener.close()
