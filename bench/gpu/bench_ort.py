@@ -344,20 +344,27 @@ def served(models: Path, *, interval_ms: int, delay_us: int, tmp: Path, instance
 OUTPUT_BYTES = 1000 * 4  # logits [1, 1000] float32: one request's output region for both tools
 
 
-def compare_perf_analyzer(model: str, *, grpc: int, interval_ms: int, rounds: int, tmp: Path) -> list[dict[str, Any]]:
-    """perf_analyzer (the tritonclient 2.50 wheel's binary) against perfclient on the same server and model,
-    both over gRPC with inputs and outputs in CUDA shared memory, at concurrency 32 and 256, alternating
-    (pa, pc, pc, pa, ...) so drift and heat fall on both alike."""
+def perf_analyzer_setup(tmp: Path) -> tuple[Path, dict[str, str]]:
+    """The binary and the library folder it needs (libb64 and CUDA 12's runtime, both among the pytriton wheel's
+    bundled libraries); checked before any server starts, so a missing piece costs no measured level."""
     binary = Path(sys.executable).parent / "perf_analyzer"
-    # The binary needs libb64 and CUDA 12's runtime, both among the pytriton wheel's bundled libraries.
+    if not binary.is_file():
+        raise SystemExit(f"bench_ort: --pa-rounds: {binary} missing (it comes with the tritonclient wheel)")
     libs = tmp / "palibs"
     libs.mkdir(exist_ok=True)
     for pattern, name in (("libb64-*.so.0d", "libb64.so.0d"), ("libcudart-*.so.12*", "libcudart.so.12")):
         found = sorted(library_dir().glob(pattern))
         if not found:
-            raise SystemExit(f"bench_ort: {pattern} not found in {library_dir()}")
+            raise SystemExit(f"bench_ort: --pa-rounds: {pattern} not found in {library_dir()}")
         shutil.copyfile(found[0], libs / name)
-    env = {"LD_LIBRARY_PATH": str(libs)}
+    return binary, {"LD_LIBRARY_PATH": str(libs)}
+
+
+def compare_perf_analyzer(model: str, *, grpc: int, interval_ms: int, rounds: int, tmp: Path) -> list[dict[str, Any]]:
+    """perf_analyzer (the tritonclient 2.50 wheel's binary) against perfclient on the same server and model,
+    both over gRPC with inputs and outputs in CUDA shared memory, at concurrency 32 and 256, alternating
+    (pa, pc, pc, pa, ...) so drift and heat fall on both alike."""
+    binary, env = perf_analyzer_setup(tmp)
     rows: list[dict[str, Any]] = []
     for concurrency in (32, 256):
         for round_ in range(1, rounds + 1):
@@ -370,8 +377,11 @@ def compare_perf_analyzer(model: str, *, grpc: int, interval_ms: int, rounds: in
                            "--measurement-interval", str(interval_ms), "--max-trials", "5",
                            "--shared-memory", "cuda", "--output-shared-memory-size", str(OUTPUT_BYTES),
                            "-f", str(out)]
-                    proc = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True,
-                                          timeout=300, check=False)
+                    try:
+                        proc = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True,
+                                              timeout=300, check=False)
+                    except (OSError, subprocess.TimeoutExpired) as exc:  # a row of its own, not the run's end
+                        proc = subprocess.CompletedProcess(cmd, -1, "", f"perf_analyzer: {exc}")
                     if proc.returncode != 0 or not out.is_file():
                         row: dict[str, Any] = {"error": (proc.stdout + proc.stderr).strip().splitlines()[-3:]}
                     else:
@@ -412,10 +422,14 @@ def summary_markdown(doc: dict[str, Any]) -> list[str]:
                 if p != "variants" and "error" not in r}
     levels: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
     compare: dict[tuple[str, int], list[float]] = {}
+    failed: dict[tuple[str, int], int] = {}
     for r in doc.get("served", []):
         if "compare" in r:
             if "throughput" in r:
                 compare.setdefault((r["compare"], r["concurrency"]), []).append(r["throughput"])
+            else:  # a failed round is counted in the table, not dropped from it
+                failed[(r["compare"], r["concurrency"])] = failed.get((r["compare"], r["concurrency"]), 0) + 1
+                compare.setdefault((r["compare"], r["concurrency"]), [])
         elif "model" in r:
             levels.setdefault((r["model"], r["concurrency"], r["shared_memory"]), []).append(r)
     lines = ["", "Served, over the rounds: median (min-max)", "",
@@ -452,7 +466,9 @@ def summary_markdown(doc: dict[str, Any]) -> list[str]:
         for concurrency in sorted({c for _, c in compare}):
             pa, pc = compare.get(("perf_analyzer", concurrency), []), compare.get(("perfclient", concurrency), [])
             vs = f"{statistics.median(pc) / statistics.median(pa):.3f}" if pa and pc else "-"
-            lines.append(f"| {concurrency} | {spread(pa)} | {spread(pc)} | {vs} |")
+            cells = [spread(values) + (f" ({n} failed)" if (n := failed.get((tool, concurrency))) else "")
+                     for tool, values in (("perf_analyzer", pa), ("perfclient", pc))]
+            lines.append(f"| {concurrency} | {cells[0]} | {cells[1]} | {vs} |")
     return lines
 
 
@@ -554,6 +570,9 @@ def main() -> int:
     doc["provider_options"] = PROVIDER_OPTIONS
     doc["in_process"] = {} if "inprocess" in skip else in_process(args.models, nvml, args.in_process_seconds,
                                                                    variants)
+    if args.pa_rounds and "served" not in skip:
+        with tempfile.TemporaryDirectory(prefix="ort-gpu-bench-pa-") as check:
+            perf_analyzer_setup(Path(check))
     if "served" not in skip:
         with tempfile.TemporaryDirectory(prefix="ort-gpu-bench-") as tmp:
             doc["served"] = served(args.models, interval_ms=args.interval_ms, delay_us=args.delay_us, tmp=Path(tmp),
