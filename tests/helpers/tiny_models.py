@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -109,7 +110,7 @@ def encoder_onnx(path: Path, width: int = 32, seed: int = 0) -> Path:
     return _saved(graph, path)
 
 
-def encoder_samples(count: int, width: int = 32, seed: int = 0) -> dict[str, np.ndarray]:
+def encoder_samples(count: int, width: int = 32, seed: int = 0) -> dict[str, NDArray[Any]]:
     return {"x": np.random.default_rng(seed).standard_normal((count, TOKENS, width)).astype(np.float32)}
 
 
@@ -123,7 +124,8 @@ def cnn_onnx(path: Path, seed: int = 0) -> Path:
 
     def array(*shape: int, scale: float = 1.0) -> NDArray[np.float32]:
         fan_in = int(np.prod(shape[1:])) if len(shape) > 1 else 1
-        return (rng.standard_normal(shape) * scale / np.sqrt(fan_in)).astype(np.float32)
+        out: NDArray[np.float32] = (rng.standard_normal(shape) * scale / np.sqrt(fan_in)).astype(np.float32)
+        return out
 
     nodes = [
         helper.make_node("Conv", ["image", "w1", "b1"], ["c1"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], name="stem"),
@@ -149,16 +151,16 @@ def cnn_onnx(path: Path, seed: int = 0) -> Path:
     return _saved(graph, path)
 
 
-def cnn_samples(count: int, seed: int = 0) -> dict[str, np.ndarray]:
+def cnn_samples(count: int, seed: int = 0) -> dict[str, NDArray[Any]]:
     shape = (count, 3, CNN_SIDE, CNN_SIDE)
     return {"image": np.random.default_rng(seed).standard_normal(shape).astype(np.float32)}
 
 
-def mlp_samples(count: int, features: int = 32, seed: int = 0) -> dict[str, np.ndarray]:
+def mlp_samples(count: int, features: int = 32, seed: int = 0) -> dict[str, NDArray[Any]]:
     return {"x": np.random.default_rng(seed).standard_normal((count, TOKENS, features)).astype(np.float32)}
 
 
-def mlp_samples_fn(count: int, seed: int) -> dict[str, np.ndarray]:
+def mlp_samples_fn(count: int, seed: int) -> dict[str, NDArray[Any]]:
     """Data source for manifests: `tests.helpers.tiny_models:mlp_samples_fn`."""
     return mlp_samples(count, seed=seed)
 

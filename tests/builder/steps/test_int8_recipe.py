@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
 import pytest
+from numpy.typing import NDArray
 
 from builder.cli import main
 from builder.errors import ManifestError
@@ -85,7 +87,7 @@ def test_the_gemm_rewrites_for_onnx_runtimes_quantizers_keep_the_outputs_and_the
     np.testing.assert_allclose(after["embedding"], before["embedding"], rtol=1e-5, atol=1e-6)
 
 
-def int8(path: Path, samples: dict[str, np.ndarray], tmp_path: Path, spec: CalibrationSpec,
+def int8(path: Path, samples: dict[str, NDArray[Any]], tmp_path: Path, spec: CalibrationSpec,
          runtime: str = CPU) -> precision.CalibrationResult:
     return precision.to_int8(path, fp32_sha=sha256_file(path), calibration=samples, data_digest="t", spec=spec,
                              out_path=tmp_path / "int8.onnx", cache_dir=tmp_path / "cache", what="model 'm'",
