@@ -254,6 +254,19 @@ def test_the_runner_takes_the_kind_from_the_config_and_reads_no_graph(
         assert _effective(served) == _effective(accuracy_run), (name, layout, tf32)
 
 
+def _count_graph_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The paths the runner's graph analysis reads from now on, in order."""
+    read: list[str] = []
+    analysis = RUNNER._graph_kind
+
+    def counted(path: str) -> str:
+        read.append(path)
+        return str(analysis(path))
+
+    monkeypatch.setattr(RUNNER, "_graph_kind", counted)
+    return read
+
+
 @pytest.mark.parametrize("value", [None, "int4"])
 def test_without_a_known_kind_in_the_config_the_runner_reads_the_graph(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, value: str | None) -> None:
@@ -263,14 +276,7 @@ def test_without_a_known_kind_in_the_config_the_runner_reads_the_graph(
     del config["parameters"]["graph_kind"]
     if value is not None:
         config["parameters"]["graph_kind"] = {"string_value": value}
-    read: list[str] = []
-    analysis = RUNNER._graph_kind
-
-    def counted(path: str) -> str:
-        read.append(path)
-        return str(analysis(path))
-
-    monkeypatch.setattr(RUNNER, "_graph_kind", counted)
+    read = _count_graph_reads(monkeypatch)
     served = _served(monkeypatch, version, config)
     assert read == [str(version / "model.onnx")]  # once, though use_tf32 and prefer_nhwc both asked
     assert _effective(served) == (True, True)  # FP16: NHWC on tensor cores, as the build decided
@@ -279,14 +285,7 @@ def test_without_a_known_kind_in_the_config_the_runner_reads_the_graph(
 def test_the_build_reads_each_artifact_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The accuracy run, the config and build.json ask about the same file: one analysis; a rewritten file
     is analysed again."""
-    read: list[str] = []
-    analysis = RUNNER._graph_kind
-
-    def counted(path: str) -> str:
-        read.append(path)
-        return str(analysis(path))
-
-    monkeypatch.setattr(RUNNER, "_graph_kind", counted)
+    read = _count_graph_reads(monkeypatch)
     version = _version(tmp_path, "fp32")
     config = _built_config(version, CudaOptions())
     CudaOptions().provider_options(version / "model.onnx")
