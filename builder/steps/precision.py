@@ -37,13 +37,15 @@ from builder.runtimes.onnxruntime import ORT_ERRORS
 from builder.spec.enums import CalibrationMethod, Int8Recipe
 from builder.spec.model import CalibrationSpec
 from builder.spec.settings import default_cache_dir
-from builder.steps import onnx_model
+from builder.steps import calibration_order, onnx_model
 from common import progress
 
 log = logging.getLogger(__name__)
 
 # Bump when the way a variant is produced changes, so caches and repositories rebuild.
 RECIPE_VERSION = "3"  # 3: FP16 fallback repairs, INT8 as given / recipe fallback; 2: min/max shape levels
+# The same for INT8 alone (its calibrations and its variant's build key, not the other variants').
+INT8_VERSION = "2"  # 2: ModelOpt's entropy calibration sees the widest sample first
 
 
 @dataclass(frozen=True)
@@ -283,6 +285,7 @@ def calibration_key(fp32_sha: str, data_digest: str, spec: CalibrationSpec) -> s
         "modelopt": version("nvidia-modelopt"),
         "onnxruntime": version("onnxruntime"),
         "recipe_version": RECIPE_VERSION,
+        "int8_version": INT8_VERSION,
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
@@ -434,13 +437,16 @@ def _quantize_modelopt(fp32_path: Path, calibration: Mapping[str, NDArray[Any]],
                        out: Path) -> None:
     from modelopt.onnx.quantization import quantize
 
+    whole = _whole_samples(fp32_path, calibration)
+    if spec.method is CalibrationMethod.ENTROPY:
+        calibration = widest_first(fp32_path, calibration, whole=whole)
     quantize(
         str(fp32_path),
         quantize_mode="int8",
-        calibration_data=None if _whole_samples(fp32_path, calibration) else dict(calibration),
+        calibration_data=None if whole else dict(calibration),
         # A model that does not batch (max_batch_size 0): ModelOpt would split the arrays by the input's
         # first dim, so it gets each sample whole from a reader instead.
-        calibration_data_reader=(_WholeSamples(calibration) if _whole_samples(fp32_path, calibration) else None),
+        calibration_data_reader=_WholeSamples(calibration) if whole else None,
         calibration_method=spec.method,
         calibration_eps=["cpu"],
         # FP32 between Q/DQ pairs: the FP16 default loses accuracy badly under ONNX Runtime
@@ -455,6 +461,20 @@ def _quantize_modelopt(fp32_path: Path, calibration: Mapping[str, NDArray[Any]],
         use_external_data_format=onnx_files.has_external_data(fp32_path),
         log_level="WARNING",
     )
+
+
+def widest_first(fp32_path: Path, calibration: Mapping[str, NDArray[Any]], *,
+                 whole: bool) -> Mapping[str, NDArray[Any]]:
+    """The samples reordered for ModelOpt's entropy calibration, the widest first (steps/calibration_order.py:
+    its histograms take their bin width from the first batch, and its search costs the square of the bins).
+    ModelOpt gives a batching model's samples one per batch (its dynamic batch dim taken as 1), as here. Where
+    the FP32 graph does not run so, the data's order is kept: the calibration decides what to report."""
+    try:
+        order = calibration_order.widest_first(fp32_path, list(sample_feeds(calibration, None if whole else 1)))
+    except ORT_ERRORS as exc:
+        log.debug("INT8: calibration samples kept in the data's order (ranges not read: %s)", tool_cause(exc))
+        return calibration
+    return {name: array[order] for name, array in calibration.items()}
 
 
 def _whole_samples(fp32_path: Path, calibration: Mapping[str, NDArray[Any]]) -> bool:

@@ -1,0 +1,63 @@
+"""ModelOpt's entropy calibration sees the widest sample first (steps/calibration_order.py), so its histograms
+keep about the bins they start with, however quiet the data's first sample."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from onnxruntime.quantization import calibrate
+
+from builder.repository.onnx_files import sha256_file
+from builder.runtimes.base import feeds
+from builder.spec import CalibrationMethod, CalibrationSpec, DataSpec, Int8Recipe
+from builder.steps import calibration_order, precision
+from tests.helpers.tiny_models import mlp_samples, outlier_mlp_onnx
+
+
+def quiet_first(count: int) -> dict[str, np.ndarray]:
+    """Samples whose first is 1000x quieter than the rest (silence before speech, a dark frame)."""
+    samples = mlp_samples(count, seed=0)
+    samples["x"][0] *= 1e-3
+    return samples
+
+
+def test_growth_is_how_far_a_samples_ranges_fall_short_of_all_samples() -> None:
+    ranges = np.array([[0.01, np.nan, 0.0],
+                       [1.0, np.nan, 2.0],
+                       [0.5, np.nan, 1.0]])
+    # Not float (NaN) and all-zero tensors do not count: a histogram begun on zeros starts over.
+    np.testing.assert_allclose(calibration_order.growth(ranges), [100.0, 1.0, 2.0])
+    np.testing.assert_allclose(calibration_order.growth(np.zeros((2, 0))), [1.0, 1.0])
+
+
+def test_the_widest_sample_comes_first_and_the_set_is_unchanged(tmp_path: Path) -> None:
+    model = outlier_mlp_onnx(tmp_path / "outlier.onnx")
+    samples = quiet_first(6)
+    order = calibration_order.widest_first(model, list(feeds(samples, 1)))
+    assert sorted(order) == list(range(6)) and order[0] != 0 and order[-1] == 0
+    assert not list(tmp_path.glob(".*ranges*"))  # the exposed copy is removed
+
+
+def test_modelopt_entropy_histograms_stay_small_with_a_quiet_first_sample(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = outlier_mlp_onnx(tmp_path / "outlier.onnx")
+    samples = quiet_first(16)
+    # In the data's order, a histogram begun on the quiet sample would grow ~1000x its 128 bins, and ONNX
+    # Runtime's entropy search costs the square of the bins (silero VAD: 36 868 bins, 62 s).
+    ranges = calibration_order.sample_ranges(model, list(feeds(samples, 1)))
+    assert calibration_order.growth(ranges)[0] > 100
+    sizes: list[int] = []
+    real = calibrate.HistogramCollector.get_entropy_threshold
+
+    def recording(self: Any, histogram: Any, num_quantized_bins: int) -> Any:
+        sizes.append(int(histogram[0].size))
+        return real(self, histogram, num_quantized_bins)
+
+    monkeypatch.setattr(calibrate.HistogramCollector, "get_entropy_threshold", recording)
+    spec = CalibrationSpec(DataSpec("unused.npz", 16), method=CalibrationMethod.ENTROPY, recipe=Int8Recipe.MODELOPT)
+    precision.to_int8(model, fp32_sha=sha256_file(model), calibration=samples, data_digest="quiet", spec=spec,
+                      out_path=tmp_path / "int8.onnx", cache_dir=tmp_path / "cache", log_file=None)
+    assert sizes and max(sizes) < 4 * 128, sizes
