@@ -424,9 +424,22 @@ def _to_int8(fp32_path: Path, *, fp32_sha: str, calibration: Mapping[str, NDArra
                         "the int8 variant computes in FP32", spec.recipe, fp32_path.name)
         # With the data file ModelOpt writes beside a model over 2 GB.
         cached.parent.mkdir(parents=True, exist_ok=True)
+        prepared = Path(tmp) / _ORT_PREPARED
+        if prepared.is_file():  # before the Q/DQ graph: a reader finding that finds this too
+            onnx_files.copy_model(prepared, float_graph(cache_dir, key))
         onnx_files.copy_model(tmp_out, cached)
         onnx_files.copy_model(tmp_out, out_path)
     return CalibrationResult(spec.recipe, spec.method, samples, key, False, qdq, settings)
+
+
+# The graph ONNX Runtime's quantizer calibrates and quantizes: the FP32 graph after its pre-processing.
+_ORT_PREPARED = "prepared.onnx"
+
+
+def float_graph(cache_dir: Path, key: str) -> Path:
+    """Where a calibration's float graph is kept beside its Q/DQ graph, where the quantizer changed the graph
+    before quantizing it (ONNX Runtime's pre-processing): the INT8 guard derives its candidates from both."""
+    return cache_dir / "calibration" / f"{key}.float.onnx"
 
 
 def _count_q(path: Path) -> int:
@@ -572,7 +585,7 @@ def _ort_quantize_worker(job_path: str) -> None:
     job = json.loads(Path(job_path).read_text())
     with np.load(job["samples"]) as archive:
         calibration = {k: archive[k] for k in archive.files}
-    prepared = str(Path(job["tmp"]) / "prepared.onnx")
+    prepared = str(Path(job["tmp"]) / _ORT_PREPARED)
     # A model with its weights beside it (over 2 GB) stays so: ORT's pre-processing otherwise reads the
     # data file from its own temporary folder, where it is not, and writes a message protobuf cannot hold.
     external = bool(job.get("external"))

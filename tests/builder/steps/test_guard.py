@@ -96,13 +96,17 @@ def test_plain_int8_misses_and_the_guarded_build_meets_it_with_a_small_exclusion
     assert guard["after"]["cosine_min"] >= tolerance.cosine_min
     assert record["accuracy"]["cosine_min"] >= tolerance.cosine_min
     assert guard["most_sensitive"][0]["node"] in guard["excluded"]
-    # Exhaustive: one quantization per node, then the search's; one pass: the search's alone.
-    # (ONNX Runtime's recipe rounds a tensor where its producer writes it: the one-pass ranking's search, which
-    # excludes consumers, finds no mix there, and the exhaustive ranking runs after it: escalated.)
+    # Exhaustive: one quantization per node, then one per candidate of the search. One pass: no quantization
+    # after the plain INT8's: every candidate is derived from its calibration (qdq_mix), and no escalation
+    # (ONNX Runtime's recipe rounds a tensor where its producer writes it: a derived candidate reads FP32 at
+    # the excluded node itself, so the one-pass ranking's search finds the mix).
     ranking = guard["sensitivity"]
-    assert ranking["escalated"] == (sensitivity is GuardSensitivity.ONE_PASS and recipe is Int8Recipe.ONNXRUNTIME)
-    alone = len(guard["most_sensitive"]) if sensitivity is GuardSensitivity.EXHAUSTIVE or ranking["escalated"] else 0
-    assert guard["quantizations"] == alone + len(guard["search"])
+    assert not ranking["escalated"]
+    if sensitivity is GuardSensitivity.EXHAUSTIVE:
+        assert guard["quantizations"] == len(guard["most_sensitive"]) + len(guard["search"])
+        assert guard["derived"] == 0
+    else:
+        assert guard["quantizations"] == 0 and guard["derived"] == len(guard["search"])
     assert ranking["method"] == sensitivity.value and ranking["kept"] == len(guard["excluded"])
     assert ranking["nodes"] == len(guard["most_sensitive"]) and ranking["seconds"] >= 0
     assert ranking["peak_rss_mib"] > 0
@@ -138,16 +142,49 @@ def test_with_the_guard_off_the_int8_variant_missing_the_default_tolerance_just_
     assert not (tmp_path / "repo2" / "outlier_fp32").exists()
 
 
-def test_when_no_int8_mix_meets_the_tolerance_fp16_is_served(tmp_path: Path) -> None:
+@pytest.mark.parametrize("recipe", list(Int8Recipe))
+def test_when_no_int8_mix_meets_the_tolerance_fp16_is_served(tmp_path: Path, recipe: Int8Recipe) -> None:
     # FP16 stays within 3e-4 of FP32 on this model; no INT8 mix with at most half the nodes excluded does.
-    record = build(tmp_path, outlier_spec(tmp_path, Int8Recipe.MODELOPT, Tolerance(max_abs=0.002)))
+    record = build(tmp_path, outlier_spec(tmp_path, recipe, Tolerance(max_abs=0.002)))
     guard = record["guard"]
     assert guard["fallback"] == "fp16" and guard["excluded"] == [] and guard["after"] is None
-    assert all(not step["passes"] for step in guard["search"])
+    # (One pass also tries more than half excluded, to prune back from: none that size counts.)
+    limit = guard["sensitivity"]["nodes"] // 2
+    assert all(not step["passes"] for step in guard["search"] if step["excluded"] <= limit)
+    # Before giving up, ModelOpt's recipe ranks each node alone (derived candidates too: no quantization);
+    # ONNX Runtime's does not: its one-pass search is the whole search by design.
+    escalated = guard["sensitivity"]["escalated"]
+    assert escalated == (recipe is Int8Recipe.MODELOPT)
+    alone = guard["sensitivity"]["nodes"] if escalated else 0
+    assert guard["derived"] == alone + len(guard["search"]) and guard["quantizations"] == 0
+    assert {step["ranking"] for step in guard["search"]} == ({"one-pass", "exhaustive"} if escalated else {"one-pass"})
     assert record["accuracy"]["max_abs"] <= 0.002
     served = onnx.load(str(tmp_path / "repo" / "outlier_int8" / "1" / "model.onnx"))
     assert not quantized_nodes(served)
     assert any(i.data_type == onnx.TensorProto.FLOAT16 for i in served.graph.initializer)
+
+
+@pytest.mark.parametrize("sensitivity", list(GuardSensitivity))
+def test_one_pass_calibrates_once_per_guard_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                sensitivity: GuardSensitivity) -> None:
+    # A tensor's calibrated range does not depend on which nodes are quantized: one pass calibrates for the
+    # plain INT8 only and derives every candidate from it; exhaustive (the old behaviour) calibrates each.
+    calibrations: list[object] = []
+    real = precision._quantize_modelopt
+
+    def counting(*args: Any, **kwargs: Any) -> None:
+        calibrations.append(args[2])  # its CalibrationSpec
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(precision, "_quantize_modelopt", counting)
+    record = build(tmp_path, outlier_spec(tmp_path, Int8Recipe.MODELOPT, TOLERANCE), sensitivity)
+    guard = record["guard"]
+    assert guard["excluded"] and guard["search"]
+    assert len(calibrations) == 1 + guard["quantizations"]
+    if sensitivity is GuardSensitivity.ONE_PASS:
+        assert guard["quantizations"] == 0 and guard["derived"] == len(guard["search"])
+    else:
+        assert guard["derived"] == 0 and guard["quantizations"] > len(guard["search"])
 
 
 def test_the_int8_guard_scores_its_candidates_as_the_gate_does(tmp_path: Path,
@@ -209,4 +246,7 @@ def test_where_modelopt_fails_onnx_runtimes_recipe_makes_the_int8_and_its_guard_
     assert len(warned) == 1 and warned[0].startswith("model 'outlier': "), warned
     settings = record["precision_settings"]
     assert settings["instead_of"] == "modelopt.onnx.quantization" and "ir_version" in settings["why"]
-    assert record["guard"]["quantizations"] > 0 and record["guard"]["fallback"] is None
+    # Its candidates derived from that recipe's calibration: no quantization again, ModelOpt's or ONNX Runtime's.
+    guard = record["guard"]
+    assert guard["derived"] > 0 and guard["quantizations"] == 0 and guard["fallback"] is None
+    assert not guard["sensitivity"]["escalated"]
