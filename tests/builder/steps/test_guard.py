@@ -30,6 +30,7 @@ from builder.steps import accuracy, precision
 from builder.steps.accuracy import Metrics
 from builder.steps.context import ModelContext
 from builder.steps.guard import guard, quantized_nodes
+from builder.steps.sensitivity import one_pass
 from tests.helpers.tiny_models import mlp_samples, outlier_mlp_onnx
 
 TOLERANCE = Tolerance(cosine_min=0.995)
@@ -250,3 +251,36 @@ def test_where_modelopt_fails_onnx_runtimes_recipe_makes_the_int8_and_its_guard_
     guard = record["guard"]
     assert guard["derived"] > 0 and guard["quantizations"] == 0 and guard["fallback"] is None
     assert not guard["sensitivity"]["escalated"]
+
+
+def test_one_pass_finds_a_mix_lower_in_its_order_by_pruning_a_longer_prefix(tmp_path: Path) -> None:
+    # The one-pass figure is first-order: here the mix that meets the tolerance is its first node and its last.
+    # No prefix of at most half the nodes meets it; the smallest passing prefix, pruned back node by node, does,
+    # without a quantization or the exhaustive ranking.
+    model = outlier_mlp_onnx(tmp_path / "outlier.onnx")
+    plain = tmp_path / "plain.onnx"
+    spec = CalibrationSpec(DataSpec("unused.npz", 64), method=CalibrationMethod.MAX, recipe=Int8Recipe.MODELOPT)
+    precision.to_int8(model, fp32_sha=sha256_file(model), calibration=mlp_samples(64, seed=0), data_digest="p",
+                      spec=spec, out_path=plain, cache_dir=tmp_path / "cache", log_file=None)
+    nodes = quantized_nodes(onnx.load(str(plain)))
+    evaluation = mlp_samples(16, seed=1)
+    scores = one_pass(model, plain, nodes, evaluation, 8)
+    order = sorted(nodes, key=lambda n: scores[n], reverse=True)
+    needed = {order[0], order[-1]}
+    assert len(nodes) == 4 and len(needed) == 2
+
+    def measure(path: Path) -> Metrics:
+        unquantized = set(nodes) - set(quantized_nodes(onnx.load(str(path))))
+        cosine = 1.0 if needed <= unquantized else 0.5
+        return Metrics(max_abs=0.0, max_rel=0.0, cosine_min=cosine, cosine_mean=cosine, samples=16)
+
+    quantized: list[CalibrationSpec] = []
+    result, path = guard(lambda s, _out: quantized.append(s), spec=spec, plain=plain, evaluation=evaluation,
+                         reference=evaluation, task=Task.GENERIC, tolerance=TOLERANCE, work=tmp_path,
+                         method=GuardSensitivity.ONE_PASS, fp32=model, measure=measure)
+    assert result.met and set(result.excluded) == needed and path is not None
+    assert quantized == [] and result.quantizations == 0 and result.derived == len(result.searched)
+    assert result.ranking is not None and not result.ranking.escalated
+    assert set(nodes) - set(quantized_nodes(onnx.load(str(path)))) == needed
+    # Every prefix up to half missed; the longer one that met it was pruned back to the two that matter.
+    assert [a.passes for a in result.searched if a.excluded <= 2][:2] == [False, False]
