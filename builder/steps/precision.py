@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 # Bump when the way a variant is produced changes, so caches and repositories rebuild.
 RECIPE_VERSION = "3"  # 3: FP16 fallback repairs, INT8 as given / recipe fallback; 2: min/max shape levels
 # The same for INT8 alone (its calibrations and its variant's build key, not the other variants').
-INT8_VERSION = "2"  # 2: ModelOpt's entropy calibration sees the widest sample first
+INT8_VERSION = "2"  # 2: ModelOpt's entropy calibration sees the widest sample first; guard candidates derived
 
 
 @dataclass(frozen=True)
