@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -38,16 +38,16 @@ from builder.spec.enums import GuardSensitivity, Int8Recipe, Precision, Task
 from builder.spec.model import CalibrationSpec, Tolerance
 from builder.steps import accuracy, precision, qdq_mix
 from builder.steps.accuracy import Metrics
+from builder.steps.qdq_mix import quantized_nodes
 from builder.steps.resources import peak_rss_mib
 from builder.steps.sensitivity import FIGURES, SensitivityRecord, one_pass
 from common import progress
 
 log = logging.getLogger(__name__)
 
-_QDQ = ("QuantizeLinear", "DequantizeLinear")
 # A candidate that cannot be derived from the plain graph, or whose derived graph ONNX Runtime refuses: that
 # candidate is quantized again instead.
-_UNDERIVABLE: tuple[type[BaseException], ...] = (qdq_mix.MixError, *ORT_ERRORS)
+_UNDERIVABLE: tuple[type[BaseException], ...] = (qdq_mix.MixError, precision.PlacementUnknown, *ORT_ERRORS)
 
 
 @dataclass(frozen=True)
@@ -74,13 +74,6 @@ class GuardResult:
     derived: int = 0  # candidates derived from the plain graph's calibration (qdq_mix): no quantization
 
 
-def quantized_nodes(model: onnx.ModelProto) -> list[str]:
-    """Compute nodes fed by a DequantizeLinear: the nodes this quantization touched, in graph order."""
-    dq_outputs = {n.output[0] for n in model.graph.node if n.op_type == "DequantizeLinear"}
-    return [n.name for n in model.graph.node
-            if n.op_type not in _QDQ and n.name and any(i in dq_outputs for i in n.input)]
-
-
 def guard(
     quantize: Callable[[CalibrationSpec, Path], None],
     *,
@@ -98,11 +91,14 @@ def guard(
     escalate: bool = True,
     measure: Callable[[Path], Metrics] | None = None,
     float_graph: Path | None = None,
+    placement: Callable[[CalibrationSpec], Collection[str]] | None = None,
 ) -> tuple[GuardResult, Path | None]:
     """Return the search's result and the path of the guarded INT8 ONNX (None: fall back to FP16).
     `method` ONE_PASS needs `fp32`, the graph `plain` was quantized from; its candidates are derived from `plain`
     (qdq_mix; `float_graph`: the graph the quantizer was given where it changed `fp32` first, default `fp32`),
-    `quantize` runs only for one that cannot be; with `escalate`, a one-pass ranking whose search finds no mix is
+    `quantize` runs only for one that cannot be; `placement` (the nodes the recipe quantizes given its exclusions,
+    where that depends on them) decides which nodes a candidate leaves in FP32 besides those it excludes;
+    with `escalate`, a one-pass ranking whose search finds no mix is
     followed by the exhaustive ranking and its search. EXHAUSTIVE quantizes every candidate. `measure` scores a
     candidate as the gate will (every shape level); by default, on `evaluation` against `reference` only."""
     started = time.perf_counter()
@@ -133,7 +129,15 @@ def guard(
             try:
                 if not graphs:
                     graphs.extend((onnx_files.load(plain), onnx_files.load(float_graph or fp32)))
-                drop = [n for n in nodes if n != alone] if alone is not None else excluded
+                drop: Collection[str]
+                if alone is not None:
+                    drop = [n for n in nodes if n != alone]
+                elif placement is None:
+                    drop = excluded
+                else:  # as the recipe places Q/DQ for these exclusions (ModelOpt leaves a fused Add too)
+                    kept = set(placement(replace(spec, nodes_to_exclude=tuple(
+                        dict.fromkeys((*spec.nodes_to_exclude, *excluded))))))
+                    drop = [n for n in nodes if n in excluded or n not in kept]
                 onnx_files.save(qdq_mix.unquantize(graphs[0], drop, graphs[1]), out)
                 metrics = evaluate(out)
                 derived += 1
@@ -334,10 +338,15 @@ def guard_int8(*, fp32_path: Path, fp32_sha: str, calibration: Mapping[str, NDAr
     # one-pass search miss (a tensor rounded where its producer writes it, which excluding the consumer kept)
     # is gone now that a candidate reads FP32 at the excluded node itself, and each of its quantizations is a
     # subprocess.
+    modelopt = spec.recipe is Int8Recipe.MODELOPT
+
+    def placement(candidate: CalibrationSpec) -> list[str]:
+        return precision.modelopt_placement(fp32_path, calibration, candidate)
+
     result, guarded = guard(quantize, spec=spec, plain=plain, evaluation=evaluation, reference=reference,
                             task=task, tolerance=tolerance, work=search_dir, batch_size=batch_size,
                             method=method, fp32=fp32_path, measure=measure, float_graph=float_graph,
-                            escalate=spec.recipe is Int8Recipe.MODELOPT)
+                            escalate=modelopt, placement=placement if modelopt else None)
     fallback = None
     if guarded is not None:
         onnx_files.copy_model(guarded, variant_onnx)

@@ -37,7 +37,7 @@ from builder.runtimes.onnxruntime import ORT_ERRORS
 from builder.spec.enums import CalibrationMethod, Int8Recipe
 from builder.spec.model import CalibrationSpec
 from builder.spec.settings import default_cache_dir
-from builder.steps import calibration_order, onnx_model
+from builder.steps import calibration_order, onnx_model, qdq_mix
 from common import progress
 
 log = logging.getLogger(__name__)
@@ -474,6 +474,27 @@ def _quantize_modelopt(fp32_path: Path, calibration: Mapping[str, NDArray[Any]],
         use_external_data_format=onnx_files.has_external_data(fp32_path),
         log_level="WARNING",
     )
+
+
+class PlacementUnknown(Exception):
+    """ModelOpt failed on a placement run (the tool's reason is the message)."""
+
+
+def modelopt_placement(fp32_path: Path, calibration: Mapping[str, NDArray[Any]], spec: CalibrationSpec) -> list[str]:
+    """The nodes ModelOpt's recipe quantizes with `spec`'s node choices. Which nodes it quantizes depends on which
+    are excluded (an Add or Mul fused with an excluded Conv is left in FP32 too), not on the ranges: so it is
+    read from a run on the first sample with max calibration, a fraction of an entropy calibration's time."""
+    first = {name: array[:1] for name, array in calibration.items()}
+    with tempfile.TemporaryDirectory(prefix="trtbuild-placement-") as tmp, _quiet() as sink:
+        out = Path(tmp) / "placement.onnx"
+        try:
+            with contextlib.chdir(tmp):
+                _quantize_modelopt(fp32_path.resolve(), first, replace(spec, method=CalibrationMethod.MAX), out)
+        except Exception as exc:
+            if not _is_tool_failure(exc):
+                raise
+            raise PlacementUnknown(tool_cause(exc, sink.getvalue())) from exc
+        return qdq_mix.quantized_nodes(onnx.load(str(out), load_external_data=False))
 
 
 def widest_first(fp32_path: Path, calibration: Mapping[str, NDArray[Any]], *,

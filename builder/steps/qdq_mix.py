@@ -29,6 +29,13 @@ _QDQ = frozenset({"QuantizeLinear", "DequantizeLinear"})
 _MAX_DEPTH = 8
 
 
+def quantized_nodes(model: onnx.ModelProto) -> list[str]:
+    """Compute nodes fed by a DequantizeLinear: the nodes this quantization touched, in graph order."""
+    dq_outputs = {n.output[0] for n in model.graph.node if n.op_type == "DequantizeLinear"}
+    return [n.name for n in model.graph.node
+            if n.op_type not in _QDQ and n.name and any(i in dq_outputs for i in n.input)]
+
+
 class MixError(Exception):
     """This mix cannot be derived from the quantized graph (the reason is the message)."""
 
@@ -128,18 +135,38 @@ def unquantize(model: onnx.ModelProto, nodes: Collection[str], float_model: onnx
     graph = mix.graph
     producers = {out: node for node in graph.node for out in node.output if out}
     float_nodes = {node.name: node for node in float_model.graph.node if node.name}
+    float_producer = {out: node.name for node in float_model.graph.node for out in node.output if out}
+    inputs = {value.name for value in graph.input} & {value.name for value in float_model.graph.input}
+    weights = {init.name for init in graph.initializer
+               if init.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE)}
+
+    def as_given(tensor: str) -> bool:
+        """Whether a Quantize reads the value the float graph has: a graph input, a float weight, or the output
+        of the node the float graph computes it with (not one whose Relu the quantizer removed)."""
+        producer = producers.get(tensor)
+        if producer is None:
+            return tensor in inputs or tensor in weights
+        return bool(producer.name) and float_producer.get(tensor) == producer.name
+
     by_name = {node.name: node for node in graph.node if node.name}
     rebuild = _Rebuild(mix, float_model)
     for name in dict.fromkeys(nodes):
-        node, original = by_name.get(name), float_nodes.get(name)
+        node = by_name.get(name)
         if node is None:
             raise MixError(f"node {name!r} is not in the quantized graph")
-        if original is None or original.op_type != node.op_type or len(original.input) != len(node.input):
-            raise MixError(f"node {name!r} is not the same node in the float graph (renamed or fused)")
         for index, tensor in enumerate(node.input):
             dq = producers.get(tensor)
-            if dq is not None and dq.op_type == "DequantizeLinear":
-                node.input[index] = rebuild.tensor(original.input[index])
+            if dq is None or dq.op_type != "DequantizeLinear":
+                continue
+            quantize = producers.get(dq.input[0])
+            if quantize is not None and quantize.op_type == "QuantizeLinear" and as_given(quantize.input[0]):
+                node.input[index] = quantize.input[0]
+                continue
+            # A weight stored quantized, or an activation the quantizer changed: from the float graph's node.
+            original = float_nodes.get(name)
+            if original is None or original.op_type != node.op_type or len(original.input) != len(node.input):
+                raise MixError(f"node {name!r} is not the same node in the float graph (renamed or fused)")
+            node.input[index] = rebuild.tensor(original.input[index])
     graph.node.extend(rebuild.added)
     _toposort(graph)
     _drop_unread(graph)

@@ -169,23 +169,27 @@ def test_when_no_int8_mix_meets_the_tolerance_fp16_is_served(tmp_path: Path, rec
 def test_one_pass_calibrates_once_per_guard_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                 sensitivity: GuardSensitivity) -> None:
     # A tensor's calibrated range does not depend on which nodes are quantized: one pass calibrates for the
-    # plain INT8 only and derives every candidate from it; exhaustive (the old behaviour) calibrates each.
-    calibrations: list[object] = []
+    # plain INT8 only and derives every candidate from it, asking ModelOpt only where it would place Q/DQ for
+    # the candidate's exclusions (a run on one sample); exhaustive (the old behaviour) calibrates each.
+    runs: list[tuple[CalibrationMethod, int]] = []
     real = precision._quantize_modelopt
 
-    def counting(*args: Any, **kwargs: Any) -> None:
-        calibrations.append(args[2])  # its CalibrationSpec
-        real(*args, **kwargs)
+    def counting(fp32_path: Path, calibration: Any, spec: CalibrationSpec, out: Path) -> None:
+        runs.append((spec.method, len(next(iter(calibration.values())))))
+        real(fp32_path, calibration, spec, out)
 
     monkeypatch.setattr(precision, "_quantize_modelopt", counting)
     record = build(tmp_path, outlier_spec(tmp_path, Int8Recipe.MODELOPT, TOLERANCE), sensitivity)
     guard = record["guard"]
     assert guard["excluded"] and guard["search"]
+    calibrations = [run for run in runs if run[1] == 64]  # every calibration sample
+    placements = [run for run in runs if run[1] == 1]
+    assert len(runs) == len(calibrations) + len(placements)
     assert len(calibrations) == 1 + guard["quantizations"]
     if sensitivity is GuardSensitivity.ONE_PASS:
-        assert guard["quantizations"] == 0 and guard["derived"] == len(guard["search"])
+        assert guard["quantizations"] == 0 and guard["derived"] == len(guard["search"]) == len(placements)
     else:
-        assert guard["derived"] == 0 and guard["quantizations"] > len(guard["search"])
+        assert guard["derived"] == 0 and guard["quantizations"] > len(guard["search"]) and not placements
 
 
 def test_the_int8_guard_scores_its_candidates_as_the_gate_does(tmp_path: Path,
