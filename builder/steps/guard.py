@@ -5,6 +5,7 @@ in higher precision.
    - one-pass (the default): run the FP32 graph and the plain INT8 graph once on the held-out inputs
      and rank the quantized nodes by the error each adds (steps/sensitivity.py); no extra quantization.
      Its candidates are derived from the plain INT8 graph (steps/qdq_mix.py): the excluded nodes read FP32,
+     and so do those ModelOpt would leave unquantized with them (its placement, from a run on one sample);
      every other Q/DQ pair keeps the plain graph's calibrated scale, so one calibration serves the whole
      guard (a tensor's range depends on the FP32 graph and the data, not on which nodes are quantized).
      Where its search finds no mix, ModelOpt's recipe ranks by the exhaustive figure too (escalated).
