@@ -1,17 +1,17 @@
-"""The order ModelOpt's entropy calibration sees the samples in: the widest first.
+"""The sample ModelOpt's entropy calibration sees first: one that keeps its histograms affordable.
 
 Why it matters: ModelOpt (ort_patching) builds each tensor's histogram batch by batch. The first batch fixes
 the bin width (its range over 128 bins); a later batch with a wider range adds bins of that same width, so a
 tensor ends with about 128 x (its range over all samples / its range in the first batch) bins. ONNX Runtime's
 entropy threshold search then costs O(bins^2) in Python. Calibration data that starts with a quiet sample
 (silence before speech, a dark image) makes that ratio large: silero VAD's first sample (hiss, state 0) left
-one tensor with 36 868 bins and took 62 s of a 66 s calibration; the same samples with a wide one first take
-under a second.
+one tensor with 36 868 bins and took 62 s of a 66 s calibration.
 
-So the samples are ordered by how far each one's ranges fall short of all samples' (the largest ratio over
-the graph's float tensors, from one FP32 run that reads every main-graph tensor), the widest first. The set
-of samples is unchanged; the histograms then keep about 128 bins, where the entropy search has little to
-clip, so the result comes close to max calibration.
+The bins are also the entropy search's resolution: with 128 it has no threshold to choose but the range's
+(max calibration). So the data's order is kept where its first sample keeps every calibrated tensor within
+MAX_GROWTH; otherwise the sample that comes closest to MAX_GROWTH without passing it goes first (the widest
+where none is within). The ratios come from one FP32 run per sample that reads the float inputs of the ops
+a quantizer calibrates; the set of samples is unchanged.
 """
 
 from __future__ import annotations
@@ -19,50 +19,71 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx
 from numpy.typing import NDArray
+from onnxruntime.quantization.registry import QDQRegistry, QLinearOpsRegistry
 
 from builder.runtimes.onnxruntime import ort_session
 
 log = logging.getLogger(__name__)
 
-Feed = dict[str, NDArray[Any]]
+Feed = Mapping[str, NDArray[Any]]
 
-def _exposed(fp32_path: Path) -> tuple[Path, list[str]]:
-    """The FP32 graph with every main-graph node output added as a graph output, beside it (weights kept in
-    a data file stay there: the copy refers to them by the same relative location)."""
+# How many times its first 128 bins a histogram may grow to: ~1000 bins, ~0.05 s of entropy search per tensor
+# here (36 868 bins took 62 s), while leaving the search thresholds to choose from.
+MAX_GROWTH = 8.0
+# The ops whose inputs ONNX Runtime's quantizer (and ModelOpt through it) can calibrate.
+_CALIBRATED_OPS = frozenset(QDQRegistry) | frozenset(QLinearOpsRegistry)
+
+
+def calibrated_tensors(model: onnx.ModelProto) -> list[str]:
+    """The main graph's tensors a quantizer may calibrate: non-constant inputs of the ops it quantizes."""
+    constant = {init.name for init in model.graph.initializer}
+    constant.update(out for node in model.graph.node if node.op_type == "Constant" for out in node.output)
+    names = [name for node in model.graph.node if node.op_type in _CALIBRATED_OPS
+             for name in node.input if name and name not in constant]
+    return list(dict.fromkeys(names))
+
+
+def _exposed(fp32_path: Path, names: Sequence[str]) -> Path:
+    """The FP32 graph with `names` added as graph outputs, beside it (weights kept in a data file stay there:
+    the copy refers to them by the same relative location)."""
     model = onnx.load(str(fp32_path), load_external_data=False)
     present = {o.name for o in model.graph.output}
-    names = [out for node in model.graph.node for out in node.output if out and out not in present]
-    for name in dict.fromkeys(names):
-        model.graph.output.append(onnx.ValueInfoProto(name=name))
+    model.graph.output.extend(onnx.ValueInfoProto(name=name) for name in names if name not in present)
     path = fp32_path.with_name(f".{fp32_path.stem}.ranges.{os.getpid()}.onnx")
     onnx.save(model, str(path))
-    return path, [o.name for o in model.graph.output]
+    return path
+
+
+def _peak(value: object) -> float:
+    array = np.asarray(value)
+    if array.dtype.kind != "f" or array.size == 0:
+        return math.nan
+    peak = float(np.max(np.abs(array)))
+    return peak if math.isfinite(peak) else math.nan
 
 
 def sample_ranges(fp32_path: Path, feeds: Sequence[Feed]) -> NDArray[np.float64]:
-    """|max| of each float tensor of the main graph (columns) for each feed (rows), from one run per feed;
-    NaN where a tensor is not float or not finite."""
-    path, names = _exposed(fp32_path)
+    """|max| of each calibrated tensor (columns) for each feed (rows), from one run per feed; NaN where a
+    tensor is not float or not finite."""
+    model = onnx.load(str(fp32_path), load_external_data=False)
+    names = calibrated_tensors(model)
+    inputs = {value.name for value in model.graph.input}
+    computed = [name for name in names if name not in inputs]
+    del model
+    path = _exposed(fp32_path, computed)
     try:
         session = ort_session(path)
         rows: list[list[float]] = []
         for feed in feeds:
-            row = []
-            for value in session.run(names, dict(feed)):
-                array = np.asarray(value)
-                if array.dtype.kind != "f" or array.size == 0:
-                    row.append(math.nan)
-                    continue
-                peak = float(np.max(np.abs(array)))
-                row.append(peak if math.isfinite(peak) else math.nan)
-            rows.append(row)
+            values = dict(zip(computed, session.run(computed, dict(feed)), strict=True)) if computed else {}
+            rows.append([_peak(feed[name] if name in inputs else values[name]) for name in names])
         del session
     finally:
         path.unlink(missing_ok=True)
@@ -82,13 +103,16 @@ def growth(ranges: NDArray[np.float64]) -> NDArray[np.float64]:
     return np.asarray(ratio.max(axis=1), dtype=np.float64)
 
 
-def widest_first(fp32_path: Path, feeds: Sequence[Feed]) -> list[int]:
-    """The feeds' indices, the feed whose ranges come closest to all feeds' first (stable among equals)."""
+def entropy_order(fp32_path: Path, feeds: Sequence[Feed]) -> list[int]:
+    """The feeds' indices in the order ModelOpt's entropy calibration should see them (see the module's text)."""
+    order = list(range(len(feeds)))
     if len(feeds) < 2:
-        return list(range(len(feeds)))
+        return order
     factors = growth(sample_ranges(fp32_path, feeds))
-    order = sorted(range(len(feeds)), key=lambda i: float(factors[i]))
-    # The factors cover every float tensor, a superset of those ModelOpt calibrates: an upper bound.
-    log.debug("INT8: calibration samples widest first: sample %d first (every tensor's range within %.3gx of all "
-              "samples'; the data's first sample: within %.3gx)", order[0], factors[order[0]], factors[0])
-    return order
+    if factors[0] <= MAX_GROWTH:
+        return order
+    within = [i for i in order if factors[i] <= MAX_GROWTH]
+    first = max(within, key=lambda i: float(factors[i])) if within else min(order, key=lambda i: float(factors[i]))
+    log.debug("INT8: calibration sample %d first: the data's first would grow a histogram %.3gx, this one %.3gx "
+              "(at most %gx wanted)", first, factors[0], factors[first], MAX_GROWTH)
+    return [first, *(i for i in order if i != first)]

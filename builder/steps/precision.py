@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 # Bump when the way a variant is produced changes, so caches and repositories rebuild.
 RECIPE_VERSION = "3"  # 3: FP16 fallback repairs, INT8 as given / recipe fallback; 2: min/max shape levels
 # The same for INT8 alone (its calibrations and its variant's build key, not the other variants').
-INT8_VERSION = "2"  # 2: ModelOpt's entropy calibration sees the widest sample first; guard candidates derived
+INT8_VERSION = "2"  # 2: the sample ModelOpt's entropy calibration sees first; guard candidates derived
 
 
 @dataclass(frozen=True)
@@ -452,7 +452,7 @@ def _quantize_modelopt(fp32_path: Path, calibration: Mapping[str, NDArray[Any]],
 
     whole = _whole_samples(fp32_path, calibration)
     if spec.method is CalibrationMethod.ENTROPY:
-        calibration = widest_first(fp32_path, calibration, whole=whole)
+        calibration = entropy_order(fp32_path, calibration, whole=whole)
     quantize(
         str(fp32_path),
         quantize_mode="int8",
@@ -497,14 +497,14 @@ def modelopt_placement(fp32_path: Path, calibration: Mapping[str, NDArray[Any]],
         return qdq_mix.quantized_nodes(onnx.load(str(out), load_external_data=False))
 
 
-def widest_first(fp32_path: Path, calibration: Mapping[str, NDArray[Any]], *,
-                 whole: bool) -> Mapping[str, NDArray[Any]]:
-    """The samples reordered for ModelOpt's entropy calibration, the widest first (steps/calibration_order.py:
-    its histograms take their bin width from the first batch, and its search costs the square of the bins).
-    ModelOpt gives a batching model's samples one per batch (its dynamic batch dim taken as 1), as here. Where
-    the FP32 graph does not run so, the data's order is kept: the calibration decides what to report."""
+def entropy_order(fp32_path: Path, calibration: Mapping[str, NDArray[Any]], *,
+                  whole: bool) -> Mapping[str, NDArray[Any]]:
+    """The samples ordered for ModelOpt's entropy calibration (steps/calibration_order.py: its histograms take
+    their bin width from the first batch, and its search costs the square of the bins). ModelOpt gives a
+    batching model's samples one per batch (its dynamic batch dim taken as 1), as here. Where the FP32 graph
+    does not run so, the data's order is kept: the calibration decides what to report."""
     try:
-        order = calibration_order.widest_first(fp32_path, list(sample_feeds(calibration, None if whole else 1)))
+        order = calibration_order.entropy_order(fp32_path, list(sample_feeds(calibration, None if whole else 1)))
     except ORT_ERRORS as exc:
         log.debug("INT8: calibration samples kept in the data's order (ranges not read: %s)", tool_cause(exc))
         return calibration
