@@ -52,7 +52,8 @@ def main() -> int:
         top1_text = "-" if acc.top1_agreement is None else f"{acc.top1_agreement:.3f}"
         print(f"{label:<16} {acc.cosine_mean:>8.4f} {top1_text:>8} {per_s:>9.1f} {size_bytes / 1e6:>6.1f}")
     print(f"kept in higher precision ({len(guard.excluded)}): {', '.join(guard.excluded) or '-'}")
-    print(f"quantizations built: {guard.quantizations} ({len(guard.most_sensitive)} shown most sensitive), "
+    print(f"quantizations built: {guard.quantizations}, candidates derived from the plain INT8: {guard.derived} "
+          f"({len(guard.most_sensitive)} shown most sensitive), "
           f"search steps: {[(s.excluded, s.passes) for s in guard.search]}, {guard.seconds:.0f} s")
     if args.json:
         args.json.write_text(json.dumps(asdict(guard), indent=2) + "\n")

@@ -202,15 +202,20 @@ def spec_fields(spec: ModelSpec) -> dict[str, str]:
     return {name: _digest(value)[:16] for name, value in sorted(raw.items()) if name not in _PER_PRECISION}
 
 
-def precision_settings(spec: ModelSpec, prec: Precision, int8: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """What only this precision's variant depends on: its tolerance and, for INT8, the calibration settings
-    (the data itself is in the inputs every variant shares: FP16 measures its ranges on it too) and the recipe
+def precision_settings(spec: ModelSpec, prec: Precision, int8: Mapping[str, Any] | None = None,
+                       guard_sensitivity: GuardSensitivity = GuardSensitivity.ONE_PASS) -> dict[str, Any]:
+    """What only this precision's variant depends on: its tolerance, its guard and how the guard ranks nodes
+    (another ranking can keep other nodes in higher precision), and, for INT8, the calibration settings (the
+    data itself is in the inputs every variant shares: FP16 measures its ranges on it too) and the recipe
     `int8` the graph and runtime decide (int8_key)."""
     settings: dict[str, Any] = {"tolerance": asdict(spec.tolerance(prec))}
     if prec is not Precision.FP32:
         settings["guard"] = spec.guard
+        if spec.guard:
+            settings["guard_sensitivity"] = guard_sensitivity
     if prec is Precision.INT8 and spec.calibration is not None:
         settings["calibration"] = {k: v for k, v in asdict(spec.calibration).items() if k != "data"}
+        settings["int8_version"] = precision.INT8_VERSION
         if int8 is not None:
             settings["int8_recipe"] = dict(int8)
     recorded: dict[str, Any] = json.loads(json.dumps(settings, sort_keys=True, default=str))  # as build.json holds it
@@ -218,9 +223,11 @@ def precision_settings(spec: ModelSpec, prec: Precision, int8: Mapping[str, Any]
 
 
 def variant_inputs(spec: ModelSpec, shared: Mapping[str, Any],
-                   int8: Mapping[str, Any] | None = None) -> dict[Precision, dict[str, Any]]:
+                   int8: Mapping[str, Any] | None = None,
+                   guard_sensitivity: GuardSensitivity = GuardSensitivity.ONE_PASS) -> dict[Precision, dict[str, Any]]:
     """Each variant's inputs: what every variant shares and its own settings; its digest is its build key."""
-    return {prec: {**shared, "settings": precision_settings(spec, prec, int8)} for prec in spec.precisions}
+    return {prec: {**shared, "settings": precision_settings(spec, prec, int8, guard_sensitivity)}
+            for prec in spec.precisions}
 
 
 def int8_key(spec: ModelSpec, fp32_path: Path, runtime: str) -> dict[str, Any] | None:
@@ -323,7 +330,8 @@ def build_model(spec: ModelSpec, options: BuildOptions, staging: Staging) -> Mod
                          "runtime": {"name": options.runtime.name, **options.runtime.identity()},
                          "recipe": precision.RECIPE_VERSION, "tools": tool_versions()}
         key = _digest(inputs_record)
-        per_variant = variant_inputs(spec, inputs_record, int8_key(spec, fp32_path, options.runtime.name))
+        per_variant = variant_inputs(spec, inputs_record, int8_key(spec, fp32_path, options.runtime.name),
+                                     options.guard_sensitivity)
         keys = {prec: _digest(record) for prec, record in per_variant.items()}
         stale = list(spec.precisions) if options.force else _stale(spec, options.repository, keys)
         if not stale:

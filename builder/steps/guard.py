@@ -4,23 +4,27 @@ in higher precision.
 1. Sensitivity, one of two ways (GuardSensitivity):
    - one-pass (the default): run the FP32 graph and the plain INT8 graph once on the held-out inputs
      and rank the quantized nodes by the error each adds (steps/sensitivity.py); no extra quantization.
-     Where its search finds no mix, the exhaustive ranking runs before INT8 is given up (escalated).
+     Its candidates are derived from the plain INT8 graph (steps/qdq_mix.py): the excluded nodes read FP32,
+     and so do those ModelOpt would leave unquantized with them (its placement, from a run on one sample);
+     every other Q/DQ pair keeps the plain graph's calibrated scale, so one calibration serves the whole
+     guard (a tensor's range depends on the FP32 graph and the data, not on which nodes are quantized).
+     Where its search finds no mix, ModelOpt's recipe ranks by the exhaustive figure too (escalated).
    - exhaustive: quantize each quantizable node *alone* (same recipe, same calibration data) and
      measure how far that variant moves from FP32 on the held-out inputs (damage = 1 - mean cosine,
-     plus the top-1 disagreement for classifiers): one full quantization per node.
-2. Search: exclude the most sensitive nodes from quantization, k = 1, 2, 4, ... until the variant
-   meets its tolerance, then bisect down to the smallest such k. Every candidate is a real
-   re-quantization checked with the real tolerance.
+     plus the top-1 disagreement for classifiers): one full quantization per node, and one per candidate.
+2. Search: exclude the most sensitive nodes from quantization, k = 1, 2, 4, ... (up to half of the nodes)
+   until the variant meets its tolerance, then bisect down to the smallest such k. One pass, where no such
+   k does: the smallest passing k beyond half, then pruned back node by node to at most half. Every
+   candidate is checked with the real tolerance, as the gate scores it.
 3. No INT8 mix within the budget meets it: fall back to the FP16 variant.
 
 Each quantization is cached like any other calibration, so a re-run costs little.
 """
-
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -30,18 +34,21 @@ from numpy.typing import NDArray
 
 from builder.repository import onnx_files
 from builder.runtimes.base import feeds as sample_feeds
-from builder.runtimes.onnxruntime import ort_throughput, run_file
-from builder.spec.enums import GuardSensitivity, Precision, Task
+from builder.runtimes.onnxruntime import ORT_ERRORS, ort_throughput, run_file
+from builder.spec.enums import GuardSensitivity, Int8Recipe, Precision, Task
 from builder.spec.model import CalibrationSpec, Tolerance
-from builder.steps import accuracy, int8_recipe, precision
+from builder.steps import accuracy, int8_recipe, precision, qdq_mix
 from builder.steps.accuracy import Metrics
+from builder.steps.qdq_mix import quantized_nodes
 from builder.steps.resources import peak_rss_mib
 from builder.steps.sensitivity import FIGURES, SensitivityRecord, one_pass
 from common import progress
 
 log = logging.getLogger(__name__)
 
-_QDQ = ("QuantizeLinear", "DequantizeLinear")
+# A candidate that cannot be derived from the plain graph, or whose derived graph ONNX Runtime refuses: that
+# candidate is quantized again instead.
+_UNDERIVABLE: tuple[type[BaseException], ...] = (qdq_mix.MixError, precision.PlacementUnknown, *ORT_ERRORS)
 
 
 @dataclass(frozen=True)
@@ -61,24 +68,11 @@ class GuardResult:
     sensitivity: dict[str, float]  # node -> damage when quantized alone, or error added (one pass)
     before: Metrics
     after: Metrics | None
-    quantizations: int  # how many quantized variants the analysis and search built
+    quantizations: int  # how many times the analysis and search quantized (calibrated) again
     searched: list[Attempt] = field(default_factory=list)
     seconds: float = 0.0
     ranking: SensitivityRecord | None = None
-
-
-# Dynamic quantization's integer ops, named after the float node they replace plus this suffix.
-_DYNAMIC_OPS = frozenset({"MatMulInteger", "ConvInteger"})
-_DYNAMIC_SUFFIX = "_quant"
-
-
-def quantized_nodes(model: onnx.ModelProto) -> list[str]:
-    """The nodes this quantization touched, in graph order, by the names the quantizer excludes them by: compute
-    nodes fed by a DequantizeLinear (Q/DQ), or the float nodes dynamic quantization replaced by integer ops."""
-    dq_outputs = {n.output[0] for n in model.graph.node if n.op_type == "DequantizeLinear"}
-    return [n.name.removesuffix(_DYNAMIC_SUFFIX) if n.op_type in _DYNAMIC_OPS else n.name for n in model.graph.node
-            if n.name and (n.op_type in _DYNAMIC_OPS
-                           or (n.op_type not in _QDQ and any(i in dq_outputs for i in n.input)))]
+    derived: int = 0  # candidates derived from the plain graph's calibration (qdq_mix): no quantization
 
 
 def guard(
@@ -97,10 +91,16 @@ def guard(
     fp32: Path | None = None,
     escalate: bool = True,
     measure: Callable[[Path], Metrics] | None = None,
+    float_graph: Path | None = None,
+    placement: Callable[[CalibrationSpec], Collection[str]] | None = None,
 ) -> tuple[GuardResult, Path | None]:
     """Return the search's result and the path of the guarded INT8 ONNX (None: fall back to FP16).
-    `method` ONE_PASS needs `fp32`, the graph `plain` was quantized from; with `escalate`, a one-pass ranking
-    whose search finds no mix is followed by the exhaustive ranking and its search. `measure` scores a
+    `method` ONE_PASS needs `fp32`, the graph `plain` was quantized from; its candidates are derived from `plain`
+    (qdq_mix; `float_graph`: the graph the quantizer was given where it changed `fp32` first, default `fp32`),
+    `quantize` runs only for one that cannot be; `placement` (the nodes the recipe quantizes given its exclusions,
+    where that depends on them) decides which nodes a candidate leaves in FP32 besides those it excludes;
+    with `escalate`, a one-pass ranking whose search finds no mix is
+    followed by the exhaustive ranking and its search. EXHAUSTIVE quantizes every candidate. `measure` scores a
     candidate as the gate will (every shape level); by default, on `evaluation` against `reference` only."""
     started = time.perf_counter()
 
@@ -110,17 +110,53 @@ def guard(
         return accuracy.compare(reference, run_file(path, evaluation, batch_size), task)
 
     before = evaluate(plain)
-    nodes = quantized_nodes(onnx.load(str(plain), load_external_data=False))  # names only: no weights
+    plain_graph = onnx.load(str(plain), load_external_data=False)  # names only: no weights
+    nodes = quantized_nodes(plain_graph)
+    # Dynamic quantization has no calibrated scale to keep: its candidates are quantized again (no calibration).
+    dynamic = any(n.op_type in qdq_mix.DYNAMIC_OPS for n in plain_graph.graph.node)
+    del plain_graph
     if not nodes:  # nothing to keep in higher precision: no ranking, no search (it re-quantized the same graph)
         log.warning("INT8 guard: the INT8 graph has no quantized node; no mix to search")
         return GuardResult(False, [], {}, before, None, 0, [], time.perf_counter() - started,
                            SensitivityRecord(method, FIGURES[method], 0, 0.0, None, peak_rss_mib())), None
     log.debug("INT8 guard: %d quantized nodes; measuring their sensitivity (%s)", len(nodes), method)
-    builds = 0
+    builds = derived = 0
     searched: list[Attempt] = []
+    # One pass derives its candidates from the plain graph's calibration; exhaustive is the slow reference.
+    derive = method is GuardSensitivity.ONE_PASS and fp32 is not None and not dynamic
+    graphs: list[onnx.ModelProto] = []  # the plain Q/DQ graph and its float graph, loaded once when first needed
+
+    def score(out: Path, *, excluded: Sequence[str] = (), alone: str | None = None) -> Metrics:
+        """A candidate's figures: `excluded` kept in higher precision, or `alone` the only node quantized."""
+        nonlocal builds, derived
+        if derive:
+            assert fp32 is not None
+            try:
+                if not graphs:
+                    graphs.extend((onnx_files.load(plain), onnx_files.load(float_graph or fp32)))
+                drop: Collection[str]
+                if alone is not None:
+                    drop = [n for n in nodes if n != alone]
+                elif placement is None:
+                    drop = excluded
+                else:  # as the recipe places Q/DQ for these exclusions (ModelOpt leaves a fused Add too)
+                    kept = set(placement(replace(spec, nodes_to_exclude=tuple(
+                        dict.fromkeys((*spec.nodes_to_exclude, *excluded))))))
+                    drop = [n for n in nodes if n in excluded or n not in kept]
+                onnx_files.save(qdq_mix.unquantize(graphs[0], drop, graphs[1]), out)
+                metrics = evaluate(out)
+                derived += 1
+                return metrics
+            except _UNDERIVABLE as exc:
+                log.debug("INT8 guard: candidate not derived from the plain INT8 graph (%s); quantizing it", exc)
+        if alone is not None:
+            quantize(replace(spec, nodes_to_quantize=(alone,), nodes_to_exclude=()), out)
+        else:
+            quantize(replace(spec, nodes_to_exclude=tuple(dict.fromkeys((*spec.nodes_to_exclude, *excluded)))), out)
+        builds += 1
+        return evaluate(out)
 
     def rank(how: GuardSensitivity) -> dict[str, float]:
-        nonlocal builds
         if how is GuardSensitivity.ONE_PASS:
             if fp32 is None:
                 raise AssertionError("one-pass sensitivity needs the FP32 graph")
@@ -128,72 +164,91 @@ def guard(
         figures: dict[str, float] = {}
         with progress.task("INT8 guard: sensitivity, one node quantized at a time", total=len(nodes)) as bar:
             for index, node in enumerate(nodes):
-                out = work / f"alone_{index}.onnx"
-                quantize(replace(spec, nodes_to_quantize=(node,), nodes_to_exclude=()), out)
-                builds += 1
-                figures[node] = evaluate(out).damage()
+                figures[node] = score(work / f"alone_{index}.onnx", alone=node).damage()
                 bar.advance(status=node)
         return figures
 
     limit = max(1, int(len(nodes) * max_excluded_fraction))
 
-    def search(order: list[str], how: GuardSensitivity) -> tuple[int | None, dict[int, tuple[bool, Metrics, Path]]]:
-        """The fewest of `order`'s first nodes to exclude for the tolerance: k = 1, 2, 4, ... then bisection."""
-        cache: dict[int, tuple[bool, Metrics, Path]] = {}
+    def search(order: list[str], how: GuardSensitivity) -> tuple[list[str], Metrics, Path] | None:
+        """The fewest of `order`'s first nodes to exclude for the tolerance (k = 1, 2, 4, ... then bisection), at
+        most `limit`. Where none is, with derived candidates (cheap): the smallest passing prefix beyond the
+        limit, pruned back node by node, the least sensitive first (the one-pass figure is first-order: the
+        nodes that matter can sit lower in its order)."""
+        tried: dict[frozenset[str], tuple[bool, Metrics, Path]] = {}
 
-        def attempt(k: int) -> bool:
-            nonlocal builds
-            if k not in cache:
-                out = work / f"exclude_{how.name.lower()}_{k}.onnx"
-                excluded = tuple(dict.fromkeys((*spec.nodes_to_exclude, *order[:k])))
-                quantize(replace(spec, nodes_to_exclude=excluded), out)
-                builds += 1
-                metrics = evaluate(out)
-                cache[k] = (accuracy.violation(metrics, tolerance, "candidate") is None, metrics, out)
-                searched.append(Attempt(k, cache[k][0], metrics, how))
-                search_bar.advance(status=f"{k} excluded: {'meets' if cache[k][0] else 'misses'} the tolerance")
-            return cache[k][0]
+        def attempt(excluded: list[str]) -> bool:
+            key = frozenset(excluded)
+            if key not in tried:
+                out = work / f"exclude_{how.name.lower()}_{len(tried)}.onnx"
+                metrics = score(out, excluded=excluded)
+                tried[key] = (accuracy.violation(metrics, tolerance, "candidate") is None, metrics, out)
+                searched.append(Attempt(len(key), tried[key][0], metrics, how))
+                search_bar.advance(status=f"{len(key)} excluded: {'meets' if tried[key][0] else 'misses'} the "
+                                          "tolerance")
+            return tried[key][0]
 
-        k, found = 1, None
+        def smallest_prefix(first: int, last: int) -> int | None:
+            """The smallest k in first..last whose prefix passes (k doubling, then bisection)."""
+            k, failed = first, first - 1
+            while k <= last:
+                if attempt(order[:k]):
+                    break
+                failed, k = k, k * 2
+            else:
+                if failed == last or not attempt(order[:last]):
+                    return None
+                k = last
+            low, high = failed + 1, k
+            while low < high:
+                mid = (low + high) // 2
+                if attempt(order[:mid]):
+                    high = mid
+                else:
+                    low = mid + 1
+            return high
+
         # The search's length depends on where the tolerance is met: a count of candidates, no total.
         with progress.task("INT8 guard: searching the fewest nodes to keep unquantized", loop=True) as search_bar:
-            while k <= limit:
-                if attempt(k):
-                    found = k
-                    break
-                k *= 2
-            if found is None and limit not in cache and attempt(limit):
-                found = limit
+            found = smallest_prefix(1, limit)
             if found is not None:
-                low = found // 2 + 1 if found > 1 else 1  # the largest failing k is found // 2
-                high = found
-                while low < high:
-                    mid = (low + high) // 2
-                    if attempt(mid):
-                        high = mid
-                    else:
-                        low = mid + 1
-                found = high
-        return found, cache
+                chosen = order[:found]
+            elif derive and limit < len(order):
+                beyond = smallest_prefix(limit + 1, len(order))
+                if beyond is None:
+                    return None
+                chosen = order[:beyond]
+                candidates = list(reversed(chosen))
+                for left, node in enumerate(candidates):
+                    if len(chosen) - limit > len(candidates) - left:
+                        return None  # each try drops one node at most: the limit is out of reach
+                    trial = [n for n in chosen if n != node]
+                    if trial and attempt(trial):
+                        chosen = trial
+                if len(chosen) > limit:
+                    return None
+            else:
+                return None
+        _, metrics, path = tried[frozenset(chosen)]
+        return chosen, metrics, path
 
     ranking_started = time.perf_counter()
     sensitivity = rank(method)
     ranked_in = time.perf_counter() - ranking_started
     order = sorted(nodes, key=lambda n: sensitivity[n], reverse=True)
-    found, cache = search(order, method)
+    found = search(order, method)
     escalated = found is None and method is GuardSensitivity.ONE_PASS and escalate
     if escalated:
         # The one-pass figure is first-order: it misses damage that only shows downstream of a tensor whose
-        # relative error an outlier channel hides, and ONNX Runtime's recipe rounds a tensor where its
-        # producer writes it too (excluding the consumer alone keeps that rounding). Before giving up on
-        # INT8, the exhaustive ranking decides.
-        log.info("INT8 guard: no mix in the one-pass ranking's first %d nodes meets the tolerance; ranking each "
-                 "node by quantizing it alone", limit)
+        # relative error an outlier channel hides. Before giving up on INT8, the exhaustive ranking decides
+        # (its candidates derived too: one evaluation per node).
+        log.info("INT8 guard: no mix of at most %d nodes found from the one-pass ranking meets the tolerance; "
+                 "ranking each node by quantizing it alone", limit)
         ranking_started = time.perf_counter()
         sensitivity = rank(GuardSensitivity.EXHAUSTIVE)
         ranked_in += time.perf_counter() - ranking_started
         order = sorted(nodes, key=lambda n: sensitivity[n], reverse=True)
-        found, cache = search(order, GuardSensitivity.EXHAUSTIVE)
+        found = search(order, GuardSensitivity.EXHAUSTIVE)
     figure = FIGURES[GuardSensitivity.EXHAUSTIVE if escalated else method]
 
     def ranking(kept: int | None) -> SensitivityRecord:
@@ -202,11 +257,13 @@ def guard(
     seconds = time.perf_counter() - started
     if found is None:
         log.warning("INT8 guard: no mix with up to %d of %d nodes excluded meets the tolerance", limit, len(order))
-        return GuardResult(False, [], sensitivity, before, None, builds, searched, seconds, ranking(None)), None
-    _, after, path = cache[found]
-    log.info("INT8 guard: %d node(s) kept in higher precision: %s", found, ", ".join(order[:found]))
-    return GuardResult(True, order[:found], sensitivity, before, after, builds, searched, seconds,
-                       ranking(found)), path
+        return GuardResult(False, [], sensitivity, before, None, builds, searched, seconds, ranking(None),
+                           derived), None
+    excluded, after, path = found
+    log.info("INT8 guard: %d node(s) kept in higher precision: %s (%d candidates derived from the plain INT8 "
+             "graph's calibration, %d quantized again)", len(excluded), ", ".join(excluded), derived, builds)
+    return GuardResult(True, excluded, sensitivity, before, after, builds, searched, seconds, ranking(len(excluded)),
+                       derived), path
 
 
 def sensitivity_one_pass(fp32: Path, plain: Path, nodes: list[str], evaluation: Mapping[str, NDArray[Any]],
@@ -255,13 +312,14 @@ class GuardReport:
     fallback: Precision | None  # FP16 served under the INT8 name when no INT8 mix met the tolerance
     before: Metrics
     after: Metrics | None
-    quantizations: int
+    quantizations: int  # calibrated again
     search: list[Attempt]
     most_sensitive: list[Sensitivity]
     seconds: float
     size_bytes: VariantFigures
     throughput_b1_cpu: VariantFigures
     sensitivity: SensitivityRecord | None = None  # how the nodes were ranked, in what time and memory
+    derived: int = 0  # candidates derived from the plain INT8 graph's calibration (no quantization)
 
 
 def guard_int8(*, fp32_path: Path, fp32_sha: str, calibration: Mapping[str, NDArray[Any]], calibration_digest: str,
@@ -271,18 +329,34 @@ def guard_int8(*, fp32_path: Path, fp32_sha: str, calibration: Mapping[str, NDAr
                batch_size: int | None = 16,
                method: GuardSensitivity = GuardSensitivity.ONE_PASS,
                measure: Callable[[Path], Metrics] | None = None,
+               float_graph: Path | None = None,
                runtime: str = int8_recipe.CPU_RUNTIME) -> GuardReport:
     """Replace variant_onnx by the guarded INT8 mix, or by FP16 when none meets the tolerance. `measure`:
-    how the gate scores a candidate (all its shape levels), so the search's pick is the one the gate passes."""
+    how the gate scores a candidate (all its shape levels), so the search's pick is the one the gate passes.
+    `float_graph`: the graph the quantizer was given, where it changed the FP32 graph first (ONNX Runtime's
+    recipe: precision.float_graph)."""
     plain = work / "int8_plain.onnx"
     onnx_files.copy_model(variant_onnx, plain)
     search_dir = work / "guard"
     search_dir.mkdir(exist_ok=True)
     quantize = make_quantizer(fp32_path, fp32_sha, calibration, calibration_digest, cache_dir, what,
                               runtime=runtime, log_file=log_file)
+    # ONNX Runtime's recipe (where ModelOpt failed) does not escalate to the exhaustive ranking: what made its
+    # one-pass search miss (a tensor rounded where its producer writes it, which excluding the consumer kept)
+    # is gone now that a candidate reads FP32 at the excluded node itself, and each of its quantizations is a
+    # subprocess.
+    # `spec` is the recipe the plain INT8 ran with (CalibrationResult.spec: "auto" resolved); resolved here too
+    # for a caller that passes the user's.
+    recipe = int8_recipe.choose_for(fp32_path, spec.recipe, runtime).recipe
+    modelopt = recipe is Int8Recipe.MODELOPT
+
+    def placement(candidate: CalibrationSpec) -> list[str]:
+        return precision.modelopt_placement(fp32_path, calibration, candidate)
+
     result, guarded = guard(quantize, spec=spec, plain=plain, evaluation=evaluation, reference=reference,
                             task=task, tolerance=tolerance, work=search_dir, batch_size=batch_size,
-                            method=method, fp32=fp32_path, measure=measure)
+                            method=method, fp32=fp32_path, measure=measure, float_graph=float_graph,
+                            escalate=modelopt, placement=placement if modelopt else None)
     fallback = None
     if guarded is not None:
         onnx_files.copy_model(guarded, variant_onnx)
@@ -293,7 +367,7 @@ def guard_int8(*, fp32_path: Path, fp32_sha: str, calibration: Mapping[str, NDAr
     top = sorted(result.sensitivity.items(), key=lambda kv: kv[1], reverse=True)[:10]
     return GuardReport(
         excluded=result.excluded, fallback=fallback, before=result.before, after=result.after,
-        quantizations=result.quantizations, search=result.searched,
+        quantizations=result.quantizations, derived=result.derived, search=result.searched,
         most_sensitive=[Sensitivity(n, d) for n, d in top], seconds=round(result.seconds, 2),
         size_bytes=VariantFigures(fp32_path.stat().st_size, plain.stat().st_size, variant_onnx.stat().st_size),
         throughput_b1_cpu=VariantFigures(*(throughput(path, evaluation, batching=batch_size is not None)

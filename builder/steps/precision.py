@@ -37,7 +37,7 @@ from builder.runtimes.onnxruntime import ORT_ERRORS
 from builder.spec.enums import CalibrationMethod, Int8Recipe
 from builder.spec.model import CalibrationSpec
 from builder.spec.settings import default_cache_dir
-from builder.steps import int8_recipe, onnx_model
+from builder.steps import calibration_order, int8_recipe, onnx_model, qdq_mix
 from builder.steps.int8_recipe import CPU_RUNTIME
 from common import progress
 
@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 
 # Bump when the way a variant is produced changes, so caches and repositories rebuild.
 RECIPE_VERSION = "3"  # 3: FP16 fallback repairs, INT8 as given / recipe fallback; 2: min/max shape levels
+# The same for INT8 alone (its calibrations and its variant's build key, not the other variants').
+INT8_VERSION = "2"  # 2: the sample ModelOpt's entropy calibration sees first; guard candidates derived
 
 
 @dataclass(frozen=True)
@@ -313,6 +315,7 @@ def calibration_key(fp32_sha: str, data_digest: str, spec: CalibrationSpec, runt
         "modelopt": version("nvidia-modelopt"),
         "onnxruntime": version("onnxruntime"),
         "recipe_version": RECIPE_VERSION,
+        "int8_version": INT8_VERSION,
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
@@ -509,6 +512,9 @@ def _to_int8(fp32_path: Path, *, fp32_sha: str, calibration: Mapping[str, NDArra
                         fp32_path.name, hint)
         # With the data file ModelOpt writes beside a model over 2 GB.
         cached.parent.mkdir(parents=True, exist_ok=True)
+        prepared = Path(tmp) / _ORT_PREPARED
+        if prepared.is_file():  # before the Q/DQ graph: a reader finding that finds this too
+            onnx_files.copy_model(prepared, float_graph(cache_dir, key))
         onnx_files.copy_model(tmp_out, cached)
         onnx_files.copy_model(tmp_out, out_path)
     return CalibrationResult(spec.recipe, spec.method, samples, key, False, qdq, settings, spec)
@@ -516,6 +522,16 @@ def _to_int8(fp32_path: Path, *, fp32_sha: str, calibration: Mapping[str, NDArra
 
 # What a quantized graph's quantized tensors are counted by: static Q/DQ's, dynamic quantization's.
 _QUANTIZE_OPS = frozenset({"QuantizeLinear", "DynamicQuantizeLinear"})
+
+
+# The graph ONNX Runtime's quantizer calibrates and quantizes: the FP32 graph after its pre-processing.
+_ORT_PREPARED = "prepared.onnx"
+
+
+def float_graph(cache_dir: Path, key: str) -> Path:
+    """Where a calibration's float graph is kept beside its Q/DQ graph, where the quantizer changed the graph
+    before quantizing it (ONNX Runtime's pre-processing): the INT8 guard derives its candidates from both."""
+    return cache_dir / "calibration" / f"{key}.float.onnx"
 
 
 def _count_q(path: Path) -> int:
@@ -527,13 +543,16 @@ def _quantize_modelopt(fp32_path: Path, calibration: Mapping[str, NDArray[Any]],
                        out: Path) -> None:
     from modelopt.onnx.quantization import quantize
 
+    whole = _whole_samples(fp32_path, calibration)
+    if spec.method is CalibrationMethod.ENTROPY:
+        calibration = entropy_order(fp32_path, calibration, whole=whole)
     quantize(
         str(fp32_path),
         quantize_mode="int8",
-        calibration_data=None if _whole_samples(fp32_path, calibration) else dict(calibration),
+        calibration_data=None if whole else dict(calibration),
         # A model that does not batch (max_batch_size 0): ModelOpt would split the arrays by the input's
         # first dim, so it gets each sample whole from a reader instead.
-        calibration_data_reader=(_WholeSamples(calibration) if _whole_samples(fp32_path, calibration) else None),
+        calibration_data_reader=_WholeSamples(calibration) if whole else None,
         calibration_method=spec.method,
         calibration_eps=["cpu"],
         # FP32 between Q/DQ pairs: the FP16 default loses accuracy badly under ONNX Runtime
@@ -548,6 +567,41 @@ def _quantize_modelopt(fp32_path: Path, calibration: Mapping[str, NDArray[Any]],
         use_external_data_format=onnx_files.has_external_data(fp32_path),
         log_level="WARNING",
     )
+
+
+class PlacementUnknown(Exception):
+    """ModelOpt failed on a placement run (the tool's reason is the message)."""
+
+
+def modelopt_placement(fp32_path: Path, calibration: Mapping[str, NDArray[Any]], spec: CalibrationSpec) -> list[str]:
+    """The nodes ModelOpt's recipe quantizes with `spec`'s node choices. Which nodes it quantizes depends on which
+    are excluded (an Add or Mul fused with an excluded Conv is left in FP32 too), not on the ranges: so it is
+    read from a run on the first sample with max calibration, a fraction of an entropy calibration's time."""
+    first = {name: array[:1] for name, array in calibration.items()}
+    with tempfile.TemporaryDirectory(prefix="trtbuild-placement-") as tmp, _quiet() as sink:
+        out = Path(tmp) / "placement.onnx"
+        try:
+            with contextlib.chdir(tmp):
+                _quantize_modelopt(fp32_path.resolve(), first, replace(spec, method=CalibrationMethod.MAX), out)
+        except Exception as exc:
+            if not _is_tool_failure(exc):
+                raise
+            raise PlacementUnknown(tool_cause(exc, sink.getvalue())) from exc
+        return qdq_mix.quantized_nodes(onnx.load(str(out), load_external_data=False))
+
+
+def entropy_order(fp32_path: Path, calibration: Mapping[str, NDArray[Any]], *,
+                  whole: bool) -> Mapping[str, NDArray[Any]]:
+    """The samples ordered for ModelOpt's entropy calibration (steps/calibration_order.py: its histograms take
+    their bin width from the first batch, and its search costs the square of the bins). ModelOpt gives a
+    batching model's samples one per batch (its dynamic batch dim taken as 1), as here. Where the FP32 graph
+    does not run so, the data's order is kept: the calibration decides what to report."""
+    try:
+        order = calibration_order.entropy_order(fp32_path, list(sample_feeds(calibration, None if whole else 1)))
+    except ORT_ERRORS as exc:
+        log.debug("INT8: calibration samples kept in the data's order (ranges not read: %s)", tool_cause(exc))
+        return calibration
+    return {name: array[order] for name, array in calibration.items()}
 
 
 def _whole_samples(fp32_path: Path, calibration: Mapping[str, NDArray[Any]]) -> bool:
@@ -659,7 +713,7 @@ def _ort_quantize_worker(job_path: str) -> None:
     with np.load(job["samples"]) as archive:
         calibration = {k: archive[k] for k in archive.files}
     dynamic = bool(job.get("dynamic"))
-    prepared = Path(job["tmp"]) / "prepared.onnx"
+    prepared = Path(job["tmp"]) / _ORT_PREPARED
     # A model with its weights beside it (over 2 GB) stays so: ORT's pre-processing otherwise reads the
     # data file from its own temporary folder, where it is not, and writes a message protobuf cannot hold.
     # Dynamic quantization: shape inference only, so that the nodes a guard excludes keep their names.

@@ -229,7 +229,17 @@ class Guard:
             # the evaluation samples alone met the limit in the search and missed it at the gate (MiniLM
             # INT8: 0.607 at another sequence length).
             measure=lambda path: model.measure(lambda samples: run_file(path, samples, model.eval_batch)),
+            float_graph=_quantizer_input(model, ctx.calibration),
         )
+
+
+def _quantizer_input(model: ModelContext, calibration: precision.CalibrationResult | None) -> Path | None:
+    """The float graph the plain INT8's quantizer was given, where it is not the FP32 graph (kept beside the
+    calibration: ONNX Runtime's pre-processing); None: the FP32 graph."""
+    if calibration is None or not calibration.cache_key:
+        return None
+    path = precision.float_graph(model.cache_dir, calibration.cache_key)
+    return path if path.is_file() else None
 
 
 class Fp16Guard:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import replace
 from pathlib import Path
 
@@ -11,13 +12,14 @@ import onnx
 import pytest
 
 from builder.errors import AccuracyError, DataError
-from builder.pipeline import BuildOptions, ModelStatus, build_all, rebuild_reasons
+from builder.pipeline import BuildOptions, ModelStatus, build_all, precision_settings, rebuild_reasons
 from builder.repository.triton_config import parse
 from builder.runtimes import OnnxRuntimeCPU
 from builder.spec import (
     CalibrationMethod,
     DataSpec,
     DimRange,
+    GuardSensitivity,
     Int8Recipe,
     ModelSpec,
     Precision,
@@ -223,3 +225,26 @@ def test_rebuild_reasons_name_what_changed(tiny_repository: tuple[Path, list[Mod
     reasons = rebuild_reasons(specs[0], repo_copy, wanted, per_precision=own, origin="build flags")
     assert [r for r in reasons if r.startswith("build flags changed: ")] == \
         ["build flags changed: tolerance int8 (cosine_min 0.95 -> 0.5, top1_agreement_min 0.8 -> None)"]
+
+
+def test_the_guards_ranking_method_is_in_the_fp16_and_int8_build_keys(
+        tiny_repository: tuple[Path, list[ModelSpec]], repo_copy: Path, tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    # Another ranking can keep other nodes in higher precision: FP16 and INT8 rebuild, FP32 (no guard) does not.
+    _, specs = tiny_repository
+    mlp = specs[0]
+    assert set(mlp.precisions) == {Precision.FP32, Precision.FP16, Precision.INT8}
+    exhaustive = BuildOptions(repository=repo_copy, runtime=OnnxRuntimeCPU(), cache_dir=tmp_path / "cache",
+                              guard_sensitivity=GuardSensitivity.EXHAUSTIVE)
+    with caplog.at_level(logging.INFO, logger="builder.pipeline"):
+        (result,) = build_all([mlp], exhaustive, None, ["pytest"])
+    assert sorted(v.name for v in result.variants) == ["mlp_fp16", "mlp_int8"]
+    (line,) = [r.getMessage() for r in caplog.records if "rebuilding" in r.getMessage()]
+    assert "guard_sensitivity fp16 (one-pass -> exhaustive)" in line
+    assert "guard_sensitivity int8 (one-pass -> exhaustive)" in line
+    # With the guard off the method decides nothing: not in the key.
+    unguarded = replace(mlp, guard=False)
+    exhaustive_method = GuardSensitivity.EXHAUSTIVE
+    assert all("guard_sensitivity" not in precision_settings(unguarded, p, guard_sensitivity=exhaustive_method)
+               for p in Precision)
+    assert "guard_sensitivity" not in precision_settings(mlp, Precision.FP32, guard_sensitivity=exhaustive_method)

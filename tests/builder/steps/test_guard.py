@@ -30,6 +30,7 @@ from builder.steps import accuracy, precision
 from builder.steps.accuracy import Metrics
 from builder.steps.context import ModelContext
 from builder.steps.guard import guard, quantized_nodes
+from builder.steps.sensitivity import one_pass
 from tests.helpers.tiny_models import mlp_samples, outlier_mlp_onnx
 
 TOLERANCE = Tolerance(cosine_min=0.995)
@@ -96,13 +97,17 @@ def test_plain_int8_misses_and_the_guarded_build_meets_it_with_a_small_exclusion
     assert guard["after"]["cosine_min"] >= tolerance.cosine_min
     assert record["accuracy"]["cosine_min"] >= tolerance.cosine_min
     assert guard["most_sensitive"][0]["node"] in guard["excluded"]
-    # Exhaustive: one quantization per node, then the search's; one pass: the search's alone.
-    # (ONNX Runtime's recipe rounds a tensor where its producer writes it: the one-pass ranking's search, which
-    # excludes consumers, finds no mix there, and the exhaustive ranking runs after it: escalated.)
+    # Exhaustive: one quantization per node, then one per candidate of the search. One pass: no quantization
+    # after the plain INT8's: every candidate is derived from its calibration (qdq_mix), and no escalation
+    # (ONNX Runtime's recipe rounds a tensor where its producer writes it: a derived candidate reads FP32 at
+    # the excluded node itself, so the one-pass ranking's search finds the mix).
     ranking = guard["sensitivity"]
-    assert ranking["escalated"] == (sensitivity is GuardSensitivity.ONE_PASS and recipe is Int8Recipe.ONNXRUNTIME)
-    alone = len(guard["most_sensitive"]) if sensitivity is GuardSensitivity.EXHAUSTIVE or ranking["escalated"] else 0
-    assert guard["quantizations"] == alone + len(guard["search"])
+    assert not ranking["escalated"]
+    if sensitivity is GuardSensitivity.EXHAUSTIVE:
+        assert guard["quantizations"] == len(guard["most_sensitive"]) + len(guard["search"])
+        assert guard["derived"] == 0
+    else:
+        assert guard["quantizations"] == 0 and guard["derived"] == len(guard["search"])
     assert ranking["method"] == sensitivity.value and ranking["kept"] == len(guard["excluded"])
     assert ranking["nodes"] == len(guard["most_sensitive"]) and ranking["seconds"] >= 0
     assert ranking["peak_rss_mib"] > 0
@@ -138,16 +143,57 @@ def test_with_the_guard_off_the_int8_variant_missing_the_default_tolerance_just_
     assert not (tmp_path / "repo2" / "outlier_fp32").exists()
 
 
-def test_when_no_int8_mix_meets_the_tolerance_fp16_is_served(tmp_path: Path) -> None:
+@pytest.mark.parametrize("recipe", list(Int8Recipe))
+def test_when_no_int8_mix_meets_the_tolerance_fp16_is_served(tmp_path: Path, recipe: Int8Recipe) -> None:
     # FP16 stays within 3e-4 of FP32 on this model; no INT8 mix with at most half the nodes excluded does.
-    record = build(tmp_path, outlier_spec(tmp_path, Int8Recipe.MODELOPT, Tolerance(max_abs=0.002)))
+    record = build(tmp_path, outlier_spec(tmp_path, recipe, Tolerance(max_abs=0.002)))
     guard = record["guard"]
     assert guard["fallback"] == "fp16" and guard["excluded"] == [] and guard["after"] is None
-    assert all(not step["passes"] for step in guard["search"])
+    # (One pass also tries more than half excluded, to prune back from: none that size counts.)
+    limit = guard["sensitivity"]["nodes"] // 2
+    assert all(not step["passes"] for step in guard["search"] if step["excluded"] <= limit)
+    # Before giving up, ModelOpt's recipe ranks each node alone (derived candidates too: no quantization);
+    # ONNX Runtime's does not: its one-pass search is the whole search by design.
+    escalated = guard["sensitivity"]["escalated"]
+    ran = Int8Recipe(record["calibration"]["recipe"])  # "auto" resolved
+    assert escalated == (ran is Int8Recipe.MODELOPT)
+    alone = guard["sensitivity"]["nodes"] if escalated else 0
+    if ran is Int8Recipe.ONNXRUNTIME_DYNAMIC:  # no calibrated scales to derive from: each candidate quantized
+        assert guard["derived"] == 0 and guard["quantizations"] == alone + len(guard["search"])
+    else:
+        assert guard["derived"] == alone + len(guard["search"]) and guard["quantizations"] == 0
+    assert {step["ranking"] for step in guard["search"]} == ({"one-pass", "exhaustive"} if escalated else {"one-pass"})
     assert record["accuracy"]["max_abs"] <= 0.002
     served = onnx.load(str(tmp_path / "repo" / "outlier_int8" / "1" / "model.onnx"))
     assert not quantized_nodes(served)
     assert any(i.data_type == onnx.TensorProto.FLOAT16 for i in served.graph.initializer)
+
+
+@pytest.mark.parametrize("sensitivity", list(GuardSensitivity))
+def test_one_pass_calibrates_once_per_guard_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                sensitivity: GuardSensitivity) -> None:
+    # A tensor's calibrated range does not depend on which nodes are quantized: one pass calibrates for the
+    # plain INT8 only and derives every candidate from it, asking ModelOpt only where it would place Q/DQ for
+    # the candidate's exclusions (a run on one sample); exhaustive (the old behaviour) calibrates each.
+    runs: list[tuple[CalibrationMethod, int]] = []
+    real = precision._quantize_modelopt
+
+    def counting(fp32_path: Path, calibration: Any, spec: CalibrationSpec, out: Path) -> None:
+        runs.append((spec.method, len(next(iter(calibration.values())))))
+        real(fp32_path, calibration, spec, out)
+
+    monkeypatch.setattr(precision, "_quantize_modelopt", counting)
+    record = build(tmp_path, outlier_spec(tmp_path, Int8Recipe.MODELOPT, TOLERANCE), sensitivity)
+    guard = record["guard"]
+    assert guard["excluded"] and guard["search"]
+    calibrations = [run for run in runs if run[1] == 64]  # every calibration sample
+    placements = [run for run in runs if run[1] == 1]
+    assert len(runs) == len(calibrations) + len(placements)
+    assert len(calibrations) == 1 + guard["quantizations"]
+    if sensitivity is GuardSensitivity.ONE_PASS:
+        assert guard["quantizations"] == 0 and guard["derived"] == len(guard["search"]) == len(placements)
+    else:
+        assert guard["derived"] == 0 and guard["quantizations"] > len(guard["search"]) and not placements
 
 
 def test_the_int8_guard_scores_its_candidates_as_the_gate_does(tmp_path: Path,
@@ -209,4 +255,40 @@ def test_where_modelopt_fails_onnx_runtimes_recipe_makes_the_int8_and_its_guard_
     assert len(warned) == 1 and warned[0].startswith("model 'outlier': "), warned
     settings = record["precision_settings"]
     assert settings["instead_of"] == "modelopt.onnx.quantization" and "ir_version" in settings["why"]
-    assert record["guard"]["quantizations"] > 0 and record["guard"]["fallback"] is None
+    # Its candidates derived from that recipe's calibration: no quantization again, ModelOpt's or ONNX Runtime's.
+    guard = record["guard"]
+    assert guard["derived"] > 0 and guard["quantizations"] == 0 and guard["fallback"] is None
+    assert not guard["sensitivity"]["escalated"]
+
+
+def test_one_pass_finds_a_mix_lower_in_its_order_by_pruning_a_longer_prefix(tmp_path: Path) -> None:
+    # The one-pass figure is first-order: here the mix that meets the tolerance is its first node and its last.
+    # No prefix of at most half the nodes meets it; the smallest passing prefix, pruned back node by node, does,
+    # without a quantization or the exhaustive ranking.
+    model = outlier_mlp_onnx(tmp_path / "outlier.onnx")
+    plain = tmp_path / "plain.onnx"
+    spec = CalibrationSpec(DataSpec("unused.npz", 64), method=CalibrationMethod.MAX, recipe=Int8Recipe.MODELOPT)
+    precision.to_int8(model, fp32_sha=sha256_file(model), calibration=mlp_samples(64, seed=0), data_digest="p",
+                      spec=spec, out_path=plain, cache_dir=tmp_path / "cache", log_file=None)
+    nodes = quantized_nodes(onnx.load(str(plain)))
+    evaluation = mlp_samples(16, seed=1)
+    scores = one_pass(model, plain, nodes, evaluation, 8)
+    order = sorted(nodes, key=lambda n: scores[n], reverse=True)
+    needed = {order[0], order[-1]}
+    assert len(nodes) == 4 and len(needed) == 2
+
+    def measure(path: Path) -> Metrics:
+        unquantized = set(nodes) - set(quantized_nodes(onnx.load(str(path))))
+        cosine = 1.0 if needed <= unquantized else 0.5
+        return Metrics(max_abs=0.0, max_rel=0.0, cosine_min=cosine, cosine_mean=cosine, samples=16)
+
+    quantized: list[CalibrationSpec] = []
+    result, path = guard(lambda s, _out: quantized.append(s), spec=spec, plain=plain, evaluation=evaluation,
+                         reference=evaluation, task=Task.GENERIC, tolerance=TOLERANCE, work=tmp_path,
+                         method=GuardSensitivity.ONE_PASS, fp32=model, measure=measure)
+    assert result.met and set(result.excluded) == needed and path is not None
+    assert quantized == [] and result.quantizations == 0 and result.derived == len(result.searched)
+    assert result.ranking is not None and not result.ranking.escalated
+    assert set(nodes) - set(quantized_nodes(onnx.load(str(path)))) == needed
+    # Every prefix up to half missed; the longer one that met it was pruned back to the two that matter.
+    assert [a.passes for a in result.searched if a.excluded <= 2][:2] == [False, False]
