@@ -102,6 +102,8 @@ lock: $(BIN)/uv
 	$(UV_COMPILE) --python-version 3.11 --no-deps -o $(LOCK_DIR)/typestubs.txt $(LOCK_DIR)/typestubs.in
 	$(BIN)/uv pip compile --quiet --generate-hashes --no-deps --python-version 3.11 \
 	  --python-platform x86_64-manylinux_2_35 -o $(LOCK_DIR)/triton.txt $(LOCK_DIR)/triton.in
+	$(BIN)/uv pip compile --quiet --generate-hashes --no-deps --python-version 3.11 \
+	  --python-platform x86_64-manylinux_2_35 -o $(LOCK_DIR)/kubectl.txt $(LOCK_DIR)/kubectl.in
 
 # uv is in the lock ([dev]); the first lock of a checkout has no lock to install it from.
 $(BIN)/uv:

@@ -13,14 +13,14 @@ import json
 import logging
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
 from builder import __version__
-from builder.errors import AccuracyError, BuilderError, DataError
+from builder.errors import AccuracyError, BuilderError, DataError, ManifestError
 from builder.repository import onnx_files
 from builder.repository.lock import repository_lock
 from builder.repository.model_folder import read_record
@@ -28,7 +28,7 @@ from builder.repository.staging import Staging
 from builder.repository.tuned_serving import layer
 from builder.runtimes.base import Runtime
 from builder.runtimes.onnxruntime import ort_rounds
-from builder.spec.enums import GuardSensitivity, Precision
+from builder.spec.enums import GuardSensitivity, Int8Recipe, Precision
 from builder.spec.model import ModelSpec
 from builder.spec.names import variant_name
 from builder.spec.settings import default_cache_dir
@@ -425,12 +425,27 @@ def _accumulated(report_path: Path, repository: Path, models: list[dict[str, Any
     return [*kept, *models]
 
 
+def _check_recipes(specs: Sequence[ModelSpec], options: BuildOptions) -> None:
+    """An INT8 recipe the build's runtime cannot run, refused before any model is built: one line naming the model,
+    the setting and what the runtime takes (found mid-build, it stopped that model's every variant)."""
+    runtime = options.runtime.name
+    setting = "--int8-recipe" if options.spec_origin == "build flags" else "calibration.recipe"
+    bad = [spec.name for spec in specs if Precision.INT8 in spec.precisions and spec.calibration is not None
+           and spec.calibration.recipe is Int8Recipe.ONNXRUNTIME_DYNAMIC and runtime != int8_recipe.CPU_RUNTIME]
+    if bad:
+        raise ManifestError(f"model {', '.join(repr(n) for n in bad)}: {setting} "
+                            f"{Int8Recipe.ONNXRUNTIME_DYNAMIC.value!r} runs on ONNX Runtime on the CPU only, and "
+                            f"this build runs on {runtime} (static Q/DQ): expected {setting} auto, modelopt or "
+                            "onnxruntime, or --runtime onnxruntime")
+
+
 def build_all(
     specs: list[ModelSpec], options: BuildOptions, report_path: Path | None, command: list[str]
 ) -> list[ModelResult]:
     """Build every model. Each variant that passes is written as it passes and each failure is listed in
     its model's result (the report is written either way); with `all_or_nothing`, the first failure
     raises and nothing is written."""
+    _check_recipes(specs, options)
     started = time.time()
     results: list[ModelResult] = []
     with repository_lock(options.repository, what=f"the build of {', '.join(s.name for s in specs)}",

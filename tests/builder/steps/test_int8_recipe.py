@@ -16,7 +16,7 @@ from numpy.typing import NDArray
 
 from builder.cli import main
 from builder.errors import ManifestError
-from builder.pipeline import int8_key, precision_settings
+from builder.pipeline import BuildOptions, build_all, int8_key, precision_settings
 from builder.repository.onnx_files import sha256_file
 from builder.runtimes.onnxruntime import OnnxRuntimeCPU, run_file
 from builder.runtimes.onnxruntime_cuda import OnnxRuntimeCUDA
@@ -177,3 +177,28 @@ def test_a_build_records_the_chosen_recipe_in_build_json_and_the_build_log(
     assert record["inputs"]["settings"]["int8_recipe"]["recipe"] == "onnxruntime-dynamic"
     logged = [ln for ln in (tmp_path / "build.log").read_text().splitlines() if "INT8 recipe" in ln]
     assert len(logged) == 1 and "transformer encoder" in logged[0], logged
+
+
+@pytest.mark.parametrize(("origin", "setting"), [("build flags", "--int8-recipe"),
+                                                 ("models.toml entry", "calibration.recipe")])
+def test_dynamic_quantization_asked_for_a_gpu_runtime_is_refused_before_any_model_is_built(
+        tmp_path: Path, origin: str, setting: str) -> None:
+    # Found mid-build it stopped every variant of the model with a line naming neither; now one line up front,
+    # naming the model and the setting, and nothing is written (another model in the same build included).
+    path = encoder_onnx(tmp_path / "encoder.onnx")
+    dynamic = CalibrationSpec(DataSpec("unused.npz", 16), recipe=Int8Recipe.ONNXRUNTIME_DYNAMIC)
+    specs = [ModelSpec(name="plain", onnx=path, batch=DimRange(1, 4, 8), precisions=(Precision.FP32,)),
+             ModelSpec(name="enc", onnx=path, batch=DimRange(1, 4, 8), precisions=(Precision.FP32, Precision.INT8),
+                       calibration=dynamic)]
+    class NamedCuda(OnnxRuntimeCPU):  # the check reads the runtime's name only; this host may have no GPU
+        name = OnnxRuntimeCUDA.name
+
+    options = BuildOptions(repository=tmp_path / "repo", runtime=NamedCuda(), cache_dir=tmp_path / "cache",
+                           spec_origin=origin)
+    with pytest.raises(ManifestError) as raised:
+        build_all(specs, options, tmp_path / "report.json", ["pytest"])
+    line = str(raised.value)
+    assert "\n" not in line and line.startswith("model 'enc': ") and f"{setting} 'onnxruntime-dynamic'" in line
+    assert OnnxRuntimeCUDA.name in line and "auto" in line
+    assert not (tmp_path / "repo").exists() or not any((tmp_path / "repo").iterdir())
+    assert not (tmp_path / "report.json").exists()
