@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from builder.errors import ManifestError
+from builder.spec.keys import Loc, key_path
 from builder.spec.manifest import model_spec
 from builder.spec.model import ModelSpec
 from builder.spec.names import name_from_path
-from builder.spec.schema import Loc, key_path
 from builder.spec.shapes import Shape, parse_shapes, parse_value_range
 
 CALIBRATION_SAMPLES = 512  # --calibration-samples' default (models.toml's is the schema's, 64)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from builder.errors import ManifestError
 from builder.spec.enums import CalibrationMethod, Int8Recipe, Precision, Task
-from builder.spec.schema import Keys, Loc, TomlKeys
+from builder.spec.keys import Keys, Loc, TomlKeys
 from builder.spec.shapes import DimRange as DimRange
 from builder.spec.shapes import ShapeRange, ValueRange
 

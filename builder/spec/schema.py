@@ -11,8 +11,7 @@ import difflib
 import functools
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar, Protocol, cast
+from typing import Annotated, Any, ClassVar, cast
 
 from pydantic import (
     AfterValidator,
@@ -33,6 +32,9 @@ from pydantic_core import CoreSchema, PydanticCustomError, core_schema
 
 from builder.spec.dtypes import SUPPORTED
 from builder.spec.enums import CalibrationMethod, Int8Recipe, Precision, Task
+from builder.spec.keys import Keys as Keys
+from builder.spec.keys import Loc, Namer, key_path
+from builder.spec.keys import TomlKeys as TomlKeys
 from builder.spec.names import NAME_PATTERN, NAME_RULE
 from builder.spec.shapes import MAX_DIM
 
@@ -341,10 +343,6 @@ def did_you_mean(value: object, choices: Any) -> str:
     return f"; did you mean {close[0]}?" if close else ""
 
 
-Loc = tuple[str | int, ...]
-Namer = Callable[[Loc], str]
-
-
 def error_lines(exc: ValidationError, at: Namer | None = None, inside: Loc = ()) -> list[tuple[Loc, str]]:
     """(where, `key.path: what is wrong`) for each error pydantic found, in the schema's key order. `inside`
     is where the validated table sits in models.toml (("model", 0) for one [[model]] table), for the
@@ -352,49 +350,6 @@ def error_lines(exc: ValidationError, at: Namer | None = None, inside: Loc = ())
     root = json_schema()
     name = at or key_path
     return [(tuple(error["loc"]), _line(root, error, name, inside)) for error in exc.errors(include_url=False)]
-
-
-def key_path(loc: Loc) -> str:
-    """("model", 0, "serving", "x") → model[0].serving.x (keys that are not bare TOML keys are quoted)."""
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        else:
-            key = part if part.replace("_", "").replace("-", "").isalnum() else json.dumps(part)
-            out += f".{key}" if out else key
-    return out
-
-
-class Keys(Protocol):
-    """How error lines name the keys of one [[model]] table: models.toml's key paths, or the `trtbuild
-    build` flags that fill them. Both entry points share the checks and so the text after the name."""
-
-    def at(self, loc: Loc) -> str:
-        """Where an error is (`model[0].shapes.x`, `--max-shapes x`); `loc` is within the table."""
-        ...
-
-    def give(self, loc: Loc) -> str:
-        """How a user gives that key, for a line that asks for it (`a [model.calibration] table`,
-        `--calibration FILE.npz`)."""
-        ...
-
-
-@dataclass(frozen=True)
-class TomlKeys:
-    """models.toml's names: key paths under `prefix` (("model", 2) → `model[2].precisions`)."""
-
-    prefix: Loc = ()
-
-    def at(self, loc: Loc) -> str:
-        return key_path(self.prefix + loc)
-
-    def give(self, loc: Loc) -> str:
-        if loc == ("calibration",):
-            return "a [model.calibration] table"
-        if len(loc) == 2 and loc[0] == "dims":
-            return f"{key_path(loc)} = [min, opt, max]"
-        return key_path(loc)
 
 
 def toml_value(value: Any, limit: int = 60) -> str:
