@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import onnx
 from numpy.typing import NDArray
+from onnx import version_converter
 
 from builder.errors import ToolError, tool_cause
 from builder.repository import onnx_files
@@ -685,11 +686,23 @@ class QuantizerFailed(Exception):
         self.output = output
 
 
+# Per-channel Q/DQ needs DequantizeLinear's `axis`, which opset 13 added: ONNX Runtime's quantizer writes it into
+# an older graph as it is (PP-OCR's opset 11/12 models), and the result fails the ONNX checker.
+_PER_CHANNEL_OPSET = 13
+
+
 def _rewrite_for_ort(prepared: Path, *, dynamic: bool) -> None:
-    """int8_recipe's rewrites of the pre-processed graph, in place: Gemm biases made 1-D (its optimizer writes
-    MatMul + Add as a Gemm with a [1, N] bias), and for dynamic quantization Gemms made MatMuls."""
+    """int8_recipe's rewrites of the pre-processed graph, in place: an opset below 13 converted to 13 (onnx's
+    version converter; where it cannot, the recipe fails as a tool and the next recipe is tried), Gemm biases made
+    1-D (its optimizer writes MatMul + Add as a Gemm with a [1, N] bias), and for dynamic quantization Gemms made
+    MatMuls."""
     model = onnx.load(str(prepared))
-    changed = int8_recipe.flatten_gemm_bias(model) + (int8_recipe.gemm_as_matmul(model) if dynamic else 0)
+    changed = 0
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
+    if opset is not None and opset < _PER_CHANNEL_OPSET:
+        model = version_converter.convert_version(model, _PER_CHANNEL_OPSET)
+        changed += 1
+    changed += int8_recipe.flatten_gemm_bias(model) + (int8_recipe.gemm_as_matmul(model) if dynamic else 0)
     if changed:
         onnx_files.save(model, prepared)
 

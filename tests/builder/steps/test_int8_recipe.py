@@ -148,6 +148,32 @@ def test_auto_int8_of_a_cnn_on_the_cpu_is_static_qdq_leaving_the_depthwise_conv_
     assert weights["w2"] == onnx.TensorProto.FLOAT and onnx.TensorProto.INT8 in weights.values()
 
 
+@pytest.mark.parametrize("recipe", [Int8Recipe.AUTO, Int8Recipe.ONNXRUNTIME])
+def test_onnx_runtimes_per_channel_recipe_takes_a_graph_below_opset_13(tmp_path: Path, recipe: Int8Recipe) -> None:
+    # DequantizeLinear's `axis` came with opset 13: ONNX Runtime's quantizer wrote it into PP-OCR's opset 11/12
+    # graphs as they were, and the INT8 variant failed the ONNX checker ("Unrecognized attribute: axis").
+    path = cnn_onnx(tmp_path / "cnn.onnx")
+    model = onnx.load(str(path))
+    del model.opset_import[:]
+    model.opset_import.append(onnx.helper.make_opsetid("", 11))
+    onnx.checker.check_model(model)
+    onnx.save(model, str(path))
+    samples = cnn_samples(16)
+    result = int8(path, samples, tmp_path, replace_recipe(auto(), recipe))
+    assert result.recipe is Int8Recipe.ONNXRUNTIME and "instead_of" not in result.settings, result.settings
+    quantized = onnx.load(str(tmp_path / "int8.onnx"))
+    onnx.checker.check_model(quantized, full_check=True)
+    assert {o.domain or "ai.onnx": o.version for o in quantized.opset_import}["ai.onnx"] >= 13
+    assert any(n.op_type == "DequantizeLinear" for n in quantized.graph.node)
+    found = accuracy.compare(run_file(path, samples, 4), run_file(tmp_path / "int8.onnx", samples, 4),
+                             Task.CLASSIFICATION)
+    assert found.cosine_min > 0.9, found
+
+
+def replace_recipe(spec: CalibrationSpec, recipe: Int8Recipe) -> CalibrationSpec:
+    return CalibrationSpec(spec.data, method=spec.method, recipe=recipe)
+
+
 def test_the_int8_build_key_holds_the_recipe_the_graph_and_runtime_decide(tmp_path: Path) -> None:
     path = encoder_onnx(tmp_path / "encoder.onnx")
     spec = ModelSpec(name="m", onnx=path, batch=DimRange(1, 4, 8), precisions=(Precision.FP32, Precision.INT8),
