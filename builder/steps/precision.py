@@ -47,7 +47,8 @@ log = logging.getLogger(__name__)
 # Bump when the way a variant is produced changes, so caches and repositories rebuild.
 RECIPE_VERSION = "3"  # 3: FP16 fallback repairs, INT8 as given / recipe fallback; 2: min/max shape levels
 # The same for INT8 alone (its calibrations and its variant's build key, not the other variants').
-INT8_VERSION = "2"  # 2: the sample ModelOpt's entropy calibration sees first; guard candidates derived
+INT8_VERSION = "3"  # 2: the sample ModelOpt's entropy calibration sees first; guard candidates derived;
+# 3: auto's CNN form on the CPU is ONNX Runtime's default op types, depthwise Conv included
 
 
 @dataclass(frozen=True)
@@ -354,7 +355,7 @@ def to_int8(
                                  {"tool": None, "as_given": True, "why": f"already quantized ({quantized})"})
     graph = onnx.load(str(fp32_path), load_external_data=False)
     choice = int8_recipe.choose(graph, spec.recipe, runtime)
-    chosen = int8_recipe.apply(choice, spec, graph)
+    chosen = int8_recipe.apply(choice, spec)
     del graph
     if choice.chosen:
         log.info("%s: %s", what, choice.line())

@@ -49,20 +49,21 @@ def test_a_transformer_encoder_gets_dynamic_quantization_on_the_cpu_and_modelopt
     assert asked.recipe is Int8Recipe.MODELOPT and not asked.chosen
     with pytest.raises(ManifestError, match="ONNX Runtime on the CPU only"):
         int8_recipe.choose(model, Int8Recipe.ONNXRUNTIME_DYNAMIC, TensorRTRuntime.name)
-    spec = int8_recipe.apply(cpu, auto(), model)
+    spec = int8_recipe.apply(cpu, auto())
     assert spec.recipe is Int8Recipe.ONNXRUNTIME_DYNAMIC and spec.op_types_to_quantize == ("MatMul", "Gemm")
 
 
-def test_a_cnn_gets_static_per_channel_qdq_on_its_compute_ops_with_depthwise_convs_in_float(tmp_path: Path) -> None:
+def test_a_cnn_gets_onnx_runtimes_static_per_channel_recipe_as_asked_for_by_name(tmp_path: Path) -> None:
+    # auto's CNN form is the explicit `onnxruntime` recipe's: measured faster on five of six CNNs than Conv/MatMul/
+    # Gemm alone with the depthwise Conv in float (docs/results/int8_recipes.md); the user's settings stay.
     model = onnx.load(str(cnn_onnx(tmp_path / "cnn.onnx")))
     choice = int8_recipe.choose(model, Int8Recipe.AUTO, CPU)
     assert (choice.model_class, choice.recipe) == (ModelClass.CNN, Int8Recipe.ONNXRUNTIME)
-    spec = int8_recipe.apply(choice, auto(), model)
-    assert spec.op_types_to_quantize == int8_recipe.CNN_OP_TYPES and spec.nodes_to_exclude == ("depthwise",)
-    # The user's own op types and exclusions come first.
-    mine = int8_recipe.apply(choice, CalibrationSpec(DataSpec("x.npz", 4), op_types_to_quantize=("Conv",),
-                                                     nodes_to_exclude=("stem",)), model)
-    assert mine.op_types_to_quantize == ("Conv",) and mine.nodes_to_exclude == ("stem", "depthwise")
+    assert int8_recipe.apply(choice, auto()) == CalibrationSpec(auto().data, method=auto().method,
+                                                                recipe=Int8Recipe.ONNXRUNTIME)
+    mine = CalibrationSpec(DataSpec("x.npz", 4), op_types_to_quantize=("Conv",), nodes_to_exclude=("stem",))
+    assert int8_recipe.apply(choice, mine) == CalibrationSpec(DataSpec("x.npz", 4), op_types_to_quantize=("Conv",),
+                                                              nodes_to_exclude=("stem",), recipe=Int8Recipe.ONNXRUNTIME)
     for runtime in GPU_RUNTIMES:
         assert int8_recipe.choose(model, Int8Recipe.AUTO, runtime).recipe is Int8Recipe.MODELOPT
 
@@ -125,7 +126,7 @@ def test_the_int8_guard_finds_dynamic_quantizations_nodes_by_their_float_names(t
     paired = node_tensors(onnx.load(str(path)), quantized, nodes)
     assert set(paired) == set(nodes) and all(t.outputs for t in paired.values())
     # Excluding one by that name leaves it in float.
-    spec = int8_recipe.apply(int8_recipe.choose_for(path, Int8Recipe.AUTO, CPU), auto(), onnx.load(str(path)))
+    spec = int8_recipe.apply(int8_recipe.choose_for(path, Int8Recipe.AUTO, CPU), auto())
     int8(path, encoder_samples(16), tmp_path, CalibrationSpec(spec.data, recipe=spec.recipe,
                                                                op_types_to_quantize=spec.op_types_to_quantize,
                                                                nodes_to_exclude=("output",)))
@@ -133,19 +134,19 @@ def test_the_int8_guard_finds_dynamic_quantizations_nodes_by_their_float_names(t
     assert ops["output"] == "MatMul" and "output_quant" not in ops
 
 
-def test_auto_int8_of_a_cnn_on_the_cpu_is_static_qdq_leaving_the_depthwise_conv_in_float(tmp_path: Path) -> None:
+def test_auto_int8_of_a_cnn_on_the_cpu_is_static_per_channel_qdq_on_every_conv(tmp_path: Path) -> None:
     """Also a Gemm with a [1, N] bias, on which ONNX Runtime 1.31's per-channel quantizer fails unless the bias
     is made 1-D first."""
     path = cnn_onnx(tmp_path / "cnn.onnx")
     result = int8(path, cnn_samples(16), tmp_path, auto())
     assert result.recipe is Int8Recipe.ONNXRUNTIME and "instead_of" not in result.settings, result.settings
-    assert result.spec is not None and result.spec.nodes_to_exclude == ("depthwise",)
+    assert result.spec is not None and result.spec.nodes_to_exclude == ()
     graph = onnx.load(str(tmp_path / "int8.onnx")).graph
     dequantized = {n.output[0] for n in graph.node if n.op_type == "DequantizeLinear"}
     fed = {n.name for n in graph.node if n.op_type in ("Conv", "Gemm") and any(i in dequantized for i in n.input)}
-    assert {"stem", "pointwise", "classifier"} <= fed and "depthwise" not in fed, fed
+    assert {"stem", "depthwise", "pointwise", "classifier"} <= fed, fed
     weights = {i.name: i.data_type for i in graph.initializer}
-    assert weights["w2"] == onnx.TensorProto.FLOAT and onnx.TensorProto.INT8 in weights.values()
+    assert "w2" not in weights and onnx.TensorProto.INT8 in weights.values()  # the depthwise weight quantized too
 
 
 @pytest.mark.parametrize("recipe", [Int8Recipe.AUTO, Int8Recipe.ONNXRUNTIME])
