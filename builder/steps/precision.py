@@ -31,7 +31,7 @@ import onnx
 from numpy.typing import NDArray
 from onnx import version_converter
 
-from builder.errors import ToolError, tool_cause
+from builder.errors import OnnxModelError, ToolError, tool_cause
 from builder.repository import onnx_files
 from builder.runtimes.base import feeds as sample_feeds
 from builder.runtimes.onnxruntime import ORT_ERRORS
@@ -503,7 +503,15 @@ def _to_int8(fp32_path: Path, *, fp32_sha: str, calibration: Mapping[str, NDArra
             cause = tool_cause(exc, output, hide={fp32_path: "the model", Path(tmp): "its work folder"})
             raise QuantizationFailed(f"{what}: INT8 calibration ({spec.recipe}) failed: {cause} "
                                      f"(full output: {record})", record) from exc
-        quantized = onnx_files.load(tmp_out)
+        try:
+            quantized = onnx_files.load(tmp_out)
+        except OnnxModelError as exc:
+            # The tool wrote a graph the ONNX checker refuses (ONNX Runtime's quantizer on silero VAD's If
+            # subgraphs: a node before the one whose output it reads): the recipe failed, so "auto" falls back.
+            record = failure_log(f"int8 {spec.recipe} {what}", sink.getvalue(), exc, log_file=log_file)
+            raise QuantizationFailed(f"{what}: INT8 calibration ({spec.recipe}) wrote a graph the ONNX checker "
+                                     f"refuses: {tool_cause(exc, '', hide={Path(tmp): 'its work folder'})} "
+                                     f"(full output: {record})", record) from exc
         qdq = sum(1 for n in quantized.graph.node if n.op_type in _QUANTIZE_OPS)
         if onnx_model.dedupe_initializers(quantized):  # one copy of a weight the recipe quantized per consumer
             onnx_files.save(quantized, tmp_out)

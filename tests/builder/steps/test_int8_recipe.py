@@ -229,3 +229,28 @@ def test_dynamic_quantization_asked_for_a_gpu_runtime_is_refused_before_any_mode
     assert OnnxRuntimeCUDA.name in line and "auto" in line
     assert not (tmp_path / "repo").exists() or not any((tmp_path / "repo").iterdir())
     assert not (tmp_path / "report.json").exists()
+
+
+def test_a_chosen_recipe_whose_graph_the_onnx_checker_refuses_falls_back_to_modelopt(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # ONNX Runtime's quantizer wrote silero VAD's If subgraphs out of order ("Nodes in a graph must be
+    # topologically sorted"): the INT8 variant failed at the checker instead of trying ModelOpt's recipe.
+    path = cnn_onnx(tmp_path / "cnn.onnx")
+
+    def unsorted(fp32_path: Path, calibration: Any, spec: CalibrationSpec, tmp: Path, out: Path,
+                 runtime: str) -> None:
+        model = onnx.load(str(fp32_path))
+        nodes = list(model.graph.node)
+        del model.graph.node[:]
+        model.graph.node.extend(reversed(nodes))
+        onnx.save(model, str(out))
+
+    monkeypatch.setattr(precision, "_quantize_ort", unsorted)
+    with caplog.at_level(logging.WARNING, logger="builder"):
+        result = int8(path, cnn_samples(16), tmp_path, auto())
+    assert result.recipe is Int8Recipe.MODELOPT
+    assert result.settings["instead_of"] == "onnxruntime.quantization.quantize_static"
+    assert "ONNX checker refuses" in result.settings["why"] and "topologically sorted" in result.settings["why"]
+    (line,) = [r.getMessage() for r in caplog.records if "instead" in r.getMessage()]
+    assert "\n" not in line and "ModelOpt's recipe instead" in line, line
+    onnx.checker.check_model(onnx.load(str(tmp_path / "int8.onnx")))
