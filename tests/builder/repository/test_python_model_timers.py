@@ -2,7 +2,7 @@
 read and no file written; on, the JSON it writes counts exactly the executes, requests and rows it served,
 and each phase is a non-negative share of the execute it was measured in. The CUDA bucket's phase marks are
 checked with the stand-in cuda-python runtime of test_python_model_inputs (no GPU here). A real Triton run
-is in tests/builder/serving/test_runner_timers.py."""
+is the `server` test at the end."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import json
 import os
 import time
 import types
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import pytest
 from numpy.typing import NDArray
 
 from builder.repository import python_model
+from builder.serving.triton_server import Ports, TritonServer, free_ports
 from tests.builder.repository.test_python_model_inputs import _memmove_cuda
 from tests.helpers.tiny_models import mlp_onnx
 
@@ -229,3 +231,60 @@ def test_the_cuda_bucket_marks_its_phases_in_order(monkeypatch: pytest.MonkeyPat
     bucket.run_parts([{"x": RUNNER.DeviceInput(p.__dlpack__())} for p in parts], 3, marks)
     assert marks.phases == ["gather", "d2d_wait", "run", "d2h"]
     assert len(bucket.run_parts([{"x": parts[0]}], 1)[0]) == 1  # timer None: no marks, same result
+
+
+TIMED_CONFIG = """name: "timed"
+backend: "python"
+max_batch_size: 8
+input {{ name: "x" data_type: TYPE_FP32 dims: [4, 32] }}
+output {{ name: "logits" data_type: TYPE_FP32 dims: [16] }}
+dynamic_batching {{ max_queue_delay_microseconds: 2000 }}
+instance_group {{ kind: KIND_CPU count: {instances} }}
+parameters {{ key: "intra_op_threads" value {{ string_value: "1" }} }}
+parameters {{ key: "runner_timers" value {{ string_value: "{folder}" }} }}
+parameters {{ key: "runner_timers_period_s" value {{ string_value: "3600" }} }}
+"""
+
+
+@pytest.mark.server
+def test_a_served_model_writes_timers_that_match_tritons_own_counts(tmp_path: Path) -> None:
+    """The runner in a real Triton (two instances, dynamic batching), 48 requests from 8 threads: after the
+    server stops (finalize), the instances' files together count Triton's executions, requests and rows."""
+    import tritonclient.grpc as tc
+
+    folder, repository = tmp_path / "timers", tmp_path / "repository"
+    (repository / "timed" / "1").mkdir(parents=True)
+    mlp_onnx(repository / "timed" / "1" / "model.onnx")
+    (repository / "timed" / "1" / "model.py").write_text(Path(RUNNER.__file__).read_text())
+    (repository / "timed" / "config.pbtxt").write_text(TIMED_CONFIG.format(instances=2, folder=folder))
+    server = TritonServer(repository, tmp_path / "state", Ports(*free_ports(3)))
+    server.start(timeout=180)
+    try:
+        client = tc.InferenceServerClient(url=f"127.0.0.1:{server.ports.grpc}")
+        rng = np.random.default_rng(0)
+        sizes = [1 + i % 3 for i in range(48)]  # 1, 2 or 3 rows each
+
+        def infer(rows: int) -> Any:
+            item = tc.InferInput("x", [rows, 4, 32], "FP32")
+            item.set_data_from_numpy(rng.standard_normal((rows, 4, 32), dtype=np.float32))
+            return client.infer("timed", [item]).as_numpy("logits")
+
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(infer, sizes))
+        assert [a.shape for a in answers] == [(n, 16) for n in sizes]
+        (stats,) = client.get_inference_statistics("timed", as_json=True)["model_stats"]
+        client.close()
+    finally:
+        server.stop()
+    files = [json.loads(p.read_text()) for p in folder.glob("*.json")]
+    assert len(files) == 2 and {f["instance"] for f in files} == {"timed_0_0", "timed_0_1"}
+    assert all(f["final"] for f in files)  # finalize ran at the server's stop
+    assert sum(f["executes"] for f in files) == int(stats["execution_count"])
+    assert sum(f["requests"] for f in files) == len(sizes) == int(stats["inference_stats"]["success"]["count"])
+    assert sum(f["rows"] for f in files) == sum(sizes) == int(stats["inference_count"])
+    for f in files:
+        phases = f["phases"].values()
+        assert all(p["sum_ns"] >= 0 for p in phases)
+        assert sum(p["sum_ns"] for p in phases) <= f["execute"]["sum_ns"]
+        lines = [json.loads(line) for line in (folder / f["intervals_file"]).read_text().splitlines()]
+        assert sum(line["executes"] for line in lines) == f["executes"]
