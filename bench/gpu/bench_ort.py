@@ -14,6 +14,10 @@ Steps, each printed as one JSON line and gathered in DIR/ort_gpu_bench.json and 
    shared memory and with none;
    NVML energy per window cross-checked against Triton's nv_energy_consumption; CPU seconds of the
    client, the Triton server and the python stubs per second of load.
+   With --runner-timers the served models run with the runner's phase timers on (config parameter
+   runner_timers, files under DIR/runner_timers) and each level gets a table of where a request's time
+   goes: Triton's queue / compute_input / compute_infer / compute_output beside the runner's phases over the
+   same measured windows, and what of compute_infer the phases leave unexplained.
 """
 
 from __future__ import annotations
@@ -207,13 +211,15 @@ def ablation(models: Path, seconds: float) -> dict[str, Any]:
 
 
 def write_model(root: Path, name: str, onnx: Path, *, batching: bool, instances: int, delay_us: int,
-                graphs: bool = True) -> None:
+                graphs: bool = True, timers: Path | None = None) -> None:
     serving = ServingSpec(instances=instances, dynamic_batching=batching, max_queue_delay_us=delay_us)
     # The config `trtbuild --runtime onnxruntime-cuda` writes (python runner, provider cuda, GPU inputs kept).
     options = CudaOptions(cudnn_conv_algo_search=CudnnSearch(SEARCH), cuda_graphs=graphs)
     backend = cuda_backend_config(ServingBackend.PYTHON, options)
     if PROVIDER_OPTIONS:
         backend = replace(backend, parameters=(*backend.parameters, *PROVIDER_OPTIONS.items()))
+    if timers is not None:  # the runner's phase timers, one JSON file per instance in this folder
+        backend = replace(backend, parameters=(*backend.parameters, ("runner_timers", str(timers))))
     config = build(ConfigInputs(name=name, inputs=(INPUT,), outputs=(OUTPUT,), batch=DimRange(1, 32, MAX_BATCH),
                                 serving=serving, backend=backend))
     version = root / name / "1"
@@ -257,28 +263,29 @@ def window_checks(level: LevelResult) -> list[dict[str, float | None]]:
 def served(models: Path, *, interval_ms: int, delay_us: int, tmp: Path, instances: int = 1,
            shm: str = "cuda", compare_shm: bool = True,
            precisions: tuple[str, ...] = PRECISIONS, also_instances: tuple[int, ...] = (),
-           rounds: int = 1, pa_rounds: int = 0) -> list[dict[str, Any]]:
+           rounds: int = 1, pa_rounds: int = 0, timers: Path | None = None) -> list[dict[str, Any]]:
     """Every model on one server, each load level measured in turn. `shm` is the shared memory of the
     main rows (cuda: inputs reach the runner as device tensors); FP16 is also measured with system
-    shared memory and with none, to show what each host copy costs."""
+    shared memory and with none, to show what each host copy costs. `timers`: a folder for the runner's
+    phase timers (each row then gets `runner_timers`, the runner's figures over its measured windows)."""
     repository = tmp / "repository"
     plan: list[tuple[str, int, str]] = []  # (model, concurrency, shared memory)
     for precision in precisions:
         name = f"{precision}_batched"
         # INT8 Q/DQ: ONNX Runtime leaves some nodes on the CPU and refuses CUDA graphs (in-process step).
         write_model(repository, name, onnx_path(models, precision), batching=True, instances=instances,
-                    delay_us=delay_us, graphs=precision != "int8")
+                    delay_us=delay_us, graphs=precision != "int8", timers=timers)
         plan += [(name, 32, shm), (name, 256, shm)]
     write_model(repository, "fp16_unbatched", onnx_path(models, "fp16"), batching=False, instances=instances,
-                delay_us=0)
+                delay_us=0, timers=timers)
     plan += [("fp16_unbatched", 32, shm)]
     if delay_us:  # the batcher's wait at concurrency 32, where few requests queue
         write_model(repository, "fp16_batched_nodelay", onnx_path(models, "fp16"), batching=True,
-                    instances=instances, delay_us=0)
+                    instances=instances, delay_us=0, timers=timers)
         plan.append(("fp16_batched_nodelay", 32, shm))
     for count in also_instances:  # does another instance count help? (each is its own python stub process)
         write_model(repository, f"fp16_batched_x{count}", onnx_path(models, "fp16"), batching=True, instances=count,
-                    delay_us=delay_us)
+                    delay_us=delay_us, timers=timers)
         plan += [(f"fp16_batched_x{count}", 32, shm), (f"fp16_batched_x{count}", 256, shm)]
     if compare_shm:
         plan += [("fp16_batched", c, kind) for kind in ("system", "none") if kind != shm for c in (32, 256)]
@@ -320,6 +327,9 @@ def served(models: Path, *, interval_ms: int, delay_us: int, tmp: Path, instance
             (row,) = run(config)
             me, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter() - cpu0[3]
             result = result_dict(row.result)
+            measured = row.result.windows[-3:]  # the windows the summary and the server figures cover
+            if measured:  # the client's monotonic clock: the runner stamps its periods with the same one
+                result["span_monotonic_ns"] = [measured[0].start_ns, measured[-1].end_ns]
             result |= {"model": model, "shared_memory": kind, "round": round_,
                        "window_checks": window_checks(row.result),
                        "cpu_cores_busy": {
@@ -328,7 +338,7 @@ def served(models: Path, *, interval_ms: int, delay_us: int, tmp: Path, instance
                            "python_stubs": round((sum(cpu_seconds(p) for p in stubs) - cpu0[2]) / wall, 2)}}
             rows.append(result)
             brief = {k: result[k] for k in ("model", "round", "concurrency", "shared_memory", "throughput", "stable",
-                                            "cpu_cores_busy", "power", "server")}
+                                            "cpu_cores_busy", "power", "server", "span_monotonic_ns") if k in result}
             latency = {"p50_ms": result["latency_us"]["p50"] / 1e3, "p99_ms": result["latency_us"]["p99"] / 1e3}
             print(json.dumps(brief | latency), flush=True)
         if pa_rounds:
@@ -336,9 +346,149 @@ def served(models: Path, *, interval_ms: int, delay_us: int, tmp: Path, instance
                                           tmp=tmp)
     finally:
         log_tail = server.log_tail(40)
-        server.stop()
+        server.stop()  # the runners' finalize writes their timers' last figures
+    if timers is not None:
+        found = read_runner_timers(timers)
+        for r in rows:
+            if "span_monotonic_ns" in r:
+                r["runner_timers"] = runner_breakdown(found, r["model"], r["span_monotonic_ns"])
     rows.append({"server_log_tail": log_tail})
     return rows
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Where a request's time goes: Triton's statistics beside the runner's phase timers (--runner-timers)
+
+PHASES: tuple[str, ...] = tuple(RUNNER.PHASES)
+PHASE_LABELS = {
+    "read_inputs": "runner: read inputs (get_input_tensor_by_name, as_numpy / to_dlpack, group)",
+    "gather": "runner: gather the batch (host concatenate into staging, or issue device copies)",
+    "h2d": "runner: host-to-device copy of the staging buffer (update_inplace, blocking)",
+    "d2d_wait": "runner: wait for the device-to-device copies (cudaStreamSynchronize)",
+    "run": "runner: ONNX Runtime run (IO binding; waits for the GPU)",
+    "d2h": "runner: device-to-host copy of the outputs (OrtValue.numpy)",
+    "respond": "runner: split outputs, build pb_utils tensors and responses",
+}
+
+
+def read_runner_timers(folder: Path) -> list[dict[str, Any]]:
+    """Every instance's timer summary in `folder`, with its period lines under "intervals" (a line cut short
+    by a killed stub is left out)."""
+    found: list[dict[str, Any]] = []
+    for path in sorted(folder.glob("*.json")):
+        try:
+            summary = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(summary, dict) or summary.get("format") != RUNNER.TIMERS_FORMAT:
+            continue
+        lines_file = folder / str(summary.get("intervals_file", ""))
+        intervals = []
+        for line in lines_file.read_text().splitlines() if lines_file.is_file() else []:
+            try:
+                intervals.append(json.loads(line))
+            except ValueError:
+                continue
+        found.append({**summary, "intervals": intervals})
+    return found
+
+
+def runner_breakdown(timers: list[dict[str, Any]], model: str, span: list[int]) -> dict[str, Any] | None:
+    """The runner's figures for `model` (all its instances) over the timer periods that lie wholly inside
+    `span` (monotonic ns: the client's measured windows); None where no period does. Per batch, weighted by
+    requests as Triton weights its own (each request counts its batch's time), so they sit beside Triton's
+    per-request compute_infer."""
+    lo, hi = span
+    mine = [t for t in timers if t.get("model") == model]
+    picked = [iv for t in mine for iv in t["intervals"] if lo <= iv["first_ns"] and iv["last_ns"] <= hi]
+    requests = sum(int(iv["requests"]) for iv in picked)
+    executes = sum(int(iv["executes"]) for iv in picked)
+    if not requests or not executes:
+        return None
+    all_executes = sum(int(t["executes"]) for t in mine)
+    writes_ns = sum(int(t["timer_writes"]["sum_ns"]) for t in mine)
+    return {
+        "periods": len(picked), "executes": executes, "requests": requests,
+        "rows": sum(int(iv["rows"]) for iv in picked), "requests_per_batch": requests / executes,
+        "execute_us": sum(int(iv["execute_weighted_ns"]) for iv in picked) / requests / 1e3,
+        "phases_us": {p: sum(int(iv["phases_weighted_ns"].get(p, 0)) for iv in picked) / requests / 1e3
+                      for p in PHASES},
+        # Each write lands in one batch's compute_infer; spread over all the instances' batches of the run.
+        "timer_writes_us": writes_ns / all_executes / 1e3 if all_executes else 0.0,
+    }
+
+
+def time_rows(server: dict[str, Any], runner: dict[str, Any]) -> list[tuple[str, float | None]]:
+    """(row, µs per batch) for one measured level: Triton's figures (its per-request averages are each
+    request's batch's durations), the runner's phases inside compute_infer, and the remainder
+    compute_infer - sum(phases), split into what lies inside execute() between the phases, the timers' own
+    file writes, and what lies outside execute() (the python stub reading the requests from shared memory
+    and writing the responses back, and the IPC with the server)."""
+    def get(key: str) -> float | None:
+        value = server.get(key)
+        return float(value) if isinstance(value, int | float) else None
+
+    infer = get("compute_infer_us")
+    phases = {p: float(runner["phases_us"].get(p, 0.0)) for p in PHASES}
+    execute, writes = float(runner["execute_us"]), float(runner["timer_writes_us"])
+    inside = sum(phases.values())
+    rows: list[tuple[str, float | None]] = [("Triton compute_input", get("compute_input_us")),
+                                            ("Triton compute_infer", infer)]
+    rows += [(f"  {PHASE_LABELS[p]}", v) for p, v in phases.items()]
+    rows += [("  runner: execute() wall time", execute),
+             ("  remainder: compute_infer - runner phases", infer - inside if infer is not None else None),
+             ("    of it inside execute(), between the phases", execute - inside),
+             ("    of it the runner timers' own file writes", writes),
+             ("    of it outside execute(): stub reads requests, writes responses, IPC",
+              infer - execute - writes if infer is not None else None),
+             ("Triton compute_output", get("compute_output_us"))]
+    return rows
+
+
+def where_time_goes(served_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per level (model, concurrency, shared memory) with runner figures: each row's µs per batch and per
+    request (per batch / requests per batch), means over the rounds (means, so the rows still add up)."""
+    levels: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+    for r in served_rows:
+        if r.get("runner_timers") and "compare" not in r:
+            levels.setdefault((r["model"], r["concurrency"], r["shared_memory"]), []).append(r)
+    out: list[dict[str, Any]] = []
+    for (model, concurrency, kind), rows in levels.items():
+        per_round = [(time_rows(r["server"], r["runner_timers"]), r["runner_timers"]["requests_per_batch"])
+                     for r in rows]
+        labels = [label for label, _ in per_round[0][0]]
+        batch = statistics.fmean(b for _, b in per_round)
+        table = []
+        for i, label in enumerate(labels):
+            values = [v for cells, _ in per_round if (v := cells[i][1]) is not None]
+            per_batch = statistics.fmean(values) if values else None
+            table.append({"row": label, "us_per_batch": per_batch,
+                          "us_per_request": per_batch / batch if per_batch is not None else None})
+        queue = [r["server"]["queue_us"] for r in rows if r["server"].get("queue_us") is not None]
+        out.append({"model": model, "concurrency": concurrency, "shared_memory": kind, "rounds": len(rows),
+                    "requests_per_batch": batch, "queue_us": statistics.fmean(queue) if queue else None,
+                    "executes": sum(r["runner_timers"]["executes"] for r in rows),
+                    "periods": sum(r["runner_timers"]["periods"] for r in rows), "rows": table})
+    return out
+
+
+def where_time_goes_markdown(levels: list[dict[str, Any]]) -> list[str]:
+    lines: list[str] = []
+    for level in levels:
+        infer = next((r["us_per_batch"] for r in level["rows"] if r["row"] == "Triton compute_infer"), None)
+        lines += ["", f"Where a request's time goes: {level['model']}, concurrency {level['concurrency']}, "
+                  f"{level['shared_memory']} shared memory; mean of {level['rounds']} round(s), "
+                  f"{level['executes']} executes in {level['periods']} timer periods inside the measured windows, "
+                  f"{level['requests_per_batch']:.1f} requests per batch; Triton queue (each request's own wait) "
+                  f"{f(level['queue_us'], '.0f')} µs", "",
+                  "| where | µs per batch (what each request in it sees) | µs per request (÷ requests per batch) "
+                  "| share of compute_infer |", "|---|---|---|---|"]
+        for r in level["rows"]:
+            inside = r["row"].startswith("  ")
+            share = (f"{100 * r['us_per_batch'] / infer:.1f} %" if inside and infer and r["us_per_batch"] is not None
+                     else "-")
+            lines.append(f"| {r['row']} | {f(r['us_per_batch'], '.0f')} | {f(r['us_per_request'], '.1f')} | {share} |")
+    return lines
 
 
 OUTPUT_BYTES = 1000 * 4  # logits [1, 1000] float32: one request's output region for both tools
@@ -515,7 +665,7 @@ def markdown(doc: dict[str, Any]) -> str:
             f"{r['latency_us']['p99'] / 1e3:.1f} | {f(r['power'].get('avg_w'), '.0f')} | "
             f"{f(r['power'].get('j_per_infer'), '.4f')} | {f(r['server'].get('avg_batch'), '.1f')} | "
             f"{f(worst, '.3f')} | {cpu['client']}/{cpu['tritonserver']}/{cpu['python_stubs']} |")
-    return "\n".join(lines + summary_markdown(doc)) + "\n"
+    return "\n".join(lines + summary_markdown(doc) + where_time_goes_markdown(doc.get("where_time_goes", []))) + "\n"
 
 
 def key_value(value: str) -> tuple[str, str]:
@@ -549,6 +699,9 @@ def main() -> int:
                    help="also measure the in-process ceiling with these extra provider options (repeatable)")
     p.add_argument("--pa-rounds", type=int, default=0,
                    help="also compare perf_analyzer with perfclient on FP16 at 32 and 256, this many rounds each")
+    p.add_argument("--runner-timers", action="store_true",
+                   help="serve with the runner's phase timers on (files in OUT/runner_timers) and print where a "
+                        "request's time goes per level")
     p.add_argument("--skip", default="", help="comma-separated steps to skip: shape,ablation,inprocess,served")
     args = p.parse_args()
     SEARCH = args.search
@@ -580,9 +733,12 @@ def main() -> int:
                                    compare_shm=not args.no_compare_shm,
                                    also_instances=tuple(int(n) for n in args.also_instances.split(",") if n),
                                    rounds=args.rounds, pa_rounds=args.pa_rounds,
+                                   timers=(args.out / "runner_timers").resolve() if args.runner_timers else None,
                                    precisions=tuple(p for p in PRECISIONS
                                                     if p in args.served_precisions.split(",") or p == "fp16"))
     doc["instances"] = args.instances
+    if args.runner_timers and doc.get("served"):
+        doc["where_time_goes"] = where_time_goes(doc["served"])
     (args.out / "ort_gpu_bench.json").write_text(json.dumps(doc, indent=2) + "\n")
     if doc["in_process"] or doc.get("served"):  # whatever ran gets its table, whichever steps were skipped
         table = markdown(doc)

@@ -24,6 +24,7 @@ import gc
 import json
 import logging
 import os
+import random
 import re
 import time
 import weakref
@@ -71,10 +72,148 @@ def buckets(max_batch: int) -> list[int]:
     return [*sizes, max(max_batch, 1)]
 
 
+# The runner's phase timers (config parameter `runner_timers`: a folder). Each phase is the wall time from the
+# previous mark to its own, summed over one execute() call; see PhaseTimer and docs/gpu.md.
+PHASES = ("read_inputs", "gather", "h2d", "d2d_wait", "run", "d2h", "respond")
+TIMERS_FORMAT = "trtbuild-runner-timers/1"
+
+
+class PhaseTimer:
+    """Per-phase wall time of each execute() call (time.perf_counter_ns), kept in memory as counts, sums,
+    request-weighted sums (each execute's time counted once per request in it, as Triton's per-request
+    statistics count a batch's time) and percentiles from a bounded reservoir of executes; written as JSON to
+    `<folder>/<instance>.<pid>.json` every `period_s` (checked when an execute ends, so a killed server leaves
+    figures at most one period old) and at finalize, with one line per period appended to
+    `<instance>.<pid>.intervals.jsonl` (that period's sums, bounded by monotonic-clock stamps a client on the
+    same host can compare with its own measurement windows).
+
+    start() opens an execute, mark(phase) adds the time since the previous mark (or the start) to `phase`,
+    end() closes it; so the phases of one execute never sum to more than its own wall time."""
+
+    def __init__(self, folder, *, model, instance, period_s=1.0, reservoir=1024, extra=None):
+        self.folder = folder
+        os.makedirs(folder, exist_ok=True)
+        base = os.path.join(folder, f"{instance}.{os.getpid()}")
+        self.path, self.intervals_path = base + ".json", base + ".intervals.jsonl"
+        self.head = {"format": TIMERS_FORMAT, "model": model, "instance": instance, "pid": os.getpid(),
+                     "period_s": period_s, "phases": list(PHASES), **(extra or {})}
+        self.period_ns = int(period_s * 1e9)
+        self.index = {name: i for i, name in enumerate(PHASES)}
+        n = len(PHASES) + 1  # the phases, then the execute's own wall time
+        self.executes = self.requests = self.rows = 0
+        self.sums, self.weighted, self.seen, self.maxima = [0] * n, [0] * n, [0] * n, [0] * n
+        self.samples, self.capacity, self.rng = [], reservoir, random.Random(0)
+        self.writes, self.write_ns = 0, 0
+        self._open_interval()
+        self.last_write = time.perf_counter_ns()
+        self.current, self.t0, self.t, self.mono0 = [0] * len(PHASES), 0, 0, 0
+        self.write()  # the file exists from the load on: a reader can tell timers that ran from timers off
+
+    def _open_interval(self):
+        self.interval = {"first_ns": None, "last_ns": None, "executes": 0, "requests": 0, "rows": 0,
+                         "sums": [0] * (len(PHASES) + 1), "weighted": [0] * (len(PHASES) + 1)}
+
+    def start(self):
+        self.mono0 = time.monotonic_ns()
+        self.t0 = self.t = time.perf_counter_ns()
+        self.current = [0] * len(PHASES)
+
+    def mark(self, phase):
+        now = time.perf_counter_ns()
+        self.current[self.index[phase]] += now - self.t
+        self.t = now
+
+    def end(self, requests, rows):
+        """Closes the execute opened by start(); writes the files once a period has passed."""
+        now = time.perf_counter_ns()
+        values = [*self.current, now - self.t0]
+        self.executes += 1
+        self.requests += requests
+        self.rows += rows
+        iv = self.interval
+        if iv["first_ns"] is None:
+            iv["first_ns"] = self.mono0
+        iv["last_ns"] = self.mono0 + (now - self.t0)
+        iv["executes"] += 1
+        iv["requests"] += requests
+        iv["rows"] += rows
+        for i, v in enumerate(values):
+            if v:
+                self.seen[i] += 1
+                self.sums[i] += v
+                self.weighted[i] += v * requests
+                iv["sums"][i] += v
+                iv["weighted"][i] += v * requests
+                if v > self.maxima[i]:
+                    self.maxima[i] = v
+        if len(self.samples) < self.capacity:  # reservoir sampling (algorithm R): each execute equally likely kept
+            self.samples.append(values)
+        else:
+            j = self.rng.randrange(self.executes)
+            if j < self.capacity:
+                self.samples[j] = values
+        if now - self.last_write >= self.period_ns:
+            self.write()
+
+    def _stats(self, i):
+        kept = sorted(s[i] for s in self.samples if s[i])
+
+        def pct(q):
+            return round(kept[min(len(kept) - 1, int(q * len(kept)))] / 1e3, 1) if kept else None
+
+        return {"count": self.seen[i], "sum_ns": self.sums[i], "weighted_sum_ns": self.weighted[i],
+                "p50_us": pct(0.50), "p90_us": pct(0.90), "p99_us": pct(0.99),
+                "max_us": round(self.maxima[i] / 1e3, 1) if self.seen[i] else None}
+
+    def summary(self, *, final=False):
+        return {**self.head, "final": final, "written_monotonic_ns": time.monotonic_ns(),
+                "intervals_file": os.path.basename(self.intervals_path),
+                "executes": self.executes, "requests": self.requests, "rows": self.rows,
+                "execute": self._stats(len(PHASES)),
+                "phases": {name: self._stats(i) for i, name in enumerate(PHASES)},
+                "timer_writes": {"count": self.writes, "sum_ns": self.write_ns}}
+
+    def write(self, *, final=False):
+        """The summary (atomically: a reader never sees half a file) and the open period's line."""
+        started = time.perf_counter_ns()
+        iv = self.interval
+        if iv["executes"]:
+            line = {"first_ns": iv["first_ns"], "last_ns": iv["last_ns"], "executes": iv["executes"],
+                    "requests": iv["requests"], "rows": iv["rows"], "execute_ns": iv["sums"][-1],
+                    "execute_weighted_ns": iv["weighted"][-1],
+                    "phases_ns": dict(zip(PHASES, iv["sums"][:-1], strict=True)),
+                    "phases_weighted_ns": dict(zip(PHASES, iv["weighted"][:-1], strict=True))}
+            with open(self.intervals_path, "a") as handle:
+                handle.write(json.dumps(line) + "\n")
+            self._open_interval()
+        self.writes += 1
+        tmp = f"{self.path}.tmp"
+        with open(tmp, "w") as handle:
+            json.dump(self.summary(final=final), handle, indent=1)
+        os.replace(tmp, self.path)
+        self.last_write = time.perf_counter_ns()
+        self.write_ns += self.last_write - started
+
+
+def make_timer(params, args, extra=None):
+    """The instance's PhaseTimer where the config's parameter `runner_timers` names a folder, else None (no
+    timer code runs then: each phase boundary is one `is not None` test)."""
+    folder = (params.get("runner_timers") or "").strip()
+    if not folder:
+        return None
+    period = float(params.get("runner_timers_period_s", "") or 1.0)
+    if not period > 0:
+        raise ValueError(f"parameter runner_timers_period_s {period}: expected a number of seconds > 0")
+    model = args.get("model_name", "model")
+    instance = args.get("model_instance_name") or model
+    return PhaseTimer(folder, model=model, instance=instance, period_s=period, extra=extra)
+
+
 class CpuRunner:
     """One CPU session; any batch size runs as it comes."""
 
     provider = "cpu"
+    timer = None  # a PhaseTimer where the model config turns the runner's timers on
 
     def __init__(self, path, *, intra_op_threads=0):
         options = ort.SessionOptions()
@@ -89,7 +228,13 @@ class CpuRunner:
 
     def run_many(self, feeds):
         feeds = [host_feed(f) for f in feeds]
-        return self.run({n: np.concatenate([f[n] for f in feeds]) for n in feeds[0]})
+        batch = {n: np.concatenate([f[n] for f in feeds]) for n in feeds[0]}
+        if self.timer is not None:
+            self.timer.mark("gather")
+        produced = self.run(batch)
+        if self.timer is not None:
+            self.timer.mark("run")
+        return produced
 
     def describe(self):
         return {"provider": "cpu"}
@@ -264,25 +409,36 @@ class _Bucket:
     def run(self, feed, rows):
         return self.run_parts([feed], rows)
 
-    def run_parts(self, feeds, rows):
+    def run_parts(self, feeds, rows, timer=None):
         """Requests' inputs concatenated straight into the staging buffer (one host copy, not two); inputs
-        already on the GPU are copied device to device into the bound input at their row offset."""
+        already on the GPU are copied device to device into the bound input at their row offset. `timer`: the
+        phases gather, h2d (or d2d_wait), run and d2h are marked on it."""
         for name, host in self.host.items():
             parts = [f[name] for f in feeds]
             if any(isinstance(p, DeviceInput) for p in parts):
-                self._gather_on_device(name, parts, host)
+                self._gather_on_device(name, parts, host, timer)
                 continue
             if len(feeds) == 1:
                 host[:rows] = parts[0]
             else:
                 np.concatenate(parts, out=host[:rows])
-            self.inputs[name].update_inplace(host)
-        self.session.run_with_iobinding(self.binding)
-        return [self.outputs[name].numpy()[:rows] for name in self.output_names]
+            if timer is not None:
+                timer.mark("gather")
+            self.inputs[name].update_inplace(host)  # a blocking host-to-device copy of the whole bucket
+            if timer is not None:
+                timer.mark("h2d")
+        self.session.run_with_iobinding(self.binding)  # ONNX Runtime waits for the device before it returns
+        if timer is not None:
+            timer.mark("run")
+        produced = [self.outputs[name].numpy()[:rows] for name in self.output_names]  # blocking copies to host
+        if timer is not None:
+            timer.mark("d2h")
+        return produced
 
-    def _gather_on_device(self, name, parts, host):
+    def _gather_on_device(self, name, parts, host, timer=None):
         """Each request's rows into the bound device input in order: GPU parts by a device-to-device copy,
-        host parts through the staging buffer; one synchronization for them all."""
+        host parts through the staging buffer; one synchronization for them all (`timer`: the copies' issue
+        is marked gather, the wait for them d2d_wait)."""
         _set_device(_cudart(), self.device_id)  # the stub's thread may be on another device
         base, offset, row = self.inputs[name].data_ptr(), 0, 0
         row_bytes = host[0].nbytes
@@ -301,13 +457,18 @@ class _Bucket:
                 _memcpy(base + offset, host[row : row + n].ctypes.data, n * row_bytes, sync=False)
             offset += n * row_bytes
             row += n
+        if timer is not None:
+            timer.mark("gather")
         _synchronize()
+        if timer is not None:
+            timer.mark("d2d_wait")
 
 
 class CudaBucketRunner:
     """One CUDA session per bucket size, each seeing one shape; see the module docstring."""
 
     provider = "cuda"
+    timer = None  # a PhaseTimer where the model config turns the runner's timers on
 
     def __init__(self, path, *, max_batch, provider_options, cuda_graphs=True, warmup_runs=2, sizes=None, pin=True):
         self.provider_options = {k: str(v) for k, v in provider_options.items()}
@@ -365,9 +526,15 @@ class CudaBucketRunner:
     def run_many(self, feeds):
         rows = sum(len(f[self.input_names[0]]) for f in feeds)
         if rows <= self.sizes[-1]:
-            return self.buckets[self.bucket_for(rows)].run_parts(feeds, rows)
+            return self.buckets[self.bucket_for(rows)].run_parts(feeds, rows, self.timer)
         feeds = [host_feed(f) for f in feeds]  # more rows than any bucket: run in chunks from the host
-        return self.run({n: np.concatenate([f[n] for f in feeds]) for n in self.input_names})
+        batch = {n: np.concatenate([f[n] for f in feeds]) for n in self.input_names}
+        if self.timer is not None:
+            self.timer.mark("gather")
+        produced = self.run(batch)  # the chunks' copies are inside this run phase
+        if self.timer is not None:
+            self.timer.mark("run")
+        return produced
 
     def describe(self):
         first = self.buckets[self.sizes[0]]
@@ -539,6 +706,10 @@ class TritonPythonModel:
         self.output_names = [o["name"] for o in config["output"]]
         self.order = [self.runner.output_names.index(n) for n in self.output_names]
         pb_utils.Logger.log_info(f"{args['model_name']}: {json.dumps(self.runner.describe())}")
+        self.timer = make_timer(params, args, {"runner": self.runner.describe()})
+        self.runner.timer = self.timer  # the runner marks its own phases on it (None: timers off)
+        if self.timer is not None:
+            pb_utils.Logger.log_info(f"{args['model_name']}: runner timers to {self.timer.path}")
         if params.get("FORCE_CPU_ONLY_INPUT_TENSORS", "yes").lower() in ("no", "false", "0"):
             try:
                 _cudart()
@@ -546,6 +717,9 @@ class TritonPythonModel:
                 pb_utils.Logger.log_warn(f"{args['model_name']}: {exc}")
 
     def execute(self, requests):
+        timer = self.timer  # phases: see PhaseTimer and docs/gpu.md; None costs one test per boundary
+        if timer is not None:
+            timer.start()
         responses = [None] * len(requests)
         feeds = {}
         for index, request in enumerate(requests):
@@ -561,24 +735,35 @@ class TritonPythonModel:
         for index, feed in feeds.items():
             key = tuple((n, feed[n].dtype.str, feed[n].shape[1:]) for n in self.input_names)
             groups.setdefault(key if self.batching else (index,), []).append(index)
+        if timer is not None:
+            timer.mark("read_inputs")
         for indices in groups.values():
             try:
                 if self.batching:  # the runner concatenates (the CUDA one straight into its staging buffer)
                     produced = self.runner.run_many([feeds[i] for i in indices])
                 else:
-                    produced = self.runner.run({n: v.reshape(()) if n in self.scalars else v
-                                                for n, v in host_feed(feeds[indices[0]]).items()})
+                    feed = {n: v.reshape(()) if n in self.scalars else v
+                            for n, v in host_feed(feeds[indices[0]]).items()}
+                    if timer is not None:
+                        timer.mark("gather")
+                    produced = self.runner.run(feed)
+                    if timer is not None:
+                        timer.mark("run")
                 results = [produced[i] for i in self.order]
             except Exception as exc:  # noqa: BLE001 - report to each client instead of crashing the stub
                 if out_of_memory(exc):  # in Triton's log too, as what it is
                     pb_utils.Logger.log_warn(f"batch of {len(indices)} requests: {_reason(exc)}")
                 for i in indices:
                     responses[i] = pb_utils.InferenceResponse(error=pb_utils.TritonError(_reason(exc)))
+                if timer is not None:
+                    timer.mark("respond")
                 continue
             if not self.batching:
                 tensors = [pb_utils.Tensor(name, np.ascontiguousarray(value))
                            for name, value in zip(self.output_names, results, strict=True)]
                 responses[indices[0]] = pb_utils.InferenceResponse(output_tensors=tensors)
+                if timer is not None:
+                    timer.mark("respond")
                 continue
             start = 0
             for i in indices:
@@ -589,4 +774,15 @@ class TritonPythonModel:
                 ]
                 responses[i] = pb_utils.InferenceResponse(output_tensors=tensors)
                 start += size
+            if timer is not None:
+                timer.mark("respond")
+        if timer is not None:
+            rows = (sum(len(f[self.input_names[0]]) for f in feeds.values())
+                    if self.batching and self.input_names else len(feeds))  # without batching a request is one row
+            timer.end(len(requests), rows)
         return responses
+
+    def finalize(self):
+        """The timers' last figures (Triton calls this when the model unloads or the server stops)."""
+        if getattr(self, "timer", None) is not None:
+            self.timer.write(final=True)

@@ -1,0 +1,107 @@
+"""bench/gpu/bench_ort.py --runner-timers, its CPU-side parts: reading the runner's timer files, choosing the
+timer periods inside a level's measured windows, and the "where a request's time goes" table, on a sample
+recorded here (data/runner_timers_cpu: the bundled Triton, the python runner on the CPU with timers on,
+perfclient at concurrency 4 and 16, two rounds each; served.json says how)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from builder.repository import triton_config
+from tests.helpers.scripts import loaded_script
+from tests.helpers.tiny_models import mlp_onnx
+
+ROOT = Path(__file__).resolve().parents[2]
+SAMPLE = Path(__file__).resolve().parent / "data" / "runner_timers_cpu"
+
+
+@pytest.fixture(scope="module")
+def bench_ort() -> Iterator[ModuleType]:
+    with loaded_script("bench_ort", ROOT / "bench" / "gpu" / "bench_ort.py") as module:
+        yield module
+
+
+def _served(bench_ort: ModuleType, folder: Path = SAMPLE / "timers") -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = json.loads((SAMPLE / "served.json").read_text())["served"]
+    timers = bench_ort.read_runner_timers(folder)
+    for r in rows:
+        r["runner_timers"] = bench_ort.runner_breakdown(timers, r["model"], r["span_monotonic_ns"])
+    return rows
+
+
+def test_each_level_gets_the_runner_periods_inside_its_measured_windows(bench_ort: ModuleType) -> None:
+    (timers,) = bench_ort.read_runner_timers(SAMPLE / "timers")
+    assert bench_ort.read_runner_timers(SAMPLE) == []  # served.json is no timer file
+    total = sum(iv["requests"] for iv in timers["intervals"])
+    rows = _served(bench_ort)
+    assert len(rows) == 4
+    for r in rows:
+        got = r["runner_timers"]
+        lo, hi = r["span_monotonic_ns"]
+        inside = [iv for iv in timers["intervals"] if lo <= iv["first_ns"] and iv["last_ns"] <= hi]
+        assert got["periods"] == len(inside) > 0 and got["requests"] == sum(iv["requests"] for iv in inside)
+        assert got["requests"] < total
+        assert all(v >= 0 for v in got["phases_us"].values())
+        assert sum(got["phases_us"].values()) <= got["execute_us"]
+        # Triton's batches and the runner's over (nearly) the same windows: the same size within 10 %
+        assert got["requests_per_batch"] == pytest.approx(r["server"]["avg_batch"], rel=0.1)
+    assert bench_ort.runner_breakdown([timers], "mlp", [0, 1]) is None  # no period inside
+    assert bench_ort.runner_breakdown([timers], "other", rows[0]["span_monotonic_ns"]) is None
+
+
+def test_the_table_rows_add_up_to_tritons_compute_infer(bench_ort: ModuleType) -> None:
+    levels = bench_ort.where_time_goes(_served(bench_ort))
+    assert [(v["model"], v["concurrency"], v["rounds"]) for v in levels] == [("mlp", 4, 2), ("mlp", 16, 2)]
+    for level in levels:
+        cells = {r["row"].strip(): r for r in level["rows"]}
+        infer = cells["Triton compute_infer"]["us_per_batch"]
+        phases = [r["us_per_batch"] for r in level["rows"] if r["row"].startswith("  runner: ")
+                  and "execute()" not in r["row"]]
+        assert len(phases) == len(bench_ort.PHASES) and all(v >= 0 for v in phases)
+        remainder = cells["remainder: compute_infer - runner phases"]["us_per_batch"]
+        assert remainder == pytest.approx(infer - sum(phases))
+        parts = [v["us_per_batch"] for k, v in cells.items() if k.startswith("of it ")]
+        assert len(parts) == 3 and sum(parts) == pytest.approx(remainder)
+        execute = cells["runner: execute() wall time"]["us_per_batch"]
+        assert sum(phases) <= execute < infer  # execute() runs inside compute_infer
+        for r in level["rows"]:
+            assert r["us_per_request"] == pytest.approx(r["us_per_batch"] / level["requests_per_batch"])
+    text = "\n".join(bench_ort.where_time_goes_markdown(levels))
+    assert text.count("Where a request's time goes: mlp, concurrency") == 2
+    assert "| Triton compute_infer |" in text and "outside execute()" in text
+
+
+def test_a_cut_line_of_a_killed_stub_is_left_out(bench_ort: ModuleType, tmp_path: Path) -> None:
+    shutil.copytree(SAMPLE / "timers", tmp_path / "t")
+    (lines,) = (tmp_path / "t").glob("*.jsonl")
+    whole = len(lines.read_text().splitlines())
+    with lines.open("a") as handle:
+        handle.write('{"first_ns": 1, "last_ns"')
+    (timers,) = bench_ort.read_runner_timers(tmp_path / "t")
+    assert len(timers["intervals"]) == whole
+
+
+def test_levels_without_runner_figures_get_no_table(bench_ort: ModuleType) -> None:
+    rows = _served(bench_ort)
+    rows[0]["runner_timers"] = None
+    levels = bench_ort.where_time_goes([rows[0], {"compare": "perfclient", "model": "mlp"}])
+    assert levels == [] and bench_ort.where_time_goes_markdown(levels) == []
+
+
+def test_runner_timers_reach_the_served_config(bench_ort: ModuleType, tmp_path: Path) -> None:
+    onnx = mlp_onnx(tmp_path / "m.onnx")
+    bench_ort.write_model(tmp_path / "repo", "with", onnx, batching=True, instances=1, delay_us=0,
+                          timers=tmp_path / "timers")
+    bench_ort.write_model(tmp_path / "repo", "without", onnx, batching=True, instances=1, delay_us=0)
+    params = {name: {k: v.string_value for k, v in triton_config.parse(
+        (tmp_path / "repo" / name / "config.pbtxt").read_text()).parameters.items()} for name in ("with", "without")}
+    assert params["with"]["runner_timers"] == str(tmp_path / "timers")
+    assert "runner_timers" not in params["without"]
+    assert {k: v for k, v in params["with"].items() if k != "runner_timers"} == params["without"]
