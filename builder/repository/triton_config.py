@@ -41,6 +41,8 @@ class BackendConfig:
     backend: TritonBackend
     artifact: str
     instance_kind: InstanceKind = InstanceKind.CPU
+    # Instances (per GPU) where models.toml names none.
+    default_instances: int = 1
     max_batch: int | None = None  # the artifact's own limit; None when it has none
     cuda_graphs: bool = False
     warmup: tuple[dict[str, Any], ...] = ()
@@ -112,10 +114,12 @@ def preferred_batch_sizes(batch: DimRange, max_batch_size: int) -> list[int]:
     return sorted({b for b in (min(batch.opt, max_batch_size), max_batch_size) if b > 1})
 
 
-def _instance_group(serving: ServingSpec, kind: InstanceKind) -> dict[str, Any]:
-    """`instances` per GPU on `serving.gpus` (Triton counts per listed GPU) for a GPU variant; a CPU
-    variant runs on the CPU whatever the GPUs named."""
-    group: dict[str, Any] = {"count": serving.instances, "kind": kind.value}
+def _instance_group(serving: ServingSpec, backend: BackendConfig) -> dict[str, Any]:
+    """`instances` (else the backend's default) per GPU on `serving.gpus` (Triton counts per listed GPU) for a GPU
+    variant; a CPU variant runs on the CPU whatever the GPUs named."""
+    kind = backend.instance_kind
+    count = serving.instances if serving.instances is not None else backend.default_instances
+    group: dict[str, Any] = {"count": count, "kind": kind.value}
     if kind is InstanceKind.GPU and serving.gpus:
         group["gpus"] = list(serving.gpus)
     return group
@@ -129,7 +133,7 @@ def build(cfg: ConfigInputs) -> model_config_pb2.ModelConfig:
         "max_batch_size": max_batch,
         "input": [_tensor(t, cfg.input_dims(t), cfg.batching) for t in cfg.inputs],
         "output": [_tensor(t, cfg.output_dims(t), cfg.batching) for t in cfg.outputs],
-        "instance_group": [_instance_group(cfg.serving, backend.instance_kind)],
+        "instance_group": [_instance_group(cfg.serving, backend)],
     }
     if backend.backend is TritonBackend.PYTHON:
         doc["backend"] = "python"

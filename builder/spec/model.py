@@ -77,7 +77,9 @@ DEFAULT_TOLERANCES: Mapping[Precision, Tolerance] = {
 
 @dataclass(frozen=True)
 class ServingSpec:
-    instances: int = 1
+    # None: the serving backend's default (BackendConfig.default_instances: 1, or 4 per GPU for the python runner
+    # on CUDA, where one instance leaves the GPU idle while Python handles a batch).
+    instances: int | None = None
     dynamic_batching: bool = True
     max_queue_delay_us: int = 0
     ort_intra_op_threads: int = 0

@@ -251,7 +251,8 @@ class ServingTable(_Table):
     """How Triton serves each variant."""
 
     model_config = ConfigDict(title="[model.serving]")
-    instances: Count = 1
+    instances: Annotated[Count | None, Field(description="model instances (per GPU for a GPU variant); default: 1, "
+                                                         "or 4 per GPU for the python runner on CUDA")] = None
     dynamic_batching: bool = True
     max_queue_delay_us: NonNegative = 0
     ort_intra_op_threads: Annotated[NonNegative, Field(description="0: ONNX Runtime's default")] = 0

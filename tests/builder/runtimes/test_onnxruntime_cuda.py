@@ -19,6 +19,7 @@ from builder.repository import python_model
 from builder.repository.triton_config import ConfigInputs, InstanceKind, TritonBackend, build, parse, to_text
 from builder.runtimes import OnnxRuntimeCPU, select, tensorrt_available
 from builder.runtimes.onnxruntime_cuda import (
+    GPU_RUNNER_INSTANCES,
     CudaOptions,
     CudnnSearch,
     OnnxRuntimeCUDA,
@@ -96,6 +97,22 @@ def test_python_runner_config_runs_on_a_gpu_instance_with_the_cuda_provider() ->
     assert params["FORCE_CPU_ONLY_INPUT_TENSORS"] == "no"  # CUDA shared-memory inputs stay on the device
     assert params["prefer_nhwc"] == "auto" and params["use_tf32"] == "auto"  # resolved per graph at load
     assert not config.optimization.execution_accelerators.gpu_execution_accelerator
+
+
+@pytest.mark.parametrize(("backend", "named", "count"), [
+    (ServingBackend.PYTHON, None, GPU_RUNNER_INSTANCES), (ServingBackend.PYTHON, 1, 1), (ServingBackend.PYTHON, 3, 3),
+    (ServingBackend.ONNXRUNTIME, None, 1)])
+def test_the_python_runner_on_cuda_defaults_to_several_instances_per_gpu(
+        backend: ServingBackend, named: int | None, count: int) -> None:
+    # One runner instance serializes each batch's Python work with its GPU run (0.31x of the in-process ceiling
+    # at concurrency 256 on an H100; 4 instances 0.61x): where models.toml names no count, the python runner on
+    # CUDA gets 4 per GPU; a named count, and the native backend's default, stay as they are.
+    config = build(ConfigInputs(
+        name="m", inputs=(TensorSpec("x", "float32", (-1, 4, 32)),),
+        outputs=(TensorSpec("logits", "float32", (-1, 16)),), batch=DimRange(1, 8, 16),
+        serving=ServingSpec(instances=named),
+        backend=cuda_backend_config(backend, CudaOptions(device_id=0))))
+    assert GPU_RUNNER_INSTANCES == 4 and [g.count for g in config.instance_group] == [count]
 
 
 @pytest.mark.parametrize("tensorrt_fp16", [False, True])
