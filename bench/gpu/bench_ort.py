@@ -41,7 +41,7 @@ import numpy as np
 
 from builder.repository import python_model  # the runner copied into each model folder (untyped)
 from builder.repository.triton_config import ConfigInputs, build, to_text
-from builder.runtimes.onnxruntime_cuda import CudaOptions, CudnnSearch, cuda_backend_config
+from builder.runtimes.onnxruntime_cuda import GPU_RUNNER_INSTANCES, CudaOptions, CudnnSearch, cuda_backend_config
 from builder.serving.triton_server import Ports, TritonServer, free_ports, library_dir
 from builder.spec import DimRange, ServingBackend, ServingSpec, TensorSpec
 from client.engine import LevelResult, LoadLevel, Measurement
@@ -210,7 +210,7 @@ def ablation(models: Path, seconds: float) -> dict[str, Any]:
     return out
 
 
-def write_model(root: Path, name: str, onnx: Path, *, batching: bool, instances: int, delay_us: int,
+def write_model(root: Path, name: str, onnx: Path, *, batching: bool, instances: int | None, delay_us: int,
                 graphs: bool = True, timers: Path | None = None) -> None:
     serving = ServingSpec(instances=instances, dynamic_batching=batching, max_queue_delay_us=delay_us)
     # The config `trtbuild --runtime onnxruntime-cuda` writes (python runner, provider cuda, GPU inputs kept).
@@ -260,7 +260,7 @@ def window_checks(level: LevelResult) -> list[dict[str, float | None]]:
     return rows
 
 
-def served(models: Path, *, interval_ms: int, delay_us: int, tmp: Path, instances: int = 1,
+def served(models: Path, *, interval_ms: int, delay_us: int, tmp: Path, instances: int | None = None,
            shm: str = "cuda", compare_shm: bool = True,
            precisions: tuple[str, ...] = PRECISIONS, also_instances: tuple[int, ...] = (),
            rounds: int = 1, pa_rounds: int = 0, timers: Path | None = None) -> list[dict[str, Any]]:
@@ -685,7 +685,9 @@ def main() -> int:
     p.add_argument("--in-process-seconds", type=float, default=3.0)
     p.add_argument("--delay-us", type=int, default=1000, help="dynamic batching max queue delay")
     p.add_argument("--search", default=SEARCH, help="cudnn_conv_algo_search of every runner")
-    p.add_argument("--instances", type=int, default=1, help="model instances (python stubs) per served model")
+    p.add_argument("--instances", type=int, default=None,
+                   help="model instances (python stubs) per served model (default: the product's, "
+                        f"{GPU_RUNNER_INSTANCES} for the python runner on CUDA)")
     p.add_argument("--shared-memory", default="cuda", choices=("cuda", "system", "none"),
                    help="how perfclient sends the main rows' inputs (FP16 is also measured with the others)")
     p.add_argument("--served-precisions", default=",".join(PRECISIONS), help="precisions served (fp16 always)")
@@ -736,7 +738,7 @@ def main() -> int:
                                    timers=(args.out / "runner_timers").resolve() if args.runner_timers else None,
                                    precisions=tuple(p for p in PRECISIONS
                                                     if p in args.served_precisions.split(",") or p == "fp16"))
-    doc["instances"] = args.instances
+    doc["instances"] = args.instances if args.instances is not None else GPU_RUNNER_INSTANCES
     if args.runner_timers and doc.get("served"):
         doc["where_time_goes"] = where_time_goes(doc["served"])
     (args.out / "ort_gpu_bench.json").write_text(json.dumps(doc, indent=2) + "\n")
