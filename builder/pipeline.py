@@ -26,8 +26,8 @@ from builder.repository.lock import repository_lock
 from builder.repository.model_folder import read_record
 from builder.repository.staging import Staging
 from builder.repository.tuned_serving import layer
-from builder.runtimes.base import Runtime
-from builder.runtimes.onnxruntime import ort_rounds
+from builder.runtimes.base import ReferenceExecutor, Runtime
+from builder.runtimes.onnxruntime import OnnxRuntimeReference, ort_rounds
 from builder.spec.enums import GuardSensitivity, Precision
 from builder.spec.model import ModelSpec
 from builder.spec.names import variant_name
@@ -68,6 +68,9 @@ class BuildOptions:
     # The build log: tools' full output is appended there and the one-line errors name it (the CLI's --log);
     # None: each failure's output in a file of its own under the cache. The runtime gets it at construction.
     log_file: Path | None = None
+    # What runs the FP32 reference and the candidates the clean-up and the guards compare with it, whatever
+    # runtime serves the variants; the steps get it through their context, never ONNX Runtime directly.
+    executor: ReferenceExecutor = field(default_factory=OnnxRuntimeReference)
 
 
 class ModelStatus(Choice):
@@ -158,7 +161,8 @@ LEVEL_SAMPLES = 4
 
 
 def _other_levels(spec: ModelSpec, sig: onnx_model.Signature, shapes: ModelShapes, fp32_path: Path,
-                  batch: int | None, what: str, evaluation: samples.Samples) -> tuple[LevelSamples, ...]:
+                  batch: int | None, what: str, evaluation: samples.Samples,
+                  executor: ReferenceExecutor) -> tuple[LevelSamples, ...]:
     """Sets at the min and max shapes where the evaluation samples' shape is not theirs, each with its FP32
     outputs, so the gate sees the whole range: synthetic without the user's data (the evaluation set is then
     at the opt shape); else the user's samples brought to those shapes (an image resized, other dims drawn in
@@ -177,7 +181,8 @@ def _other_levels(spec: ModelSpec, sig: onnx_model.Signature, shapes: ModelShape
         else:
             extra = samples.synthetic(sig.inputs, shapes, LEVEL_SAMPLES, seed=11 + index, level=level,
                                       value_ranges=spec.input_ranges, what=what)
-        found.append(LevelSamples(level.value, extra, onnx_model.run_fp32(fp32_path, extra, batch, what)))
+        found.append(LevelSamples(level.value, extra,
+                                  onnx_model.run_fp32(fp32_path, extra, batch, what, executor=executor)))
     return tuple(found)
 
 
@@ -345,12 +350,14 @@ def build_model(spec: ModelSpec, options: BuildOptions, staging: Staging) -> Mod
         eval_batch = EVAL_BATCH if shapes.batching else None
         # The user's data first, on the graph as given (a size inside the range the graph cannot take):
         # one line here, not a traceback from the clean-up's probe run.
-        onnx_model.run_fp32(fp32_path, samples.take(evaluation, 0, 4), eval_batch, what)
+        executor = options.executor
+        onnx_model.run_fp32(fp32_path, samples.take(evaluation, 0, 4), eval_batch, what, executor=executor)
         declared = onnx_model.signature(onnx_files.load(fp32_path), what)  # as the user's graph declares them
-        slim_report = cleanup.slim(fp32_path, samples.take(evaluation, 0, 4), batch_size=eval_batch)
-        onnx_model.check_runs_at_levels(fp32_path, sig.inputs, shapes, what, value_ranges=spec.input_ranges,
-                                        examples=evaluation)
-        reference = onnx_model.run_fp32(fp32_path, evaluation, eval_batch, what)
+        slim_report = cleanup.slim(fp32_path, samples.take(evaluation, 0, 4), executor=executor,
+                                   batch_size=eval_batch)
+        onnx_model.check_runs_at_levels(fp32_path, sig.inputs, shapes, what, executor=executor,
+                                        value_ranges=spec.input_ranges, examples=evaluation)
+        reference = onnx_model.run_fp32(fp32_path, evaluation, eval_batch, what, executor=executor)
         # Outputs as ONNX Runtime returns them: a declared shape the graph contradicts is one warning line.
         for note in onnx_model.output_shape_notes(declared, reference, batching=shapes.batching):
             log.warning("%s: %s", spec.name, note)
@@ -360,7 +367,8 @@ def build_model(spec: ModelSpec, options: BuildOptions, staging: Staging) -> Mod
             evaluation=evaluation, calibration=calibration, calibration_digest=calibration_digest,
             reference=reference, build_key=key, variant_inputs={p: (keys[p], r) for p, r in per_variant.items()},
             inputs_record=inputs_record, work=work, cache_dir=options.cache_dir, repository=options.repository,
-            shapes=shapes, other_levels=_other_levels(spec, sig, shapes, fp32_path, eval_batch, what, evaluation),
+            executor=executor, shapes=shapes,
+            other_levels=_other_levels(spec, sig, shapes, fp32_path, eval_batch, what, evaluation, executor),
             guard_sensitivity=options.guard_sensitivity,
             speed_meter=None if speed.skipped() else options.speed_meter, log_file=options.log_file,
         )

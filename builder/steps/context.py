@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from builder.runtimes.base import CompileTarget, Outputs, Runtime
+from builder.runtimes.base import CompileTarget, Outputs, ReferenceExecutor, Runtime
 from builder.spec.enums import GuardSensitivity, Precision
 from builder.spec.model import ModelSpec
 from builder.spec.names import variant_name
@@ -48,12 +48,14 @@ class ModelContext:
     evaluation: Samples
     calibration: Samples | None
     calibration_digest: str | None
-    reference: Outputs  # FP32 under ONNX Runtime on the held-out samples, whatever serves the variants
+    reference: Outputs  # FP32 under the reference executor on the held-out samples, whatever serves the variants
     build_key: str
     inputs_record: dict[str, Any]  # everything the variants depend on; its digest is build_key
     work: Path  # a private temporary folder
     cache_dir: Path
     repository: Path  # the live repository, where earlier builds may hold reusable artifacts
+    # Runs the FP32 reference and the candidates the guards try (ONNX Runtime on the CPU: BuildOptions.executor).
+    executor: ReferenceExecutor
     shapes: ModelShapes | None = None  # resolved by the pipeline; None: from the spec and signature
     # Samples at the min and max shapes too (where the evaluation set's shape is not theirs), each with its
     # FP32 reference: synthetic, or the user's own brought to those shapes; every variant is measured on all.
