@@ -60,11 +60,8 @@ LAYER_EXCEPTIONS: dict[tuple[str, str], str] = {
 FUNCTION_LEVEL: dict[tuple[str, str], str] = {
     ("builder.runtimes", "builder.runtimes.tensorrt"): "cost: only --runtime tensorrt imports tensorrt",
     ("builder.runtimes.tensorrt", "builder.runtimes.tensorrt_engine"): "cost: tensorrt itself, at construction",
-    ("builder.pipeline", "builder.steps.export"): "cost: export imports torch, only for a model with a source",
+    ("builder.steps.prepare", "builder.steps.export"): "cost: export imports torch, only for a model with a source",
     ("builder.examples.datasets", "builder.examples.models"): "cost: the tokenizer imports transformers",
-    ("builder.summary", "builder.pipeline"):
-        "cost: ModelStatus alone, without the ONNX/ORT/ModelOpt imports of the pipeline (no cycle: the pipeline "
-        "does not import summary); the records' types belong below the orchestrator",
 }
 
 

@@ -1,5 +1,6 @@
-"""The state a build carries from step to step: what one model's variants share, and one variant's
-own progress. Steps read and fill these; nothing else passes between them."""
+"""The state a build carries from step to step: one model's build as the orchestrator hands it down, what the
+model's variants share, and one variant's own progress. Steps read and fill these; nothing else passes between
+them, and nothing calls back into the orchestrator."""
 
 from __future__ import annotations
 
@@ -9,11 +10,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from builder.repository.staging import Staging
 from builder.runtimes.base import CompileTarget, Outputs, ReferenceExecutor, Runtime
 from builder.spec.enums import GuardSensitivity, Precision
 from builder.spec.model import ModelSpec
 from builder.spec.names import variant_name
 from builder.spec.shapes import ModelShapes, for_model
+from builder.spec.tuned import TunedServing
 from builder.steps import accuracy
 from builder.steps.accuracy import Metrics
 from builder.steps.fp16_guard import Fp16GuardReport
@@ -26,6 +29,26 @@ from builder.steps.speed import Meter, Speed
 
 # Batch used to run held-out samples through each variant during the accuracy check.
 EVAL_BATCH = 16
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    """One model's build, as the orchestrator (pipeline.build_all) hands it down: the spec, the build's options,
+    where to write, the log sink and the reference executor. steps/model.build_model takes it from here."""
+
+    spec: ModelSpec
+    runtime: Runtime  # compiles and serves the variants
+    executor: ReferenceExecutor  # runs the FP32 reference and the candidates compared with it
+    repository: Path  # the live repository: earlier builds' records and artifacts
+    staging: Staging  # where the variants are written before each is committed
+    cache_dir: Path
+    log_file: Path | None  # the build log tools' full output goes to (None: a file per failure)
+    force: bool = False
+    all_or_nothing: bool = False  # the first failure raises; the staged variants are committed by the caller
+    tuned: Mapping[str, TunedServing] = field(default_factory=dict)
+    guard_sensitivity: GuardSensitivity = GuardSensitivity.ONE_PASS
+    spec_origin: str = "models.toml entry"
+    speed_meter: Meter | None = None
 
 
 @dataclass(frozen=True)
