@@ -25,7 +25,7 @@ from numpy.typing import NDArray
 from builder.errors import BuilderError
 from builder.repository import onnx_files
 from builder.repository.model_folder import RECORD, read_record
-from builder.runtimes.onnxruntime import ort_session, ort_throughput, run_session
+from builder.runtimes.onnxruntime import OnnxRuntimeReference, ort_session, ort_throughput, run_session
 from builder.spec import (
     CalibrationMethod,
     Int8Recipe,
@@ -70,7 +70,7 @@ def recipe_comparison(spec: ModelSpec, samples: dict[str, NDArray[Any]], threads
         else:
             assert spec.onnx is not None
             fp32.write_bytes(spec.onnx.read_bytes())
-        cleanup.slim(fp32, data.take(samples, 0, 4))  # as the build does, before quantizing
+        cleanup.slim(fp32, data.take(samples, 0, 4), executor=OnnxRuntimeReference())  # as the build does
         calib = data.load(spec.calibration.data, "calibration")
         reference = run_session(ort_session(fp32), samples, 16)
         paths = {"fp32": fp32}

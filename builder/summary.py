@@ -20,9 +20,9 @@ from rich.table import Table
 
 from builder.repository.model_folder import load_shapes  # the shapes tune sends, from each build.json
 from builder.spec.names import variant_name
+from builder.steps.model_result import ModelResult, ModelStatus  # the records alone: no ONNX, ORT or ModelOpt
 
-if TYPE_CHECKING:  # the pipeline imports ONNX, ORT and ModelOpt; the summary needs only its records
-    from builder.pipeline import ModelResult
+if TYPE_CHECKING:
     from builder.spec.model import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -325,8 +325,6 @@ def summarize(results: Sequence[ModelResult], specs: Sequence[ModelSpec], *, rep
     """The summary of one build: built variants from their results, unchanged ones from the build.json
     in the repository, failed ones with their reason; in manifest order. `whole_manifest`: `specs` are
     every model of `manifest` (not an `--only` subset), so a plain `trtbuild verify` checks just them."""
-    from builder.pipeline import ModelStatus  # here: the pipeline imports ONNX, ORT and ModelOpt
-
     by_name = {r.name: r for r in results}
     failed = {f.name: f for f in failures}
     rows: list[SummaryRow] = []

@@ -60,11 +60,8 @@ LAYER_EXCEPTIONS: dict[tuple[str, str], str] = {
 FUNCTION_LEVEL: dict[tuple[str, str], str] = {
     ("builder.runtimes", "builder.runtimes.tensorrt"): "cost: only --runtime tensorrt imports tensorrt",
     ("builder.runtimes.tensorrt", "builder.runtimes.tensorrt_engine"): "cost: tensorrt itself, at construction",
-    ("builder.pipeline", "builder.steps.export"): "cost: export imports torch, only for a model with a source",
+    ("builder.steps.prepare", "builder.steps.export"): "cost: export imports torch, only for a model with a source",
     ("builder.examples.datasets", "builder.examples.models"): "cost: the tokenizer imports transformers",
-    ("builder.summary", "builder.pipeline"):
-        "cost: ModelStatus alone, without the ONNX/ORT/ModelOpt imports of the pipeline (no cycle: the pipeline "
-        "does not import summary); the records' types belong below the orchestrator",
 }
 
 
@@ -298,6 +295,44 @@ def test_the_listed_type_checking_cycles_still_exist() -> None:
     closed = [edge for edge in TYPE_CHECKING_CYCLES if not reaches(runtime, edge[1], edge[0])]
     assert closed == [], "no longer a cycle: remove the entry (and the TYPE_CHECKING guard it needed)"
 
+
+# Steps that use ONNX Runtime itself (builder.runtimes.onnxruntime or onnxruntime) rather than the reference
+# executor their context carries (runtimes.base.ReferenceExecutor), each with its reason. Every other step runs
+# "the FP32 reference" and "this candidate" through the executor; a new entry needs a tool that is ONNX Runtime.
+ORT_IN_STEPS: dict[str, str] = {
+    "builder.steps.precision": "ModelOpt's calibration and ONNX Runtime's quantizer run ONNX Runtime: its errors "
+                               "raised inside them are tool failures (TOOL_ERRORS)",
+    "builder.steps.calibration_order": "the ranges the calibrators (ONNX Runtime sessions) see, for the ops ONNX "
+                                       "Runtime's quantizer registry calibrates",
+    "builder.steps.sensitivity": "streams batches through two sessions keeping running sums of the exposed tensors "
+                                 "(an executor's run() returns every sample's outputs at once)",
+    "builder.steps.fp16_fallback": "repairs the FP16 graph from ONNX Runtime's own type-check messages",
+}
+
+
+def absolute_imports(path: Path) -> set[str]:
+    """Every module `path` imports by absolute name (project or third-party), at any level of the file."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
+    return found
+
+
+def _uses_ort(path: Path) -> bool:
+    return any(n == "onnxruntime" or n.startswith(("onnxruntime.", "builder.runtimes.onnxruntime"))
+               for n in absolute_imports(path))
+
+
+def test_steps_run_graphs_through_the_reference_executor_not_onnx_runtime() -> None:
+    steps = {name: path for name, path in modules().items() if name.startswith("builder.steps.")}
+    users = sorted(name for name, path in steps.items() if _uses_ort(path))
+    assert [name for name in users if name not in ORT_IN_STEPS] == []
+    assert sorted(set(ORT_IN_STEPS) - set(users)) == []  # an entry whose import is gone is removed
+    assert {"builder.steps.variant", "builder.steps.guard", "builder.steps.onnx_model"} <= set(steps)
+    assert _uses_ort(modules()["builder.runtimes.onnxruntime"])  # the check reads what it should
 
 def _names_log_global(node: ast.AST) -> bool:
     """A name, an import or an attribute (`logs.active_log_file`, `logs._active_log`) of the CLI's log global."""

@@ -8,8 +8,8 @@ import logging
 from pathlib import Path
 
 from builder.errors import RuntimeUnavailableError
-from builder.runtimes.base import CompileTarget, Outputs, Runtime
-from builder.runtimes.onnxruntime import OnnxRuntimeCPU
+from builder.runtimes.base import CompileTarget, Outputs, ReferenceExecutor, Runtime
+from builder.runtimes.onnxruntime import OnnxRuntimeCPU, OnnxRuntimeReference
 from builder.runtimes.onnxruntime_cuda import CudaOptions, OnnxRuntimeCUDA, cuda_available
 from builder.runtimes.tensorrt import tensorrt_available
 from builder.runtimes.tensorrt_plan import TrtBuildOptions
@@ -18,8 +18,8 @@ from builder.spec.settings import default_cache_dir
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CompileTarget", "CudaOptions", "OnnxRuntimeCPU", "OnnxRuntimeCUDA", "Outputs", "Runtime",
-           "cuda_available", "select", "tensorrt_available"]
+__all__ = ["CompileTarget", "CudaOptions", "OnnxRuntimeCPU", "OnnxRuntimeCUDA", "OnnxRuntimeReference", "Outputs",
+           "ReferenceExecutor", "Runtime", "cuda_available", "select", "tensorrt_available"]
 
 
 def select(requested: RuntimeChoice, *, serving_backend: ServingBackend = ServingBackend.PYTHON,

@@ -1,8 +1,11 @@
-"""The seam between the build pipeline and whatever executes a variant.
+"""The seams between the build pipeline and whatever executes a graph.
 
 A runtime turns a precision variant's ONNX into the artifact Triton serves, runs that artifact for
 the accuracy check, and says how Triton must serve it. Everything runtime-specific (options,
 staleness, artifacts carried over from earlier builds, backend settings) stays behind it.
+
+A reference executor runs ONNX graphs in this process for the steps: the FP32 reference every variant is
+compared with, and the candidate graphs the clean-up and the guards try, whatever runtime serves the variants.
 """
 
 from __future__ import annotations
@@ -83,4 +86,21 @@ class Runtime(Protocol):
     def served_options(self, artifact: Path) -> dict[str, str]:
         """The options this artifact runs with where they depend on the artifact itself (build.json keeps
         them beside `identity()`); empty where nothing does."""
+        ...
+
+
+class ReferenceExecutor(Protocol):
+    """Runs an ONNX file in this process: the FP32 reference and the candidates the steps compare with it."""
+
+    name: str
+    # What it raises for a graph it cannot load or run on the samples given: the user's model (or a tool's
+    # output for it), which the steps report in one line, not a bug of ours.
+    errors: tuple[type[Exception], ...]
+
+    def run(self, path: Path, samples: Mapping[str, NDArray[Any]], batch_size: int | None) -> Outputs:
+        """Outputs for every sample; `batch_size` None: the model does not batch, run each sample whole."""
+        ...
+
+    def throughput(self, path: Path, feed: Mapping[str, NDArray[Any]], *, seconds: float = 1.0) -> float:
+        """Inferences per second of one feed, repeated for `seconds` (a quick cost estimate)."""
         ...

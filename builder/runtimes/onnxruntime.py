@@ -1,5 +1,5 @@
-"""ONNX Runtime on the CPU: the reference every variant is compared with, and the runtime where
-TensorRT is absent (the variant ONNX itself is the artifact)."""
+"""ONNX Runtime on the CPU: the reference executor every variant is compared with (OnnxRuntimeReference), and
+the runtime where TensorRT is absent (OnnxRuntimeCPU: the variant ONNX itself is the artifact)."""
 
 from __future__ import annotations
 
@@ -90,6 +90,20 @@ def ort_rounds(paths: Sequence[Path], feed: Mapping[str, NDArray[Any]], *, batch
                 runs += 1
             figures.append(runs * batch / (time.perf_counter() - start))
     return found
+
+
+class OnnxRuntimeReference:
+    """The steps' reference executor (runtimes.base.ReferenceExecutor): ONNX Runtime on the CPU, all graph
+    optimizations, its default threads."""
+
+    name = "onnxruntime"
+    errors = ORT_ERRORS
+
+    def run(self, path: Path, samples: Mapping[str, NDArray[Any]], batch_size: int | None) -> Outputs:
+        return run_file(path, samples, batch_size)
+
+    def throughput(self, path: Path, feed: Mapping[str, NDArray[Any]], *, seconds: float = 1.0) -> float:
+        return ort_throughput(path, feed, seconds=seconds)
 
 
 class OnnxRuntimeCPU:

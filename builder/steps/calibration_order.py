@@ -82,6 +82,8 @@ def sample_ranges(fp32_path: Path, feeds: Sequence[Feed]) -> NDArray[np.float64]
     del model
     path = _exposed(fp32_path, computed)
     try:
+        # ONNX Runtime itself, not the reference executor: the ranges ModelOpt's and ONNX Runtime's calibrators
+        # (ONNX Runtime sessions both) will see, for the ops ONNX Runtime's quantizer registry calibrates.
         session = ort_session(path)
         rows: list[list[float]] = []
         for feed in feeds:

@@ -15,7 +15,7 @@ from numpy.typing import NDArray
 
 from builder.errors import last_line
 from builder.repository import onnx_files
-from builder.runtimes.onnxruntime import ORT_ERRORS, run_file
+from builder.runtimes.base import ReferenceExecutor
 from common import progress
 
 log = logging.getLogger(__name__)
@@ -35,13 +35,16 @@ class SlimReport:
     max_abs_diff: float | None = None
 
 
-def slim(path: Path, probe: Mapping[str, NDArray[Any]], *, batch_size: int | None = 8) -> SlimReport:
-    """Slim the model at `path` in place when its outputs on `probe` stay equal; report what happened."""
+def slim(path: Path, probe: Mapping[str, NDArray[Any]], *, executor: ReferenceExecutor,
+         batch_size: int | None = 8) -> SlimReport:
+    """Slim the model at `path` in place when its outputs on `probe` (run by `executor`) stay equal; report what
+    happened."""
     with progress.task("cleaning up the ONNX graph (onnxslim)"):
-        return _slim(path, probe, batch_size)
+        return _slim(path, probe, batch_size, executor)
 
 
-def _slim(path: Path, probe: Mapping[str, NDArray[Any]], batch_size: int | None) -> SlimReport:
+def _slim(path: Path, probe: Mapping[str, NDArray[Any]], batch_size: int | None,
+          executor: ReferenceExecutor) -> SlimReport:
     import onnxslim
 
     before = onnx.load(str(path))
@@ -57,10 +60,10 @@ def _slim(path: Path, probe: Mapping[str, NDArray[Any]], batch_size: int | None)
     nodes_after = len(slimmed.graph.node)
     onnx_files.save(slimmed, candidate)  # its weights beside it where they exceed one protobuf
     # batch_size None: a model that does not batch runs each probe sample whole.
-    reference = run_file(path, probe, batch_size)
+    reference = executor.run(path, probe, batch_size)
     try:
-        result = run_file(candidate, probe, batch_size)
-    except ORT_ERRORS as exc:  # onnxslim wrote a graph ONNX Runtime rejects: keep the exported one
+        result = executor.run(candidate, probe, batch_size)
+    except executor.errors as exc:  # onnxslim wrote a graph the executor rejects: keep the exported one
         onnx_files.remove_model(candidate)
         log.warning("onnxslim's graph does not run under ONNX Runtime (%s); keeping the exported graph",
                     last_line(exc, 200))

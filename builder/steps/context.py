@@ -1,5 +1,6 @@
-"""The state a build carries from step to step: what one model's variants share, and one variant's
-own progress. Steps read and fill these; nothing else passes between them."""
+"""The state a build carries from step to step: one model's build as the orchestrator hands it down, what the
+model's variants share, and one variant's own progress. Steps read and fill these; nothing else passes between
+them, and nothing calls back into the orchestrator."""
 
 from __future__ import annotations
 
@@ -9,11 +10,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from builder.runtimes.base import CompileTarget, Outputs, Runtime
+from builder.repository.staging import Staging
+from builder.runtimes.base import CompileTarget, Outputs, ReferenceExecutor, Runtime
 from builder.spec.enums import GuardSensitivity, Precision
 from builder.spec.model import ModelSpec
 from builder.spec.names import variant_name
 from builder.spec.shapes import ModelShapes, for_model
+from builder.spec.tuned import TunedServing
 from builder.steps import accuracy
 from builder.steps.accuracy import Metrics
 from builder.steps.fp16_guard import Fp16GuardReport
@@ -26,6 +29,26 @@ from builder.steps.speed import Meter, Speed
 
 # Batch used to run held-out samples through each variant during the accuracy check.
 EVAL_BATCH = 16
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    """One model's build, as the orchestrator (pipeline.build_all) hands it down: the spec, the build's options,
+    where to write, the log sink and the reference executor. steps/model.build_model takes it from here."""
+
+    spec: ModelSpec
+    runtime: Runtime  # compiles and serves the variants
+    executor: ReferenceExecutor  # runs the FP32 reference and the candidates compared with it
+    repository: Path  # the live repository: earlier builds' records and artifacts
+    staging: Staging  # where the variants are written before each is committed
+    cache_dir: Path
+    log_file: Path | None  # the build log tools' full output goes to (None: a file per failure)
+    force: bool = False
+    all_or_nothing: bool = False  # the first failure raises; the staged variants are committed by the caller
+    tuned: Mapping[str, TunedServing] = field(default_factory=dict)
+    guard_sensitivity: GuardSensitivity = GuardSensitivity.ONE_PASS
+    spec_origin: str = "models.toml entry"
+    speed_meter: Meter | None = None
 
 
 @dataclass(frozen=True)
@@ -48,12 +71,14 @@ class ModelContext:
     evaluation: Samples
     calibration: Samples | None
     calibration_digest: str | None
-    reference: Outputs  # FP32 under ONNX Runtime on the held-out samples, whatever serves the variants
+    reference: Outputs  # FP32 under the reference executor on the held-out samples, whatever serves the variants
     build_key: str
     inputs_record: dict[str, Any]  # everything the variants depend on; its digest is build_key
     work: Path  # a private temporary folder
     cache_dir: Path
     repository: Path  # the live repository, where earlier builds may hold reusable artifacts
+    # Runs the FP32 reference and the candidates the guards try (ONNX Runtime on the CPU: BuildOptions.executor).
+    executor: ReferenceExecutor
     shapes: ModelShapes | None = None  # resolved by the pipeline; None: from the spec and signature
     # Samples at the min and max shapes too (where the evaluation set's shape is not theirs), each with its
     # FP32 reference: synthetic, or the user's own brought to those shapes; every variant is measured on all.

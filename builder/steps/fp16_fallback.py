@@ -155,7 +155,7 @@ def _type_error(model: onnx.ModelProto) -> tuple[str | None, str | None] | None:
     """None where ONNX Runtime loads the graph, else what its type check refused: (op type that takes no FP16,
     None) or (None, the node with mixed inputs); (None, None) for any other refusal. Models over protobuf's
     limit are not checked here (the run check after the conversion still is)."""
-    import onnxruntime as ort
+    import onnxruntime as ort  # ONNX Runtime itself, not the reference executor: its type check's own messages
 
     if model.ByteSize() >= onnx_files.PROTOBUF_LIMIT:
         return None

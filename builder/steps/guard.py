@@ -33,8 +33,8 @@ import onnx
 from numpy.typing import NDArray
 
 from builder.repository import onnx_files
+from builder.runtimes.base import ReferenceExecutor
 from builder.runtimes.base import feeds as sample_feeds
-from builder.runtimes.onnxruntime import ORT_ERRORS, ort_throughput, run_file
 from builder.spec.enums import GuardSensitivity, Int8Recipe, Precision, Task
 from builder.spec.model import CalibrationSpec, Tolerance
 from builder.steps import accuracy, int8_recipe, precision, qdq_mix
@@ -46,9 +46,9 @@ from common import progress
 
 log = logging.getLogger(__name__)
 
-# A candidate that cannot be derived from the plain graph, or whose derived graph ONNX Runtime refuses: that
-# candidate is quantized again instead.
-_UNDERIVABLE: tuple[type[BaseException], ...] = (qdq_mix.MixError, precision.PlacementUnknown, *ORT_ERRORS)
+# A candidate that cannot be derived from the plain graph, or whose derived graph the executor refuses (its
+# `errors`, added where the guard runs): that candidate is quantized again instead.
+_UNDERIVABLE: tuple[type[BaseException], ...] = (qdq_mix.MixError, precision.PlacementUnknown)
 
 
 @dataclass(frozen=True)
@@ -85,6 +85,7 @@ def guard(
     task: Task,
     tolerance: Tolerance,
     work: Path,
+    executor: ReferenceExecutor,
     max_excluded_fraction: float = 0.5,
     batch_size: int | None = 16,
     method: GuardSensitivity = GuardSensitivity.EXHAUSTIVE,
@@ -101,13 +102,15 @@ def guard(
     where that depends on them) decides which nodes a candidate leaves in FP32 besides those it excludes;
     with `escalate`, a one-pass ranking whose search finds no mix is
     followed by the exhaustive ranking and its search. EXHAUSTIVE quantizes every candidate. `measure` scores a
-    candidate as the gate will (every shape level); by default, on `evaluation` against `reference` only."""
+    candidate as the gate will (every shape level); by default, on `evaluation` against `reference` only, run by
+    `executor`, whose `errors` on a derived candidate mean: quantize that one instead."""
     started = time.perf_counter()
+    underivable = (*_UNDERIVABLE, *executor.errors)
 
     def evaluate(path: Path) -> Metrics:
         if measure is not None:
             return measure(path)
-        return accuracy.compare(reference, run_file(path, evaluation, batch_size), task)
+        return accuracy.compare(reference, executor.run(path, evaluation, batch_size), task)
 
     before = evaluate(plain)
     plain_graph = onnx.load(str(plain), load_external_data=False)  # names only: no weights
@@ -147,7 +150,7 @@ def guard(
                 metrics = evaluate(out)
                 derived += 1
                 return metrics
-            except _UNDERIVABLE as exc:
+            except underivable as exc:
                 log.debug("INT8 guard: candidate not derived from the plain INT8 graph (%s); quantizing it", exc)
         if alone is not None:
             quantize(replace(spec, nodes_to_quantize=(alone,), nodes_to_exclude=()), out)
@@ -273,11 +276,11 @@ def sensitivity_one_pass(fp32: Path, plain: Path, nodes: list[str], evaluation: 
 
 
 def throughput(path: Path, evaluation: Mapping[str, NDArray[Any]], seconds: float = 1.0, *,
-               batching: bool = True) -> float:
-    """Batch-1 inferences per second under ONNX Runtime on this CPU (a quick cost estimate); one whole
-    sample for a model that does not batch."""
+               executor: ReferenceExecutor, batching: bool = True) -> float:
+    """Batch-1 inferences per second under the reference executor (ONNX Runtime on this CPU: a quick cost
+    estimate); one whole sample for a model that does not batch."""
     feed = next(sample_feeds(evaluation, 1 if batching else None))
-    return ort_throughput(path, feed, seconds=seconds)
+    return executor.throughput(path, feed, seconds=seconds)
 
 
 def make_quantizer(fp32_path: Path, fp32_sha: str, calibration: Mapping[str, NDArray[Any]], calib_digest: str,
@@ -326,7 +329,7 @@ def guard_int8(*, fp32_path: Path, fp32_sha: str, calibration: Mapping[str, NDAr
                spec: CalibrationSpec, variant_onnx: Path, evaluation: Mapping[str, NDArray[Any]],
                reference: Mapping[str, NDArray[Any]], task: Task, tolerance: Tolerance, cache_dir: Path,
                work: Path, fp16_feeds: Sequence[Mapping[str, NDArray[Any]]], what: str, log_file: Path | None,
-               batch_size: int | None = 16,
+               executor: ReferenceExecutor, batch_size: int | None = 16,
                method: GuardSensitivity = GuardSensitivity.ONE_PASS,
                measure: Callable[[Path], Metrics] | None = None,
                float_graph: Path | None = None,
@@ -354,7 +357,7 @@ def guard_int8(*, fp32_path: Path, fp32_sha: str, calibration: Mapping[str, NDAr
         return precision.modelopt_placement(fp32_path, calibration, candidate)
 
     result, guarded = guard(quantize, spec=spec, plain=plain, evaluation=evaluation, reference=reference,
-                            task=task, tolerance=tolerance, work=search_dir, batch_size=batch_size,
+                            task=task, tolerance=tolerance, work=search_dir, executor=executor, batch_size=batch_size,
                             method=method, fp32=fp32_path, measure=measure, float_graph=float_graph,
                             escalate=modelopt, placement=placement if modelopt else None)
     fallback = None
@@ -370,7 +373,8 @@ def guard_int8(*, fp32_path: Path, fp32_sha: str, calibration: Mapping[str, NDAr
         quantizations=result.quantizations, derived=result.derived, search=result.searched,
         most_sensitive=[Sensitivity(n, d) for n, d in top], seconds=round(result.seconds, 2),
         size_bytes=VariantFigures(fp32_path.stat().st_size, plain.stat().st_size, variant_onnx.stat().st_size),
-        throughput_b1_cpu=VariantFigures(*(throughput(path, evaluation, batching=batch_size is not None)
+        throughput_b1_cpu=VariantFigures(*(throughput(path, evaluation, executor=executor,
+                                                      batching=batch_size is not None)
                                            for path in (fp32_path, plain, variant_onnx))),
         sensitivity=result.ranking,
     )

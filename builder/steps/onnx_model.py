@@ -17,8 +17,7 @@ from onnx import numpy_helper
 
 from builder.errors import ManifestError, OnnxModelError, tool_cause
 from builder.repository import onnx_files
-from builder.runtimes.base import Outputs
-from builder.runtimes.onnxruntime import ORT_ERRORS, run_file
+from builder.runtimes.base import Outputs, ReferenceExecutor
 from builder.spec.dtypes import from_onnx
 from builder.spec.model import TensorSpec
 from builder.spec.shapes import Level, ModelShapes, ValueRange, format_shape
@@ -140,7 +139,8 @@ def check_manifest_inputs(sig: Signature, declared: tuple[TensorSpec, ...], what
 
 
 def check_runs_at_levels(path: Path, inputs: tuple[TensorSpec, ...], shapes: ModelShapes, what: str, *,
-                         graph: str = "the FP32 model", value_ranges: Mapping[str, ValueRange] | None = None,
+                         executor: ReferenceExecutor, graph: str = "the FP32 model",
+                         value_ranges: Mapping[str, ValueRange] | None = None,
                          examples: Mapping[str, NDArray[Any]] | None = None) -> None:
     """Run the FP32 graph (or a converted one: `graph` names it) at the min, opt and max shapes (batch
     included) on synthetic data, so a range the graph cannot take (a stride that does not divide, a Concat
@@ -165,8 +165,8 @@ def check_runs_at_levels(path: Path, inputs: tuple[TensorSpec, ...], shapes: Mod
             if values.size:
                 feed[tensor.name] = rng.choice(values, size=feed[tensor.name].shape).astype(feed[tensor.name].dtype)
         try:
-            run_file(path, feed, batch)
-        except ORT_ERRORS as exc:
+            executor.run(path, feed, batch)
+        except executor.errors as exc:
             given = ",".join(f"{name}:{format_shape(shape)}" for name, shape in at.items())
             raise OnnxModelError(f"{what}: {graph} does not run at the {level} shapes ({given}): "
                                  f"{tool_cause(exc, limit=400)}") from exc
@@ -304,12 +304,13 @@ def returned_outputs(sig: Signature, outputs: Mapping[str, NDArray[Any]], *, bat
     return Signature(sig.inputs, tuple(fixed))
 
 
-def run_fp32(path: Path, samples: Mapping[str, NDArray[Any]], batch_size: int | None, what: str) -> Outputs:
-    """The FP32 graph's outputs on the evaluation samples; one line naming the arrays' shapes where ONNX
-    Runtime cannot run it on them (data at a size inside the range the graph cannot take)."""
+def run_fp32(path: Path, samples: Mapping[str, NDArray[Any]], batch_size: int | None, what: str, *,
+             executor: ReferenceExecutor) -> Outputs:
+    """The FP32 graph's outputs on the evaluation samples; one line naming the arrays' shapes where the
+    reference executor cannot run it on them (data at a size inside the range the graph cannot take)."""
     try:
-        return run_file(path, samples, batch_size)
-    except ORT_ERRORS as exc:
+        return executor.run(path, samples, batch_size)
+    except executor.errors as exc:
         given = ", ".join(f"{name} {list(array.shape)}" for name, array in samples.items())
         raise OnnxModelError(f"{what}: the FP32 model does not run on the evaluation samples ({given}): "
                              f"{tool_cause(exc, limit=400)}") from exc

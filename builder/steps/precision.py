@@ -88,7 +88,8 @@ def ort_form(runtime: str) -> OrtForm:
     return OrtForm("QInt8", "QInt8", True)
 
 
-# Failures of the tools a variant is made with that mean "this model or these settings do not work
+# Failures of the tools a variant is made with (ModelOpt and ONNX Runtime's quantizer, which run ONNX Runtime
+# itself, not the reference executor: hence ORT_ERRORS here) that mean "this model or these settings do not work
 # with it": they become one line naming a log file with the tool's full output, but only when a tool
 # raised them (raised_by_tool): the same types raised by our own code are bugs. Any other exception
 # is a bug (ours or the tool's) and keeps its traceback.

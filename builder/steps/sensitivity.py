@@ -215,6 +215,8 @@ def one_pass(fp32_path: Path, candidate_path: Path, nodes: Sequence[str], evalua
                _exposed(candidate_path, candidate, {p.candidate for p in wanted})]
     del fp32, candidate
     try:
+        # ONNX Runtime itself, not the reference executor: batches stream through two sessions and only running
+        # sums of the exposed tensors are kept (an executor's run() returns every sample's outputs at once).
         sessions = [ort_session(path) for path in exposed]
         names = [[o.name for o in s.get_outputs()] for s in sessions]
         feeds = list(sample_feeds(used, batch))

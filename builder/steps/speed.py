@@ -20,7 +20,6 @@ from typing import Any
 from numpy.typing import NDArray
 
 from builder.runtimes.base import feeds as sample_feeds
-from builder.runtimes.onnxruntime import ort_rounds
 from builder.spec.enums import Precision
 from builder.spec.model import TensorSpec
 from builder.spec.shapes import Level, ModelShapes, ValueRange
@@ -33,7 +32,8 @@ SKIP_ENV = "TRTBUILD_NO_SPEED"
 ROUNDS = 3
 ROUND_SECONDS = 0.15  # each round; with FP32's rounds beside, about 1 s per variant
 
-# (models, feed, batch, threads, rounds, seconds) → each model's inferences per second per round.
+# (models, feed, batch, threads, rounds, seconds) → each model's inferences per second per round; the build's
+# options choose it (ONNX Runtime's runtimes.onnxruntime.ort_rounds by default).
 Meter = Callable[..., list[list[float]]]
 
 
@@ -88,7 +88,7 @@ def opt_feed(inputs: tuple[TensorSpec, ...], shapes: ModelShapes,
 
 
 def measure(precision: Precision, variant: Path, fp32: Path, feed: Mapping[str, NDArray[Any]], *, batch: int,
-            threads: int, size: int, fp32_size: int, meter: Meter = ort_rounds, rounds: int = ROUNDS,
+            threads: int, size: int, fp32_size: int, meter: Meter, rounds: int = ROUNDS,
             seconds: float = ROUND_SECONDS) -> Speed:
     """The variant's throughput (and FP32's, in alternating rounds, for an FP16 or INT8 variant) and verdict."""
     paths = [variant] if precision is Precision.FP32 else [variant, fp32]

@@ -19,8 +19,7 @@ from builder.errors import AccuracyError, BuilderError, DataError, ToolError, to
 from builder.repository import model_folder, onnx_files
 from builder.repository.onnx_files import copy_model, sha256_model
 from builder.repository.triton_config import ConfigInputs
-from builder.runtimes.onnxruntime import ORT_ERRORS, OnnxRuntimeCPU, run_file
-from builder.spec.enums import Precision
+from builder.spec.enums import Precision, RuntimeChoice
 from builder.spec.model import DataSpec, ModelSpec
 from builder.steps import accuracy, onnx_model, precision, samples, speed
 from builder.steps.accuracy import Metrics
@@ -76,7 +75,7 @@ class MakePrecision:
         elif ctx.precision is Precision.FP16:
             def check(path: Path) -> None:
                 onnx_model.check_runs_at_levels(path, model.signature.inputs, model.input_shapes, what(model),
-                                                graph=f"the FP16 graph ({path.name})",
+                                                executor=model.executor, graph=f"the FP16 graph ({path.name})",
                                                 value_ranges=model.spec.input_ranges, examples=model.evaluation)
 
             feeds = fp16_feeds(model)
@@ -175,9 +174,6 @@ class Gate:
         self.run(ctx)
 
 
-_SPEED_ERRORS: tuple[type[Exception], ...] = (*ORT_ERRORS, DataError)
-
-
 class MeasureSpeed:
     """The gated variant's throughput at the opt shape (and FP32's, alternating) and size against FP32's, where
     the runtime is ONNX Runtime on the CPU (the artifact is what this process can run as served): an FP16 or
@@ -188,15 +184,17 @@ class MeasureSpeed:
 
     def run(self, ctx: VariantContext) -> None:
         model = ctx.model
-        if model.speed_meter is None or ctx.runtime.name != OnnxRuntimeCPU.name:
+        if model.speed_meter is None or ctx.runtime.name != RuntimeChoice.ONNXRUNTIME.value:
             return
+        # A graph the meter cannot run fails as under the executor (ONNX Runtime both, by default).
+        failed: tuple[type[Exception], ...] = (*model.executor.errors, DataError)
         try:
             feed, batch = speed.opt_feed(model.signature.inputs, model.input_shapes, model.spec.input_ranges)
             ctx.speed = speed.measure(ctx.precision, ctx.artifact, model.fp32_path, feed, batch=batch,
                                       threads=model.spec.serving.ort_intra_op_threads,
                                       size=onnx_files.model_size(ctx.artifact),
                                       fp32_size=onnx_files.model_size(model.fp32_path), meter=model.speed_meter)
-        except _SPEED_ERRORS as exc:
+        except failed as exc:
             log.warning("%s: throughput not measured: %s", ctx.name, tool_cause(exc))
             return
         if not ctx.speed.worth_serving:
@@ -223,12 +221,12 @@ class Guard:
             variant_onnx=ctx.variant_onnx,
             evaluation=model.evaluation, reference=model.reference, task=spec.task,
             tolerance=spec.tolerance(ctx.precision), cache_dir=model.cache_dir, work=model.work,
-            fp16_feeds=fp16_feeds(model), what=what(model), log_file=model.log_file, batch_size=model.eval_batch,
-            method=model.guard_sensitivity,
+            fp16_feeds=fp16_feeds(model), what=what(model), log_file=model.log_file, executor=model.executor,
+            batch_size=model.eval_batch, method=model.guard_sensitivity,
             # Scored as the gate scores (the evaluation samples and the min/max levels): a pick measured on
             # the evaluation samples alone met the limit in the search and missed it at the gate (MiniLM
             # INT8: 0.607 at another sequence length).
-            measure=lambda path: model.measure(lambda samples: run_file(path, samples, model.eval_batch)),
+            measure=lambda path: model.measure(lambda samples: model.executor.run(path, samples, model.eval_batch)),
             float_graph=_quantizer_input(model, ctx.calibration),
         )
 
@@ -251,7 +249,7 @@ class Fp16Guard:
         model = ctx.model
 
         def evaluate(path: Path) -> Metrics:
-            return model.measure(lambda samples: run_file(path, samples, model.eval_batch))
+            return model.measure(lambda samples: model.executor.run(path, samples, model.eval_batch))
 
         ctx.fp16_guard = guard_fp16(
             fp32_path=model.fp32_path, feeds=fp16_feeds(model), variant_onnx=ctx.variant_onnx, evaluate=evaluate,
@@ -311,10 +309,10 @@ def samples_record(spec: ModelSpec) -> dict[str, object]:
 STEPS: tuple[Step, ...] = (MakePrecision(), Compile(), Measure(), Gate(), MeasureSpeed())
 
 
-# A converted graph ONNX Runtime cannot load or run, or an ONNX check failing inside a step: the user's
-# model (or a tool's output for it), not a bug of ours: one line, the full text in the build log.
-_GRAPH_ERRORS: tuple[type[BaseException], ...] = (
-    *ORT_ERRORS, onnx.checker.ValidationError, onnx.shape_inference.InferenceError)
+# An ONNX check failing inside a step, or (with the executor's `errors`, added in run_step) a converted graph
+# the reference executor cannot load or run: the user's model (or a tool's output for it), not a bug of ours:
+# one line, the full text in the build log.
+_GRAPH_ERRORS: tuple[type[BaseException], ...] = (onnx.checker.ValidationError, onnx.shape_inference.InferenceError)
 
 
 def run_step(step: Step, ctx: VariantContext) -> None:
@@ -327,7 +325,7 @@ def run_step(step: Step, ctx: VariantContext) -> None:
     except BuilderError:
         raise
     except Exception as exc:
-        if not (isinstance(exc, _GRAPH_ERRORS) or precision.raised_by_tool(exc)):
+        if not (isinstance(exc, (*ctx.model.executor.errors, *_GRAPH_ERRORS)) or precision.raised_by_tool(exc)):
             raise
         model = what(ctx.model)
         record = precision.failure_log(f"{ctx.name} {step.label} {model}", "", exc, log_file=ctx.model.log_file)

@@ -12,7 +12,7 @@ import onnx
 import pytest
 
 from builder.errors import AccuracyError, DataError
-from builder.pipeline import BuildOptions, ModelStatus, build_all, precision_settings, rebuild_reasons
+from builder.pipeline import BuildOptions, ModelStatus, build_all
 from builder.repository.triton_config import parse
 from builder.runtimes import OnnxRuntimeCPU
 from builder.spec import (
@@ -27,6 +27,7 @@ from builder.spec import (
     TensorSpec,
     Tolerance,
 )
+from builder.steps.build_key import precision_settings, rebuild_reasons
 from tests.helpers.files import snapshot
 from tests.helpers.tiny_models import mlp_samples, tiny_specs
 

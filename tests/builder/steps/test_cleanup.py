@@ -11,7 +11,7 @@ import pytest
 from numpy.typing import NDArray
 from onnx import TensorProto, helper, numpy_helper
 
-from builder.runtimes.onnxruntime import run_file
+from builder.runtimes.onnxruntime import OnnxRuntimeReference, run_file
 from builder.steps.cleanup import SlimReport, slim
 
 
@@ -51,7 +51,7 @@ def probe(count: int = 12, shape: tuple[int, ...] = (8,)) -> dict[str, NDArray[n
 def test_constants_are_folded_and_dead_nodes_removed_with_identical_outputs(tmp_path: Path) -> None:
     path = foldable_onnx(tmp_path / "model.onnx")
     expected = run_file(path, probe(), 5)
-    report = slim(path, probe())
+    report = slim(path, probe(), executor=OnnxRuntimeReference())
     assert report.applied and report.reason is None and report.tool == "onnxslim"
     assert report.nodes_before == 8
     assert report.nodes_after is not None and report.nodes_after < report.nodes_before
@@ -85,7 +85,7 @@ def test_a_rewrite_that_changes_outputs_is_not_kept(tmp_path: Path) -> None:
     path = misfused_pad_conv_onnx(tmp_path / "model.onnx")
     before = path.read_bytes()
     samples = probe(6, (2, 5, 5))
-    report = slim(path, samples)
+    report = slim(path, samples, executor=OnnxRuntimeReference())
     assert not report.applied
     assert report.max_abs_diff is not None and report.max_abs_diff > 1e-3
     assert report.reason == f"outputs changed by {report.max_abs_diff:.3g}"
@@ -102,7 +102,7 @@ def test_onnxslim_failing_leaves_the_file_as_it_was(tmp_path: Path) -> None:
                 [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 2])],
                 [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 2])], [truncated])
     before = path.read_bytes()
-    report = slim(path, probe(4, (2,)))
+    report = slim(path, probe(4, (2,)), executor=OnnxRuntimeReference())
     assert report == SlimReport(applied=False, reason=report.reason)  # no counts: nothing was compared
     assert report.reason and "buffer size" in report.reason
     assert path.read_bytes() == before
@@ -122,7 +122,7 @@ def test_a_rewrite_onnx_runtime_cannot_load_is_not_kept(tmp_path: Path) -> None:
                 [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 2, 5, 5])],
                 [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 2, "h", "w"])], consts, opset=18)
     before = path.read_bytes()
-    report = slim(path, probe(6, (2, 5, 5)))
+    report = slim(path, probe(6, (2, 5, 5)), executor=OnnxRuntimeReference())
     assert not report.applied and report.reason
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx"]
@@ -149,7 +149,8 @@ def test_a_rewrite_that_returns_another_output_shape_is_not_kept_and_does_not_cr
     monkeypatch.setattr(onnxslim, "slim", flattening)
     path = foldable_onnx(tmp_path / "model.onnx")
     before = path.read_bytes()
-    report = slim(path, probe(), batch_size=4)  # three batches of [4, 6] against three of [1, 24]
+    # three batches of [4, 6] against three of [1, 24]
+    report = slim(path, probe(), executor=OnnxRuntimeReference(), batch_size=4)
     assert not report.applied
     assert report.reason == "output 'y' changed shape: [12, 6] -> [3, 24]"
     assert path.read_bytes() == before

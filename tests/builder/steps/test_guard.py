@@ -13,7 +13,7 @@ import pytest
 from builder.errors import AccuracyError
 from builder.pipeline import BuildOptions, build_all
 from builder.repository.onnx_files import sha256_file
-from builder.runtimes.onnxruntime import OnnxRuntimeCPU, ort_session, run_session
+from builder.runtimes.onnxruntime import OnnxRuntimeCPU, OnnxRuntimeReference, ort_session, run_session
 from builder.spec import (
     CalibrationMethod,
     CalibrationSpec,
@@ -231,7 +231,7 @@ def test_an_int8_graph_with_no_quantized_node_is_not_searched(tmp_path: Path) ->
     for method in GuardSensitivity:
         result, path = guard(lambda _spec, out: quantized.append(out), spec=spec, plain=plain, evaluation=samples,
                              reference=samples, task=Task.GENERIC, tolerance=TOLERANCE, work=tmp_path,
-                             method=method, fp32=plain, measure=lambda _path: far)
+                             executor=OnnxRuntimeReference(), method=method, fp32=plain, measure=lambda _path: far)
         assert path is None and not result.met and result.quantizations == 0 and quantized == []
         assert result.ranking is not None and result.ranking.nodes == 0 and not result.ranking.escalated
 
@@ -285,7 +285,7 @@ def test_one_pass_finds_a_mix_lower_in_its_order_by_pruning_a_longer_prefix(tmp_
     quantized: list[CalibrationSpec] = []
     result, path = guard(lambda s, _out: quantized.append(s), spec=spec, plain=plain, evaluation=evaluation,
                          reference=evaluation, task=Task.GENERIC, tolerance=TOLERANCE, work=tmp_path,
-                         method=GuardSensitivity.ONE_PASS, fp32=model, measure=measure)
+                         executor=OnnxRuntimeReference(), method=GuardSensitivity.ONE_PASS, fp32=model, measure=measure)
     assert result.met and set(result.excluded) == needed and path is not None
     assert quantized == [] and result.quantizations == 0 and result.derived == len(result.searched)
     assert result.ranking is not None and not result.ranking.escalated

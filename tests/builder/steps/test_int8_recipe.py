@@ -16,7 +16,7 @@ from numpy.typing import NDArray
 
 from builder.cli import main
 from builder.errors import ManifestError
-from builder.pipeline import BuildOptions, build_all, int8_key, precision_settings
+from builder.pipeline import BuildOptions, build_all
 from builder.repository.onnx_files import sha256_file
 from builder.runtimes.onnxruntime import OnnxRuntimeCPU, run_file
 from builder.runtimes.onnxruntime_cuda import OnnxRuntimeCUDA
@@ -24,6 +24,7 @@ from builder.runtimes.tensorrt import TensorRTRuntime
 from builder.spec import CalibrationMethod, CalibrationSpec, DataSpec, DimRange, Int8Recipe, ModelSpec, Precision
 from builder.spec.enums import Task
 from builder.steps import accuracy, int8_recipe, precision
+from builder.steps.build_key import int8_key, precision_settings
 from builder.steps.guard import quantized_nodes
 from builder.steps.int8_recipe import ModelClass
 from builder.steps.sensitivity import node_tensors

@@ -7,6 +7,7 @@ import pytest
 
 from builder.errors import OnnxModelError
 from builder.repository import onnx_files
+from builder.runtimes.onnxruntime import OnnxRuntimeReference
 from builder.spec import DimRange
 from builder.steps import onnx_model
 from tests.helpers.tiny_models import mlp_onnx, sequence_onnx
@@ -62,13 +63,14 @@ def test_the_fp32_graph_is_run_at_min_opt_and_max_shapes(tmp_path: Path) -> None
     sig = onnx_model.signature(onnx_files.load(model.onnx), "det")
     good = resolve(sig.inputs, batch=DimRange(1, 1, 1), batch_given=False, dims={}, what="det", shapes={
         "images": ShapeRange((1, 3, 64, 64), (2, 3, 96, 96), (2, 3, 128, 128), "--opt-shapes")})
-    onnx_model.check_runs_at_levels(model.onnx, sig.inputs, good, "model 'det'")
+    onnx_model.check_runs_at_levels(model.onnx, sig.inputs, good, "model 'det'", executor=OnnxRuntimeReference())
     # 102 is not a multiple of 4: the upsampled map is 52 wide, the other 51, and the Concat fails.
     bad = resolve(sig.inputs, batch=DimRange(1, 1, 1), batch_given=False, dims={}, what="det", shapes={
         "images": ShapeRange((1, 3, 64, 64), (1, 3, 96, 96), (1, 3, 102, 102), "--max-shapes")})
     with pytest.raises(OnnxModelError, match=r"model 'det': the FP32 model does not run at the max shapes "
                                              r"\(images:1x3x102x102\): .*concat"):
-        onnx_model.check_runs_at_levels(model.onnx, sig.inputs, bad, "model 'det'")
+        onnx_model.check_runs_at_levels(model.onnx, sig.inputs, bad, "model 'det'",
+                                        executor=OnnxRuntimeReference())
 
 
 def test_a_constant_node_s_external_value_is_copied_with_the_model(tmp_path: Path) -> None:

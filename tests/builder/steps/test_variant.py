@@ -14,7 +14,7 @@ from builder.errors import AccuracyError
 from builder.repository import onnx_files
 from builder.repository.triton_config import BackendConfig, TritonBackend, parse
 from builder.runtimes.base import CompileTarget
-from builder.runtimes.onnxruntime import OnnxRuntimeCPU, run_file
+from builder.runtimes.onnxruntime import OnnxRuntimeCPU, OnnxRuntimeReference, run_file
 from builder.spec import DimRange, ModelSpec, Precision, Task, Tolerance
 from builder.steps import onnx_model
 from builder.steps.accuracy import Metrics
@@ -34,7 +34,7 @@ def model_context(tmp_path: Path, tolerances: dict[Precision, Tolerance] | None 
         signature=onnx_model.signature(onnx_files.load(fp32), "m"), evaluation=evaluation, calibration=None,
         calibration_digest=None, reference=run_file(fp32, evaluation, 8), build_key="k" * 64,
         inputs_record={"tools": {"builder": "test"}}, work=tmp_path, cache_dir=tmp_path / "cache",
-        repository=tmp_path / "repository",
+        repository=tmp_path / "repository", executor=OnnxRuntimeReference(),
     )
 
 
