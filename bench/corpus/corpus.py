@@ -499,6 +499,9 @@ def _build_note(record: dict[str, Any]) -> str | None:
     notes = []
     if (record.get("fp16_guard") or {}).get("fallback") == "fp32":
         notes.append("the FP32 graph under the FP16 name (no FP16 mix met the tolerance)")
+    fallback = (record.get("guard") or {}).get("fallback")
+    if fallback:
+        notes.append(f"the {str(fallback).upper()} graph under the INT8 name (no INT8 mix met the tolerance)")
     if record.get("worth_serving") is False:
         reason = (record.get("speed") or {}).get("reason")
         notes.append(f"not worth serving: {reason}" if reason else "not worth serving")

@@ -312,7 +312,7 @@ class GuardReport:
     """What the guard did to one INT8 variant, as recorded in build.json."""
 
     excluded: list[str]  # nodes kept in higher precision
-    fallback: Precision | None  # FP16 served under the INT8 name when no INT8 mix met the tolerance
+    fallback: Precision | None  # FP16 (else FP32) served under the INT8 name when no INT8 mix met the tolerance
     before: Metrics
     after: Metrics | None
     quantizations: int  # calibrated again
@@ -366,7 +366,14 @@ def guard_int8(*, fp32_path: Path, fp32_sha: str, calibration: Mapping[str, NDAr
     else:
         precision.to_fp16(fp32_path, variant_onnx, feeds=fp16_feeds, what=what, log_file=log_file)
         fallback = Precision.FP16
-        log.warning("%s: no INT8 mix meets the tolerance; serving the FP16 model under the INT8 name", what)
+        scored = measure(variant_onnx) if measure is not None else None
+        if scored is not None and accuracy.violation(scored, tolerance, "fallback") is not None:
+            # FP16 misses it too (PP-OCR's detector on images with no text: every output near zero), so the
+            # FP32 graph is served under the INT8 name, as the FP16 guard does under the FP16 name.
+            onnx_files.copy_model(fp32_path, variant_onnx)
+            fallback = Precision.FP32
+        log.warning("%s: no INT8 mix meets the tolerance; serving the %s model under the INT8 name", what,
+                    fallback.value.upper())
     top = sorted(result.sensitivity.items(), key=lambda kv: kv[1], reverse=True)[:10]
     return GuardReport(
         excluded=result.excluded, fallback=fallback, before=result.before, after=result.after,

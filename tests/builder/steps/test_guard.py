@@ -169,6 +169,18 @@ def test_when_no_int8_mix_meets_the_tolerance_fp16_is_served(tmp_path: Path, rec
     assert any(i.data_type == onnx.TensorProto.FLOAT16 for i in served.graph.initializer)
 
 
+def test_when_fp16_misses_the_int8_tolerance_too_the_fp32_graph_is_served_under_the_int8_name(tmp_path: Path) -> None:
+    # FP16 stays within 3e-4 of FP32 here: a limit of 1e-6 no INT8 mix and no FP16 graph meets (PP-OCR's detector
+    # on text-free images: its INT8 was not written at all). The FP32 graph meets it and is served, said so.
+    record = build(tmp_path, outlier_spec(tmp_path, Int8Recipe.ONNXRUNTIME, Tolerance(max_abs=1e-6)))
+    guard = record["guard"]
+    assert guard["fallback"] == "fp32" and guard["excluded"] == [] and guard["after"] is None
+    assert record["accuracy"]["max_abs"] <= 1e-6
+    served = onnx.load(str(tmp_path / "repo" / "outlier_int8" / "1" / "model.onnx"))
+    assert not quantized_nodes(served)
+    assert all(i.data_type == onnx.TensorProto.FLOAT for i in served.graph.initializer)
+
+
 @pytest.mark.parametrize("sensitivity", list(GuardSensitivity))
 def test_one_pass_calibrates_once_per_guard_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                 sensitivity: GuardSensitivity) -> None:
