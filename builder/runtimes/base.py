@@ -10,6 +10,7 @@ compared with, and the candidate graphs the clean-up and the guards try, whateve
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,9 +19,17 @@ from typing import Any, Protocol
 import numpy as np
 from numpy.typing import NDArray
 
+from builder.errors import OnnxModelError
 from builder.repository.triton_config import BackendConfig
 from builder.spec.model import DimRange, TensorSpec
 from builder.spec.shapes import ModelShapes, resolve
+
+log = logging.getLogger(__name__)
+
+
+class OutputShapeError(OnnxModelError):
+    """A model's outputs cannot be put together over its samples (the message names the output)."""
+
 
 Outputs = dict[str, NDArray[Any]]
 
@@ -39,10 +48,29 @@ def feeds(samples: Mapping[str, NDArray[Any]], batch_size: int | None) -> Iterat
 
 
 def join(parts: Mapping[str, list[NDArray[Any]]], batch_size: int | None) -> dict[str, NDArray[Any]]:
-    """The outputs of `feeds` put back together: concatenated batches, or stacked whole samples."""
+    """The outputs of `feeds` put back together: concatenated batches, or stacked whole samples. Where an output's
+    size depends on the data (a TTS model's audio grows with its text), the chunks are padded with zeros to the
+    largest: the comparisons then score each sample on its own values (zeros add nothing to a cosine) and a variant
+    that returns another length differs where the lengths do."""
     if batch_size is None:
-        return {n: np.stack(chunks) for n, chunks in parts.items()}
-    return {n: np.concatenate(chunks) for n, chunks in parts.items()}
+        return {n: np.stack(_padded(n, chunks, 0)) for n, chunks in parts.items()}
+    return {n: np.concatenate(_padded(n, chunks, 1)) for n, chunks in parts.items()}
+
+
+def _padded(name: str, chunks: list[NDArray[Any]], first: int) -> list[NDArray[Any]]:
+    """`chunks` with their dims from `first` on padded to the largest (all unchanged where they agree)."""
+    shapes = {chunk.shape[first:] for chunk in chunks}
+    if len(shapes) <= 1:
+        return chunks
+    ranks = {len(shape) for shape in shapes}
+    if len(ranks) > 1:
+        raise OutputShapeError(f"output {name!r} has a different rank per sample ({sorted(shapes)}): expected one "
+                               "rank for every sample")
+    largest = tuple(max(dims) for dims in zip(*shapes, strict=True))
+    log.debug("output %r: sizes differ per sample (%s); padded with zeros to %s", name, sorted(shapes), largest)
+    return [np.pad(chunk, [(0, 0)] * first + [(0, want - have) for have, want in zip(chunk.shape[first:], largest,
+                                                                                    strict=True)])
+            for chunk in chunks]
 
 
 @dataclass(frozen=True)
