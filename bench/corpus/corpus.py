@@ -546,6 +546,9 @@ def _build_note(record: dict[str, Any]) -> str | None:
     notes = []
     if (record.get("fp16_guard") or {}).get("fallback") == "fp32":
         notes.append("the FP32 graph under the FP16 name (no FP16 mix met the tolerance)")
+    settings = record.get("precision_settings") or {}
+    if record.get("precision") == "fp16" and settings.get("as_given"):
+        notes.append("the model as given under the FP16 name (already quantized; FP16 conversion failed)")
     fallback = (record.get("guard") or {}).get("fallback")
     if fallback:
         notes.append(f"the {str(fallback).upper()} graph under the INT8 name (no INT8 mix met the tolerance)")

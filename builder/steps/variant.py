@@ -92,7 +92,19 @@ class MakePrecision:
                                          "input_ranges": {name: [r.low, r.high] for name, r
                                                           in sorted(model.spec.input_ranges.items())},
                                          "examples": samples.digest(model.evaluation)})
-            ctx.settings, cached = cached_conversion(model.cache_dir, key, ctx.variant_onnx, make)
+            try:
+                ctx.settings, cached = cached_conversion(model.cache_dir, key, ctx.variant_onnx, make)
+            except ToolError as exc:
+                quantized = precision.already_quantized(model.fp32_path)
+                if quantized is None:
+                    raise
+                # Both converters fail on a graph quantized by whoever made it (kokoro's TTS: MatMulInteger,
+                # DynamicQuantizeLSTM): its FP16 variant is the model as given, as its INT8 variant is.
+                log.warning("%s: the model is already quantized (%s) and FP16 conversion failed; the FP16 variant "
+                            "is the model as given", what(model), quantized)
+                copy_model(model.fp32_path, ctx.variant_onnx)
+                ctx.settings = {"as_given": True, "fallback": "fp32", "why": f"already quantized ({quantized}); {exc}"}
+                cached = False
             if cached:
                 log.debug("%s: FP16 conversion reused from the cache", ctx.name)
         else:

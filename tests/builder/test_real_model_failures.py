@@ -24,12 +24,14 @@ import onnx
 import pytest
 
 from builder.cli import main
+from builder.errors import ToolError
 from builder.pipeline import BuildOptions, ModelStatus, build_all
 from builder.repository import onnx_files
 from builder.runtimes.base import CompileTarget
 from builder.runtimes.onnxruntime import OnnxRuntimeCPU, run_file
 from builder.spec import DataSpec, DimRange, ModelSpec, Precision
 from builder.spec.shapes import ShapeRange
+from builder.steps import variant
 from builder.steps.fp16_fallback import to_fp16_onnxconverter
 from tests.builder.test_build_failures import contrib_gelu_onnx
 from tests.helpers.foreign_models import control_flow, ctc_recognizer, float_cast, prequantized, split_detector
@@ -266,6 +268,42 @@ def test_an_already_quantized_model_keeps_its_own_int8_and_gets_an_fp16_that_run
     fp16 = json.loads((workdir / "repo" / "prequantized_fp16" / "build.json").read_text())["precision_settings"]
     assert {"DynamicQuantizeLinear", "Gelu"} <= set(fp16["op_block_list"]), fp16
     assert fp16["tool"] == "onnxconverter_common.float16"
+
+
+def test_an_already_quantized_model_both_fp16_converters_refuse_gets_the_model_as_given_under_the_fp16_name(
+        workdir: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kokoro's Japanese TTS voice (MatMulInteger, DynamicQuantizeLSTM): autocast and onnxconverter-common both
+    failed and the FP16 variant was not written; for a graph its exporter quantized, FP16 is the model as given,
+    like its INT8, said in one line and recorded."""
+    def refused(*_: Any, **__: Any) -> dict[str, object]:
+        raise ToolError("model 'prequantized': FP16 conversion (ModelOpt autocast) failed: no; onnxconverter-common's "
+                        "FP16 neither: no")
+
+    monkeypatch.setattr(variant, "to_fp16_checked", refused)
+    model = prequantized(workdir)
+    code = main([*model.build_args(workdir / "repo"), "--log", "build.log"])
+    err = capfd.readouterr().err
+    assert code == 0, err
+    said = [ln for ln in err.splitlines() if "FP16 variant is the model as given" in ln]
+    assert len(said) == 1 and "already quantized" in said[0], err
+    record = json.loads((workdir / "repo" / "prequantized_fp16" / "build.json").read_text())
+    assert record["precision_settings"]["as_given"] is True and record["precision_settings"]["fallback"] == "fp32"
+    assert record["variant_onnx_sha256"] == record["fp32_onnx_sha256"]
+
+
+def test_a_float_model_both_fp16_converters_refuse_still_fails_in_one_line(
+        workdir: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    def refused(*_: Any, **__: Any) -> dict[str, object]:
+        raise ToolError("model 'gelu': FP16 conversion (ModelOpt autocast) failed: no; onnxconverter-common's FP16 "
+                        "neither: no")
+
+    monkeypatch.setattr(variant, "to_fp16_checked", refused)
+    contrib_gelu_onnx(workdir / "gelu.onnx")
+    code = main(["build", "-q", "--onnx", "gelu.onnx", "--name", "gelu", "--precision", "fp32,fp16",
+                 "--repository", "repo", "--log", "build.log"])
+    err = capfd.readouterr().err
+    assert code == 1 and "gelu_fp16 not written: model 'gelu': FP16 conversion" in err and "Traceback" not in err
+    assert not (workdir / "repo" / "gelu_fp16").exists()
 
 
 def test_the_fp16_fallback_repairs_an_op_that_takes_no_fp16(workdir: Path, capfd: pytest.CaptureFixture[str]) -> None:
