@@ -21,46 +21,11 @@ from numpy.typing import NDArray
 from builder.repository import python_model
 from builder.serving.triton_server import Ports, TritonServer, free_ports
 from tests.builder.repository.test_python_model_inputs import _memmove_cuda
+from tests.helpers.fake_pb_utils import FakeTensor as _Tensor
 from tests.helpers.tiny_models import mlp_onnx
 
 RUNNER: Any = python_model  # untyped: copied into model folders, where Triton imports it
 DL_CPU = 1
-
-
-class _Tensor:
-    def __init__(self, array: NDArray[Any], *, on_gpu: bool = False) -> None:
-        self.array, self.on_gpu = array, on_gpu
-
-    def is_cpu(self) -> bool:
-        return not self.on_gpu
-
-    def as_numpy(self) -> NDArray[Any]:
-        return self.array
-
-    def to_dlpack(self) -> Any:
-        return self.array.__dlpack__()
-
-
-class _Response:
-    def __init__(self, output_tensors: list[Any] | None = None, error: Any = None) -> None:
-        self.outputs = {t.name: t.array for t in output_tensors or []}
-        self.error = error
-
-
-class _Out:
-    def __init__(self, name: str, array: NDArray[Any]) -> None:
-        self.name, self.array = name, array
-
-
-@pytest.fixture
-def pb_utils(monkeypatch: pytest.MonkeyPatch) -> types.SimpleNamespace:
-    logger = types.SimpleNamespace(lines=[])
-    logger.log_info = lambda text: logger.lines.append(text)
-    logger.log_warn = lambda text: logger.lines.append(text)
-    fake = types.SimpleNamespace(InferenceResponse=_Response, TritonError=lambda message: message, Tensor=_Out,
-                                 Logger=logger, get_input_tensor_by_name=lambda request, name: request[name])
-    monkeypatch.setattr(RUNNER, "pb_utils", fake)
-    return fake
 
 
 def _model(tmp_path: Path, parameters: dict[str, str] | None = None, *, max_batch: int = 8) -> Any:
