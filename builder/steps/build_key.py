@@ -62,6 +62,8 @@ def precision_settings(spec: ModelSpec, prec: Precision, int8: Mapping[str, Any]
         settings["guard"] = spec.guard
         if spec.guard:
             settings["guard_sensitivity"] = guard_sensitivity
+    if prec is Precision.FP16:
+        settings["fp16_version"] = precision.FP16_VERSION
     if prec is Precision.INT8 and spec.calibration is not None:
         settings["calibration"] = {k: v for k, v in asdict(spec.calibration).items() if k != "data"}
         settings["int8_version"] = precision.INT8_VERSION
@@ -99,6 +101,9 @@ def stale(spec: ModelSpec, repository: Path, keys: Mapping[Precision, str]) -> l
     return found
 
 
+# A variant's own settings that come from the builder or a flag of `trtbuild engines`, not from models.toml.
+_SETTING_LABELS = {"int8_version": "build recipe", "fp16_version": "build recipe", "int8_recipe": "build recipe",
+                   "guard_sensitivity": "--guard-sensitivity"}
 _REASON_LABELS = {"onnx": "exported ONNX", "evaluation": "evaluation data", "calibration": "calibration data",
                   "spec": "models.toml entry", "settings": "models.toml entry", "runtime": "runtime",
                   "recipe": "build recipe", "tools": "tool versions"}
@@ -137,7 +142,8 @@ def rebuild_reasons(spec: ModelSpec, repository: Path, wanted: Mapping[str, Any]
                 reasons.append(f"{label} changed: {', '.join(changed)}")
             elif key == "settings" and isinstance(old, dict) and isinstance(new, dict):
                 for name in sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k)):
-                    reasons.append(f"{label} changed: {name} {prec.value} ({_change(old.get(name), new.get(name))})")
+                    said = _SETTING_LABELS.get(name, label)
+                    reasons.append(f"{said} changed: {name} {prec.value} ({_change(old.get(name), new.get(name))})")
             elif isinstance(old, dict) and isinstance(new, dict):
                 reasons.append(f"{label} changed ({_change(old, new)})")
             else:

@@ -32,6 +32,7 @@ from typing import Any
 import onnx
 from numpy.typing import NDArray
 
+from builder.errors import OnnxModelError, ToolError
 from builder.repository import onnx_files
 from builder.runtimes.base import ReferenceExecutor
 from builder.runtimes.base import feeds as sample_feeds
@@ -364,12 +365,18 @@ def guard_int8(*, fp32_path: Path, fp32_sha: str, calibration: Mapping[str, NDAr
     if guarded is not None:
         onnx_files.copy_model(guarded, variant_onnx)
     else:
-        precision.to_fp16(fp32_path, variant_onnx, feeds=fp16_feeds, what=what, log_file=log_file)
         fallback = Precision.FP16
-        scored = measure(variant_onnx) if measure is not None else None
-        if scored is not None and accuracy.violation(scored, tolerance, "fallback") is not None:
-            # FP16 misses it too (PP-OCR's detector on images with no text: every output near zero), so the
-            # FP32 graph is served under the INT8 name, as the FP16 guard does under the FP16 name.
+        failures: tuple[type[Exception], ...] = (ToolError, OnnxModelError, *executor.errors)
+        try:
+            precision.to_fp16(fp32_path, variant_onnx, feeds=fp16_feeds, what=what, log_file=log_file)
+            scored = measure(variant_onnx) if measure is not None else None
+            missed = scored is not None and accuracy.violation(scored, tolerance, "fallback") is not None
+        except failures as exc:
+            log.debug("%s: the FP16 fallback of the INT8 guard did not convert or run: %s", what, exc)
+            missed = True
+        if missed:
+            # FP16 misses it too (PP-OCR's detector on images with no text: every output near zero) or does not
+            # convert or run: the FP32 graph is served under the INT8 name, as the FP16 guard does under FP16's.
             onnx_files.copy_model(fp32_path, variant_onnx)
             fallback = Precision.FP32
         log.warning("%s: no INT8 mix meets the tolerance; serving the %s model under the INT8 name", what,

@@ -45,8 +45,9 @@ from common import progress
 log = logging.getLogger(__name__)
 
 # Bump when the way a variant is produced changes, so caches and repositories rebuild.
-RECIPE_VERSION = "4"  # 4: autocast sees 4 single samples; 3: FP16 fallback repairs, INT8 as given / recipe
-# fallback; 2: min/max shape levels
+RECIPE_VERSION = "3"  # 3: FP16 fallback repairs, INT8 as given / recipe fallback; 2: min/max shape levels
+# The same for FP16 alone (its variant's build key, not the other variants').
+FP16_VERSION = "2"  # 2: autocast sees 4 single samples
 # The same for INT8 alone (its calibrations and its variant's build key, not the other variants').
 INT8_VERSION = "3"  # 2: the sample ModelOpt's entropy calibration sees first; guard candidates derived;
 # 3: auto's CNN form on the CPU is ONNX Runtime's default op types, depthwise Conv included

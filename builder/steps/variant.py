@@ -10,6 +10,7 @@ in a test given a context that holds what it reads.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Protocol
 
@@ -209,6 +210,12 @@ class MeasureSpeed:
         except failed as exc:
             log.warning("%s: throughput not measured: %s", ctx.name, tool_cause(exc))
             return
+        fell_back = (ctx.guard.fallback if ctx.guard is not None else None) or \
+            (ctx.fp16_guard.fallback if ctx.fp16_guard is not None else None)
+        if fell_back is Precision.FP32 and ctx.speed.worth_serving:
+            # The FP32 graph under this variant's name: FP32 itself is the one to serve.
+            ctx.speed = replace(ctx.speed, worth_serving=False,
+                                reason=f"the FP32 graph (no {ctx.precision.value.upper()} mix met the tolerance)")
         if not ctx.speed.worth_serving:
             log.warning("%s not worth serving: %s", ctx.name, ctx.speed.reason)
 

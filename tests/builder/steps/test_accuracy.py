@@ -37,3 +37,15 @@ def test_check_names_variant_metric_value_and_limit() -> None:
     embedding = Metrics(max_abs=0.0, max_rel=0.0, cosine_min=1.0, cosine_mean=1.0, samples=8)
     with pytest.raises(AccuracyError, match="needs metric top1_agreement"):
         check(embedding, Tolerance(top1_agreement_min=0.5), "emb_int8")
+
+
+def test_outputs_whose_length_the_data_decides_are_compared_padded_where_the_lengths_differ() -> None:
+    # A TTS variant that returns one frame more than FP32 for a sample: scored, not an AccuracyError.
+    reference = {"audio": np.array([[1.0, 2.0, 3.0, 0.0], [1.0, 1.0, 0.0, 0.0]])}
+    longer = {"audio": np.array([[1.0, 2.0, 3.0, 0.0, 0.0], [1.0, 1.0, 1.0, 0.0, 0.0]])}
+    found = compare(reference, longer, Task.EMBEDDING)
+    assert found.max_abs == 1.0 and found.cosine_min < 0.9 and found.cosine_mean < 1.0
+    same = compare(reference, {"audio": np.pad(reference["audio"], [(0, 0), (0, 2)])}, Task.EMBEDDING)
+    assert same.max_abs == 0.0 and same.cosine_min == pytest.approx(1.0)
+    with pytest.raises(AccuracyError, match="output 'audio': shape"):
+        compare(reference, {"audio": np.ones((3, 4))}, Task.EMBEDDING)  # another sample count

@@ -10,7 +10,7 @@ import numpy as np
 import onnx
 import pytest
 
-from builder.errors import AccuracyError
+from builder.errors import AccuracyError, ToolError
 from builder.pipeline import BuildOptions, build_all
 from builder.repository.onnx_files import sha256_file
 from builder.runtimes.onnxruntime import OnnxRuntimeCPU, OnnxRuntimeReference, ort_session, run_session
@@ -176,9 +176,22 @@ def test_when_fp16_misses_the_int8_tolerance_too_the_fp32_graph_is_served_under_
     guard = record["guard"]
     assert guard["fallback"] == "fp32" and guard["excluded"] == [] and guard["after"] is None
     assert record["accuracy"]["max_abs"] <= 1e-6
+    # FP32 itself is the variant to serve: the speed check says so, whatever the noise in its ratio.
+    assert record["speed"]["worth_serving"] is False and "the FP32 graph" in record["speed"]["reason"]
     served = onnx.load(str(tmp_path / "repo" / "outlier_int8" / "1" / "model.onnx"))
     assert not quantized_nodes(served)
     assert all(i.data_type == onnx.TensorProto.FLOAT for i in served.graph.initializer)
+
+
+def test_when_the_fp16_fallback_does_not_convert_the_fp32_graph_is_served_under_the_int8_name(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Autocast's "Sanity Check Failed" (silero VAD) in the fallback stopped the INT8 variant instead.
+    def refused(*_: Any, **__: Any) -> dict[str, object]:
+        raise ToolError("model 'outlier': FP16 conversion (ModelOpt autocast) failed: Sanity Check Failed")
+
+    monkeypatch.setattr(precision, "to_fp16", refused)
+    record = build(tmp_path, outlier_spec(tmp_path, Int8Recipe.ONNXRUNTIME, Tolerance(max_abs=0.002)))
+    assert record["guard"]["fallback"] == "fp32" and record["accuracy"]["max_abs"] == 0
 
 
 @pytest.mark.parametrize("sensitivity", list(GuardSensitivity))
