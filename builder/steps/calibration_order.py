@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ import onnx
 from numpy.typing import NDArray
 from onnxruntime.quantization.registry import QDQRegistry, QLinearOpsRegistry
 
+from builder.repository import onnx_files
 from builder.runtimes.onnxruntime import ort_session
 
 log = logging.getLogger(__name__)
@@ -54,12 +56,13 @@ def calibrated_tensors(model: onnx.ModelProto) -> list[str]:
 
 
 def _exposed(fp32_path: Path, names: Sequence[str]) -> Path:
-    """The FP32 graph with `names` added as graph outputs, beside it (weights kept in a data file stay there:
-    the copy refers to them by the same relative location)."""
+    """The FP32 graph with `names` added as graph outputs: in the temporary folder, or beside it where its weights
+    are in a data file (the copy refers to them by the same relative location)."""
     model = onnx.load(str(fp32_path), load_external_data=False)
     present = {o.name for o in model.graph.output}
     model.graph.output.extend(onnx.ValueInfoProto(name=name) for name in names if name not in present)
-    path = fp32_path.with_name(f".{fp32_path.stem}.ranges.{os.getpid()}.onnx")
+    folder = fp32_path.parent if onnx_files.has_external_data(fp32_path) else Path(tempfile.gettempdir())
+    path = folder / f".{fp32_path.stem}.ranges.{os.getpid()}.onnx"
     onnx.save(model, str(path))
     return path
 

@@ -181,6 +181,8 @@ def unquantize(model: onnx.ModelProto, nodes: Collection[str], float_model: onnx
         onnx.checker.check_model(mix)
     except onnx.checker.ValidationError as exc:
         raise MixError(f"the derived graph fails the ONNX checker: {str(exc).splitlines()[0]}") from exc
+    except ValueError as exc:  # a model over 2 GB cannot be checked in memory: quantized again instead
+        raise MixError(f"the derived graph cannot be checked in memory: {str(exc).splitlines()[0]}") from exc
     return mix
 
 

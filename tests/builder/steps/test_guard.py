@@ -62,8 +62,8 @@ def build(tmp_path: Path, spec: ModelSpec,
 ORT_TOLERANCE = Tolerance(cosine_min=0.99)
 
 
-# ONNX Runtime's recipe with the exhaustive ranking takes ~10 s: full tier only (its one-pass case escalates to the
-# same exhaustive ranking and stays in the fast tier).
+# ONNX Runtime's recipe with the exhaustive ranking takes ~10 s: full tier only (its one-pass case, which does not
+# escalate, stays in the fast tier).
 @pytest.mark.parametrize(("recipe", "tolerance", "sensitivity"), [
     (Int8Recipe.MODELOPT, TOLERANCE, GuardSensitivity.ONE_PASS),
     (Int8Recipe.MODELOPT, TOLERANCE, GuardSensitivity.EXHAUSTIVE),
