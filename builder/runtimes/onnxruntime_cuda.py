@@ -271,7 +271,8 @@ class OnnxRuntimeCUDA:
 # The python runner's instances per GPU where models.toml names none. One instance serializes each batch's Python
 # work (reading requests, building responses: about half of Triton's compute_infer) with its GPU run; measured
 # on an H100, FP16 EfficientNet-Lite0 at concurrency 256, 1/2/4 instances served 0.31x/0.44x/0.61x of the
-# in-process ceiling, with J/inference 0.046/0.039/0.036 (docs/results/gpu.md).
+# in-process ceiling (4: 0.55-0.62x over two machine starts), with J/inference 0.046/0.039/0.036; at
+# concurrency 32, 2 served more than 4 (docs/results/gpu.md): `trtbuild tune` finds a model's own count.
 GPU_RUNNER_INSTANCES = 4
 
 

@@ -5,10 +5,10 @@ ONNX Runtime on the CPU runs Q/DQ placements made for TensorRT mostly unfused, s
 often slower than FP32 (DESIGN.md). Measured on this project's CPU (bench/int8_recipes.py): transformer
 encoders run fastest and closest to FP32 with dynamic quantization (weights int8 per channel, activations
 quantized at run time: MatMulInteger / DynamicQuantizeMatMul); CNNs with ONNX Runtime's static per-channel
-U8S8 Q/DQ on its default op types, depthwise convolutions included (the explicit `onnxruntime` recipe): on five
-of six CNNs it ran as fast or faster than Conv/MatMul/Gemm alone with the depthwise Conv in float, 2.2x FP32
-against 0.8x on EfficientNet-Lite0, where the narrower form also missed the tolerance; where the wider form
-misses it (a file-type classifier), the guard keeps the nodes it needs (docs/results/int8_recipes.md). Other
+U8S8 Q/DQ on its default op types, depthwise convolutions included (the explicit `onnxruntime` recipe): faster
+than Conv/MatMul/Gemm alone with the depthwise Conv in float on three of six CNNs by a wide margin (2.2x FP32
+against 0.8x on EfficientNet-Lite0), level on two, slower on one; it is less accurate, and where it misses the
+tolerance (a file-type classifier) the guard keeps the nodes it needs (docs/results/int8_recipes.md). Other
 graphs keep ModelOpt's recipe: no faster one was measured for them. TensorRT (and
 ONNX Runtime on a GPU, whose TensorRT provider builds the same graph) needs static symmetric Q/DQ.
 """
