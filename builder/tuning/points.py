@@ -92,6 +92,12 @@ class Space:
                      tuple(sorted(set(self.queue_delays_us) | {point.queue_delay_us}, key=delay_key)),
                      tuple(sorted(set(self.instances) | {point.instances})))
 
+    def with_instances(self, count: int) -> Space:
+        """This space with `count` among its instance counts (the as-built count: 4 per GPU for the python runner
+        on CUDA, outside tune's default 1,2)."""
+        return Space(self.variants, self.max_batch_sizes, self.queue_delays_us,
+                     tuple(sorted(set(self.instances) | {count})))
+
     def bounded(self, limit: int) -> Space:
         """This space without the max batch sizes over `limit` (what the engine or its TensorRT profile
         takes); the limit itself stands in when every value was over it. A model built without batching

@@ -80,8 +80,9 @@ def tune(config: TuneConfig) -> TuneReport:
                else Point(config.default_variant, built.max_batch_size, built.queue_delay_us, built.instances))
     limit = min(tuned_serving.max_batch_limit(config.repository / v) for v in space.variants)
     search = strategy(config.search)
-    if search.starts_at_default:
-        space = space.including(default)  # where hill climbing and TPE start
+    # Hill climbing and TPE start at the built point; a grid measures every point, the built instance count among
+    # them.
+    space = space.including(default) if search.starts_at_default else space.with_instances(default.instances)
     space = space.bounded(limit)
     target: Target = (LocalTarget(config.repository, space.variants) if config.attach is None
                       else RemoteTarget(config.attach, config.repository, space.variants))

@@ -66,3 +66,12 @@ def test_the_plot_chooses_no_matplotlib_backend_and_imports_no_pyplot() -> None:
                           env=env, cwd=Path(__file__).resolve().parents[3])
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "None"  # no backend was chosen
+
+
+def test_a_grid_space_gains_the_as_built_instance_count_and_keeps_every_other_axis() -> None:
+    # The python runner on CUDA is built with 4 instances per GPU, outside tune's default --instances 1,2: an
+    # exhaustive search (it does not start at the built point) measures 4 too, or it would write 1 or 2 over it.
+    grown = Space(("m_fp16",), (8, 64), (None, 0), (1, 2)).with_instances(4)
+    assert grown.instances == (1, 2, 4)
+    assert (grown.variants, grown.max_batch_sizes, grown.queue_delays_us) == (("m_fp16",), (8, 64), (None, 0))
+    assert len(grown.points()) == 12 and SPACE.with_instances(1) == SPACE
