@@ -170,7 +170,9 @@ def _parser() -> argparse.ArgumentParser:
     tune.add_argument("--max-batch", default="1,4,8,16", help="max_batch_size values")
     tune.add_argument("--queue-delay-us", default="off,0,1000,4000",
                       help="dynamic batching max_queue_delay_microseconds values; off = no dynamic batching")
-    tune.add_argument("--instances", default="1,2", help="instance counts")
+    tune.add_argument("--instances", default=None,
+                      help="instance counts (default: 1,2 and the as-built count, 4 per GPU for the python runner "
+                           "on CUDA)")
     tune.add_argument("--concurrency", default="32", help="client concurrencies, comma-separated")
     tune.add_argument("--objective", default="throughput", help="throughput | p99 | infer_per_joule")
     tune.add_argument("--p99-budget-ms", type=float, default=None)
@@ -359,7 +361,7 @@ def _tune(args: argparse.Namespace) -> int:
     goal = Goal.parse(args.objective, "--objective", error=ManifestError)
     search = Search.parse(args.search, "--search", error=ManifestError)
     axes = (_int_list(args.max_batch, "--max-batch"), _delays(args.queue_delay_us, "--queue-delay-us"),
-            _int_list(args.instances, "--instances"))
+            _int_list(args.instances or "1,2", "--instances"))
     concurrencies = _int_list(args.concurrency, "--concurrency")
     gpus = _metered_gpus(args.gpus)
     budget = _positive(args.p99_budget_ms, "--p99-budget-ms") * 1000 if args.p99_budget_ms is not None else None
@@ -402,7 +404,8 @@ def _tune(args: argparse.Namespace) -> int:
                         report_path=report_path, plot_path=plot_path, html_path=html_path,
                         write=not args.dry_run, compare=not args.no_compare, max_trials=args.max_trials,
                         wait=not args.no_wait, attach=attach, model=name, tuned_toml=tuned_toml,
-                        trials=args.trials, seed=args.seed, gpus=gpus)
+                        trials=args.trials, seed=args.seed, gpus=gpus,
+                        measure_built_instances=args.instances is None)
     # SIGTERM (a pod's stop, `timeout`) ends the run as Ctrl-C does: the private server and its folder
     # are removed, an attached server's models restored, and the report of what was measured written.
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)

@@ -53,6 +53,9 @@ class TuneConfig:
     seed: int = 0
     point_timeout_s: float | None = None  # None: from the concurrencies and windows
     gpus: tuple[str, ...] | None = None  # the GPUs whose energy counts (--gpus)
+    # A grid search also measures the as-built instance count (4 per GPU for the python runner on CUDA, outside
+    # tune's default 1,2), so it never writes an unmeasured count over it; False where the user named the counts.
+    measure_built_instances: bool = False
 
     def __post_init__(self) -> None:
         for name in ("measurement_ms", "max_trials", "trials"):
@@ -80,9 +83,10 @@ def tune(config: TuneConfig) -> TuneReport:
                else Point(config.default_variant, built.max_batch_size, built.queue_delay_us, built.instances))
     limit = min(tuned_serving.max_batch_limit(config.repository / v) for v in space.variants)
     search = strategy(config.search)
-    # Hill climbing and TPE start at the built point; a grid measures every point, the built instance count among
-    # them.
-    space = space.including(default) if search.starts_at_default else space.with_instances(default.instances)
+    if search.starts_at_default:
+        space = space.including(default)  # where hill climbing and TPE start
+    elif config.measure_built_instances:
+        space = space.with_instances(default.instances)
     space = space.bounded(limit)
     target: Target = (LocalTarget(config.repository, space.variants) if config.attach is None
                       else RemoteTarget(config.attach, config.repository, space.variants))
