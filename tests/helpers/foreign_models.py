@@ -480,3 +480,25 @@ def float_cast(folder: Path) -> ForeignModel:
     return ForeignModel("float_cast", "an explicit Cast to float before a node with a weight", path, data,
                         ("--min-shapes", "x:1x16", "--opt-shapes", "x:2x16", "--max-shapes", "x:4x16"),
                         "", True)
+
+
+def data_sized(folder: Path) -> ForeignModel:
+    """A TTS-like model whose output length depends on the data: tokens[1, 8] → audio[audio_length], the scaled
+    tokens above zero (kokoro's audio grows with its text). Verify compares each answer with the local run's
+    outputs, which stack the samples padded with zeros."""
+    rng = np.random.default_rng(9)
+    nodes = [
+        helper.make_node("Mul", ["tokens", "gain"], ["scaled"]),
+        helper.make_node("Greater", ["tokens", "zero"], ["voiced"]),
+        helper.make_node("Compress", ["scaled", "voiced"], ["audio"]),  # no axis: flattened, data-sized
+    ]
+    graph = helper.make_graph(
+        nodes, "tts",
+        [helper.make_tensor_value_info("tokens", TensorProto.FLOAT, [1, 8])],
+        [helper.make_tensor_value_info("audio", TensorProto.FLOAT, ["audio_length"])],
+        initializer=[numpy_helper.from_array(np.array(3.0, np.float32), "gain"),
+                     numpy_helper.from_array(np.array(0.0, np.float32), "zero")],
+    )
+    path = _save(graph, folder / "tts.onnx")
+    data = _npz(folder / "tts.npz", {"tokens": rng.uniform(-1, 1, (SAMPLES, 1, 8)).astype(np.float32)})
+    return ForeignModel("tts", "output whose length depends on the data", path, data, (), "", False)

@@ -1,0 +1,19 @@
+"""Fitting a served output to the one expected of it, for verify and perfclient --validate."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+
+def fitted(have: NDArray[Any], want: NDArray[Any]) -> NDArray[Any] | None:
+    """`have` in `want`'s shape, or None where it cannot be. A scalar comes back from Triton as [1]; an output
+    whose size depends on the data (a TTS model's audio) is expected padded with zeros to the largest of its
+    samples (builder.runtimes.base stacks them so), so a shorter answer is padded the same way."""
+    if have.size == want.size:
+        return have.reshape(want.shape)
+    if have.ndim != want.ndim or any(h > w for h, w in zip(have.shape, want.shape, strict=True)):
+        return None
+    return np.pad(have, [(0, w - h) for h, w in zip(have.shape, want.shape, strict=True)])
