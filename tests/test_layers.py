@@ -307,6 +307,8 @@ ORT_IN_STEPS: dict[str, str] = {
     "builder.steps.sensitivity": "streams batches through two sessions keeping running sums of the exposed tensors "
                                  "(an executor's run() returns every sample's outputs at once)",
     "builder.steps.fp16_fallback": "repairs the FP16 graph from ONNX Runtime's own type-check messages",
+    "builder.steps.fp16_ranges": "stands in for ModelOpt autocast's ONNX Runtime reference run, one feed at a time, "
+                                 "on the sanitized graph autocast hands it",
 }
 
 

@@ -38,7 +38,7 @@ from builder.runtimes.onnxruntime import ORT_ERRORS
 from builder.spec.enums import CalibrationMethod, Int8Recipe
 from builder.spec.model import CalibrationSpec
 from builder.spec.settings import default_cache_dir
-from builder.steps import calibration_order, int8_recipe, onnx_model, qdq_mix
+from builder.steps import calibration_order, fp16_ranges, int8_recipe, onnx_model, qdq_mix
 from builder.steps.int8_recipe import CPU_RUNTIME
 from common import progress
 
@@ -285,7 +285,7 @@ def to_fp16(fp32_path: Path, out_path: Path, *, feeds: Sequence[Mapping[str, NDA
         for index, feed in enumerate(feeds):
             np.savez(feed_dir / f"{index:05d}.npz", **feed)
         try:
-            with contextlib.chdir(tmp):
+            with contextlib.chdir(tmp), fp16_ranges.streaming():
                 model = convert_to_mixed_precision(
                     str(fp32_path), low_precision_type="fp16", keep_io_types=True, calibration_data=str(feed_dir),
                     nodes_to_exclude=[f"^{re.escape(n)}$" for n in settings.nodes_to_exclude] or None,

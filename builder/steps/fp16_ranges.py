@@ -1,0 +1,122 @@
+"""The tensor ranges ModelOpt autocast decides by, collected one feed at a time.
+
+Autocast's ReferenceRunner runs its feeds through Polygraphy, which keeps every tensor of every feed until the
+last feed has run: FP16 conversion of a 1x3x800x608 layout model peaked at 5.9 GB with 4 feeds. Autocast reads
+only each tensor's absmax, min, max and shape (its TensorStats), so `streaming()` swaps in a runner that keeps
+those and drops each feed's tensors before the next feed runs: the peak is one feed's tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+from numpy.typing import NDArray
+
+log = logging.getLogger(__name__)
+
+# A model whose serialized form ONNX Runtime cannot take from memory (protobuf's 2 GB) keeps ModelOpt's runner.
+_IN_MEMORY_LIMIT = 1_800_000_000
+_lock = threading.Lock()
+
+
+class Ranges:
+    """Running absmax/min/max per tensor, and each tensor's first shape."""
+
+    def __init__(self) -> None:
+        self.low: dict[str, float] = {}
+        self.high: dict[str, float] = {}
+        self.shape: dict[str, tuple[int, ...]] = {}
+
+    def add(self, name: str, value: NDArray[Any]) -> None:
+        if value.dtype.kind not in "biuf":  # strings have no range (autocast skips what it does not find)
+            return
+        self.shape.setdefault(name, tuple(value.shape))
+        if value.size == 0:
+            low = high = 0.0
+        else:
+            low, high = float(np.min(value)), float(np.max(value))
+        self.low[name] = min(self.low.get(name, low), low)
+        self.high[name] = max(self.high.get(name, high), high)
+
+    def stats(self, tensor_stats: type) -> OrderedDict[str, Any]:
+        """ModelOpt's TensorStats per tensor (absmax from min and max: no |x| copy of a large tensor)."""
+        return OrderedDict((name, tensor_stats(absmax=max(abs(self.low[name]), abs(self.high[name])),
+                                               min_val=self.low[name], max_val=self.high[name], shape=shape))
+                           for name, shape in self.shape.items())
+
+
+def exposed_outputs(model: Any) -> Any:
+    """A copy of `model` whose every main-graph tensor is a graph output (subgraph tensors stay inside
+    their If/Loop/Scan, as with ModelOpt's own runner)."""
+    from modelopt.onnx import utils as onnx_utils
+
+    exposed = copy.deepcopy(model)
+    onnx_utils.clear_stale_value_info(exposed)
+    present = {o.name for o in exposed.graph.output} | {i.name for i in exposed.graph.input}
+    for node in exposed.graph.node:
+        for name in node.output:
+            if name and name not in present:
+                present.add(name)
+                exposed.graph.output.add().name = name
+    return exposed
+
+
+def _streaming_runner(base: type) -> type:
+    from modelopt.onnx.autocast.referencerunner import TensorStats
+
+    class StreamingReferenceRunner(base):  # type: ignore[misc]
+        """ModelOpt's ReferenceRunner, run one feed at a time where the feeds are a folder of .npz files on
+        ONNX Runtime's CPU provider (what builder.steps.precision.to_fp16 gives it); anything else, its own run."""
+
+        def run(self, inputs: Any = None) -> Any:
+            folder = Path(inputs) if isinstance(inputs, str) else None
+            providers = [p if isinstance(p, str) else p[0] for p in self.providers]
+            if (folder is None or not folder.is_dir() or providers != ["CPUExecutionProvider"]
+                    or self.model.ByteSize() > _IN_MEMORY_LIMIT):
+                return super().run(inputs)
+            files = sorted(folder.glob("*.npz"))
+            data_loader = [np.load(f) for f in files]
+            self._validate_inputs(data_loader)  # ModelOpt's own check and message
+            options = ort.SessionOptions()
+            options.log_severity_level = 3
+            session = ort.InferenceSession(exposed_outputs(self.model).SerializeToString(), sess_options=options,
+                                           providers=["CPUExecutionProvider"])
+            names = [o.name for o in session.get_outputs()]
+            ranges = Ranges()
+            for archive in data_loader:
+                with archive:
+                    feed = {k: archive[k] for k in archive.files}
+                for name, value in feed.items():
+                    ranges.add(name, value)
+                for name, value in zip(names, session.run(names, feed), strict=True):
+                    if isinstance(value, np.ndarray):
+                        ranges.add(name, value)
+                del feed
+            log.debug("autocast reference ranges: %d tensors over %d feeds, one feed at a time", len(ranges.shape),
+                      len(files))
+            return ranges.stats(TensorStats)
+
+    return StreamingReferenceRunner
+
+
+@contextlib.contextmanager
+def streaming() -> Iterator[None]:
+    """ModelOpt autocast with the streaming reference runner, for the duration (one conversion at a time)."""
+    from modelopt.onnx.autocast import convert
+
+    with _lock:
+        original = convert.ReferenceRunner
+        convert.ReferenceRunner = _streaming_runner(original)
+        try:
+            yield
+        finally:
+            convert.ReferenceRunner = original
