@@ -28,6 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
 from builder.errors import ServerError
 from client.admin_key import GRPC_KEY_HEADER as GRPC_KEY_HEADER  # re-exported: one name for both packages
 from client.admin_key import KEY_ENV as KEY_ENV
@@ -194,16 +196,9 @@ def has_open(pid: int, path: Path) -> bool:
     on 2.51: about 15 ms after exec), so this says the key has been copied out of argv."""
     want = str(path.resolve())
     try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
+        return any(f.path == want for f in psutil.Process(pid).open_files())
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
         return False
-    for fd in fds:
-        try:
-            if os.readlink(f"/proc/{pid}/fd/{fd}") == want:
-                return True
-        except OSError:
-            continue
-    return False
 
 
 def hide_key_once_parsed(pid: int, key: str, parsed: Callable[[], bool], exited: Callable[[], bool],

@@ -1,9 +1,9 @@
-"""Which processes are a state folder's tritonserver and what a dead one left, read from /proc (Linux).
+"""Which processes are a state folder's tritonserver and what a dead one left, read through psutil.
 
-Starting records the server in `tritonserver.json` (pid, the kernel's start time of that pid, the argv, ports,
-repository, backend folder, the trtbuild command). "Ours and alive" means: the pid exists and is not a zombie,
-its start time equals the recorded one (a recycled pid fails this), and its command line is `tritonserver`
-with this state folder's `--backend-directory`. The python backend's stubs run the executable copied into
+Starting records the server in `tritonserver.json` (pid, the process's start time, the argv, ports, repository,
+backend folder, the trtbuild command). "Ours and alive" means: the pid exists and is not a zombie, its start time
+equals the recorded one (a recycled pid fails this), and its command line is `tritonserver` with this state
+folder's `--backend-directory`. The python backend's stubs run the executable copied into
 `<state>/backends/python` and carry their /dev/shm region name in their argv; a stub whose parent is no
 longer a tritonserver is a leftover of a dead server of this state folder: `clean_leftovers` stops it and
 frees its region. The launcher (builder.serving.triton_server) starts and stops servers with these.
@@ -18,62 +18,63 @@ import os
 import re
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+import psutil
 
 from builder.errors import ServerError
 
 log = logging.getLogger(__name__)
 
 STATE_FILE = "tritonserver.json"
-LEGACY_PID_FILE = "tritonserver.pid"  # what the previous version wrote: a bare pid
+LEGACY_PID_FILE = "tritonserver.pid"  # what an earlier version wrote: a bare pid
 STUB_NAME = "triton_python_backend_stub"
 SHM_REGION = re.compile(r"triton_python_backend_shm_region_[A-Za-z0-9_.-]+")
 SHM_DIR = Path("/dev/shm")
+# A process that went away, or one of another user's that cannot be read: either way not ours to inspect.
+_GONE = (psutil.NoSuchProcess, psutil.AccessDenied)
 
 
-# --- processes, read from /proc (Linux): the kernel's word on what runs, no third-party parsing ---
+# --- processes ---
 
-def _stat_fields(pid: int) -> list[str] | None:
-    """Fields 3.. of /proc/<pid>/stat (after the parenthesised name, which may hold spaces)."""
+def start_time(pid: int) -> float | None:
+    """When the process started (seconds since the epoch, from the kernel's start ticks and the boot time): with
+    the pid, it names one process for good. None when there is no such process."""
     try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+        return psutil.Process(pid).create_time()
+    except _GONE:
         return None
-    return text[text.rindex(")") + 2:].split()
-
-
-def start_ticks(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot: with the pid, it names one process for good."""
-    fields = _stat_fields(pid)
-    return int(fields[19]) if fields else None
 
 
 def alive(pid: int) -> bool:
     """Running (a zombie has exited: it only waits for its parent to read its status)."""
-    fields = _stat_fields(pid)
-    return fields is not None and fields[0] not in ("Z", "X")
+    try:
+        return psutil.Process(pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    except _GONE:
+        return False
 
 
 def _ppid(pid: int) -> int | None:
-    fields = _stat_fields(pid)
-    return int(fields[1]) if fields else None
+    try:
+        return psutil.Process(pid).ppid()
+    except _GONE:
+        return None
 
 
 def _cmdline(pid: int) -> list[str]:
     try:
-        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
+        return psutil.Process(pid).cmdline()
+    except (*_GONE, psutil.ZombieProcess):
         return []
-    return [part.decode(errors="replace") for part in raw.split(b"\0")[:-1]]
 
 
 def _in_cwd_of(pid: int, path: str) -> Path:
     """A path from a process's argv, made absolute against that process's working folder, symlinks
     resolved (as `Path.resolve()` gives our side of the comparison)."""
     if not os.path.isabs(path):
-        with contextlib.suppress(OSError):
-            path = os.path.join(os.readlink(f"/proc/{pid}/cwd"), path)
+        with contextlib.suppress(*_GONE, psutil.ZombieProcess):
+            path = os.path.join(psutil.Process(pid).cwd(), path)
     return Path(os.path.realpath(path))
 
 
@@ -93,17 +94,17 @@ def _backend_dir_of(pid: int, argv: list[str]) -> Path | None:
     return None
 
 
-def exited(pid: int, ticks: int | None) -> bool:
-    """The process recorded as (pid, start ticks) is gone, even if its pid now names another one."""
-    return not alive(pid) or (ticks is not None and start_ticks(pid) != ticks)
+def exited(pid: int, started: float | None) -> bool:
+    """The process recorded as (pid, start time) is gone, even if its pid now names another one."""
+    return not alive(pid) or (started is not None and start_time(pid) != started)
 
 
-def mismatch(pid: int, ticks: int | None, state_dir: Path) -> str | None:
-    """None when pid is the live tritonserver of state_dir (started at `ticks` when known), else why not."""
+def mismatch(pid: int, started: float | None, state_dir: Path) -> str | None:
+    """None when pid is the live tritonserver of state_dir (started at `started` when known), else why not."""
     if not alive(pid):
         return "has exited"
     argv = _cmdline(pid)
-    if exited(pid, ticks):
+    if exited(pid, started):
         return f"has exited; the pid now belongs to another process (`{_shown(argv)}`)"
     if not _is_tritonserver(argv):
         return f"is not a tritonserver (it runs `{_shown(argv)}`)"
@@ -117,20 +118,22 @@ def mismatch(pid: int, ticks: int | None, state_dir: Path) -> str | None:
 
 @dataclass(frozen=True)
 class ServerRecord:
-    """What `.run/tritonserver.json` holds. start_ticks is None for a legacy bare pid file."""
+    """What `.run/tritonserver.json` holds. start_time is None where it is not known: an earlier version's bare
+    pid file, or its JSON record, which held the start in clock ticks."""
 
     pid: int
-    start_ticks: int | None
+    start_time: float | None
     argv: list[str] = field(default_factory=list)
     command: list[str] = field(default_factory=list)  # the trtbuild (or other) invocation that started it
     repository: str = ""
     backend_dir: str = ""
     ports: dict[str, int] = field(default_factory=dict)
     started: str = ""  # ISO time, for people
+    source: str = STATE_FILE  # the file it was read from
 
-    @property
-    def source(self) -> str:
-        return LEGACY_PID_FILE if self.start_ticks is None else STATE_FILE
+    def to_json(self) -> dict[str, object]:
+        return {k: v for k, v in asdict(self).items() if k != "source"}
+
 
 
 def read_record(state_dir: Path) -> ServerRecord | None:
@@ -141,7 +144,10 @@ def read_record(state_dir: Path) -> ServerRecord | None:
             data = json.loads(path.read_text(encoding="utf-8"))
             if int(data["pid"]) <= 0:  # os.kill(0 or -1, ...) would signal a whole group
                 raise ValueError(f"pid {data['pid']} is not a process id")
-            return ServerRecord(pid=int(data["pid"]), start_ticks=int(data["start_ticks"]),
+            # An earlier version recorded "start_ticks" (clock ticks since boot): the start is then unknown, and
+            # the argv check alone says whether the pid is ours.
+            known = data.get("start_time")
+            return ServerRecord(pid=int(data["pid"]), start_time=None if known is None else float(known),
                                 argv=list(data.get("argv", [])), command=list(data.get("command", [])),
                                 repository=str(data.get("repository", "")),
                                 backend_dir=str(data.get("backend_dir", "")),
@@ -154,7 +160,7 @@ def read_record(state_dir: Path) -> ServerRecord | None:
         pid = int(legacy.read_text().strip())
     except (OSError, ValueError):
         return None
-    return ServerRecord(pid=pid, start_ticks=None) if pid > 0 else None
+    return ServerRecord(pid=pid, start_time=None, source=LEGACY_PID_FILE) if pid > 0 else None
 
 
 def forget(state_dir: Path, record: ServerRecord | None = None) -> None:
@@ -170,7 +176,7 @@ def running(state_dir: Path) -> ServerRecord | None:
     record = read_record(state_dir)
     if record is None:
         return None
-    why = mismatch(record.pid, record.start_ticks, state_dir)
+    why = mismatch(record.pid, record.start_time, state_dir)
     if why is None:
         return record
     log.info("pid %d in %s %s: removing the stale record", record.pid, state_dir / record.source, why)
@@ -202,14 +208,13 @@ class Cleanup:
                 f"shared-memory region(s) in {SHM_DIR}")
 
 
-def _stub_of(pid: int, python_dir: Path) -> tuple[Stub, int | None] | None:
-    """(stub, the server pid it names) when pid is a python-backend stub run from python_dir."""
-    argv = _cmdline(pid)
+def _stub_of(pid: int, argv: list[str], python_dir: Path) -> tuple[Stub, int | None] | None:
+    """(stub, the server pid it names) when pid (running argv) is a python-backend stub run from python_dir."""
     if not argv or Path(argv[0]).name != STUB_NAME:
         return None
     try:  # after a rename over it, the running executable reads "<path> (deleted)"
-        exe = Path(os.readlink(f"/proc/{pid}/exe").removesuffix(" (deleted)"))
-    except OSError:
+        exe = Path(psutil.Process(pid).exe().removesuffix(" (deleted)"))
+    except (*_GONE, psutil.ZombieProcess):
         exe = _in_cwd_of(pid, argv[0])
     # argv: stub, model.py, shm region, shm sizes (2), server pid, backend python folder, ...
     named = [_in_cwd_of(pid, arg) for arg in argv[6:7]]
@@ -225,13 +230,14 @@ def orphaned_stubs(state_dir: Path) -> tuple[list[Stub], list[int]]:
     python_dir = state_dir.resolve() / "backends" / "python"
     stubs: list[Stub] = []
     servers: set[int] = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or not alive(pid := int(entry.name)):
+    for process in psutil.process_iter(["cmdline"]):
+        argv = process.info["cmdline"] or []
+        if not argv or Path(argv[0]).name != STUB_NAME or not alive(process.pid):
             continue
-        found = _stub_of(pid, python_dir)
+        found = _stub_of(process.pid, argv, python_dir)
         if found is None:
             continue
-        parent = _ppid(pid)
+        parent = _ppid(process.pid)
         if parent is not None and alive(parent) and _is_tritonserver(_cmdline(parent)):
             continue  # a live server's stub
         stubs.append(found[0])
@@ -261,11 +267,11 @@ def clean_leftovers(state_dir: Path, timeout: float = 10.0, grace: float = 2.0) 
         stubs = [s for s in stubs if s.pid in lingering]
     if not stubs:
         return Cleanup(servers, [], [])
-    ticks = {s.pid: start_ticks(s.pid) for s in stubs}
+    starts = {s.pid: start_time(s.pid) for s in stubs}
     held = [s.region for s in stubs if s.region and (SHM_DIR / s.region).exists()]
     for sigs in ((signal.SIGTERM, signal.SIGCONT), (signal.SIGKILL,)):  # SIGCONT: a stopped stub takes its TERM
         for stub in stubs:
-            if alive(stub.pid) and start_ticks(stub.pid) == ticks[stub.pid]:
+            if alive(stub.pid) and start_time(stub.pid) == starts[stub.pid]:
                 for sig in sigs:
                     with contextlib.suppress(ProcessLookupError, PermissionError):
                         os.kill(stub.pid, sig)
