@@ -18,7 +18,7 @@ import os
 import re
 import signal
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
@@ -33,18 +33,21 @@ STUB_NAME = "triton_python_backend_stub"
 SHM_REGION = re.compile(r"triton_python_backend_shm_region_[A-Za-z0-9_.-]+")
 SHM_DIR = Path("/dev/shm")
 # A process that went away, or one of another user's that cannot be read: either way not ours to inspect.
-_GONE = (psutil.NoSuchProcess, psutil.AccessDenied)
+_GONE = (psutil.NoSuchProcess, psutil.AccessDenied)  # ZombieProcess is a NoSuchProcess
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 # --- processes ---
 
-def start_time(pid: int) -> float | None:
-    """When the process started (seconds since the epoch, from the kernel's start ticks and the boot time): with
-    the pid, it names one process for good. None when there is no such process."""
+def start_ticks(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot: with the pid, it names one process for good. psutil
+    gives it as seconds since the epoch (ticks plus the boot time, which moves when the clock is set); the boot
+    time taken off again leaves the kernel's figure, unmoved by clock changes and as earlier records hold it."""
     try:
-        return psutil.Process(pid).create_time()
+        since_boot = psutil.Process(pid).create_time() - psutil.boot_time()
     except _GONE:
         return None
+    return round(since_boot * _CLOCK_TICKS)
 
 
 def alive(pid: int) -> bool:
@@ -65,7 +68,7 @@ def _ppid(pid: int) -> int | None:
 def _cmdline(pid: int) -> list[str]:
     try:
         return psutil.Process(pid).cmdline()
-    except (*_GONE, psutil.ZombieProcess):
+    except _GONE:
         return []
 
 
@@ -73,7 +76,7 @@ def _in_cwd_of(pid: int, path: str) -> Path:
     """A path from a process's argv, made absolute against that process's working folder, symlinks
     resolved (as `Path.resolve()` gives our side of the comparison)."""
     if not os.path.isabs(path):
-        with contextlib.suppress(*_GONE, psutil.ZombieProcess):
+        with contextlib.suppress(*_GONE):
             path = os.path.join(psutil.Process(pid).cwd(), path)
     return Path(os.path.realpath(path))
 
@@ -94,17 +97,17 @@ def _backend_dir_of(pid: int, argv: list[str]) -> Path | None:
     return None
 
 
-def exited(pid: int, started: float | None) -> bool:
-    """The process recorded as (pid, start time) is gone, even if its pid now names another one."""
-    return not alive(pid) or (started is not None and start_time(pid) != started)
+def exited(pid: int, ticks: int | None) -> bool:
+    """The process recorded as (pid, start ticks) is gone, even if its pid now names another one."""
+    return not alive(pid) or (ticks is not None and start_ticks(pid) != ticks)
 
 
-def mismatch(pid: int, started: float | None, state_dir: Path) -> str | None:
-    """None when pid is the live tritonserver of state_dir (started at `started` when known), else why not."""
+def mismatch(pid: int, ticks: int | None, state_dir: Path) -> str | None:
+    """None when pid is the live tritonserver of state_dir (started at `ticks` when known), else why not."""
     if not alive(pid):
         return "has exited"
     argv = _cmdline(pid)
-    if exited(pid, started):
+    if exited(pid, ticks):
         return f"has exited; the pid now belongs to another process (`{_shown(argv)}`)"
     if not _is_tritonserver(argv):
         return f"is not a tritonserver (it runs `{_shown(argv)}`)"
@@ -118,22 +121,20 @@ def mismatch(pid: int, started: float | None, state_dir: Path) -> str | None:
 
 @dataclass(frozen=True)
 class ServerRecord:
-    """What `.run/tritonserver.json` holds. start_time is None where it is not known: an earlier version's bare
-    pid file, or its JSON record, which held the start in clock ticks."""
+    """What `.run/tritonserver.json` holds. start_ticks is None for a legacy bare pid file."""
 
     pid: int
-    start_time: float | None
+    start_ticks: int | None
     argv: list[str] = field(default_factory=list)
     command: list[str] = field(default_factory=list)  # the trtbuild (or other) invocation that started it
     repository: str = ""
     backend_dir: str = ""
     ports: dict[str, int] = field(default_factory=dict)
     started: str = ""  # ISO time, for people
-    source: str = STATE_FILE  # the file it was read from
 
-    def to_json(self) -> dict[str, object]:
-        return {k: v for k, v in asdict(self).items() if k != "source"}
-
+    @property
+    def source(self) -> str:
+        return LEGACY_PID_FILE if self.start_ticks is None else STATE_FILE
 
 
 def read_record(state_dir: Path) -> ServerRecord | None:
@@ -144,10 +145,7 @@ def read_record(state_dir: Path) -> ServerRecord | None:
             data = json.loads(path.read_text(encoding="utf-8"))
             if int(data["pid"]) <= 0:  # os.kill(0 or -1, ...) would signal a whole group
                 raise ValueError(f"pid {data['pid']} is not a process id")
-            # An earlier version recorded "start_ticks" (clock ticks since boot): the start is then unknown, and
-            # the argv check alone says whether the pid is ours.
-            known = data.get("start_time")
-            return ServerRecord(pid=int(data["pid"]), start_time=None if known is None else float(known),
+            return ServerRecord(pid=int(data["pid"]), start_ticks=int(data["start_ticks"]),
                                 argv=list(data.get("argv", [])), command=list(data.get("command", [])),
                                 repository=str(data.get("repository", "")),
                                 backend_dir=str(data.get("backend_dir", "")),
@@ -160,7 +158,7 @@ def read_record(state_dir: Path) -> ServerRecord | None:
         pid = int(legacy.read_text().strip())
     except (OSError, ValueError):
         return None
-    return ServerRecord(pid=pid, start_time=None, source=LEGACY_PID_FILE) if pid > 0 else None
+    return ServerRecord(pid=pid, start_ticks=None) if pid > 0 else None
 
 
 def forget(state_dir: Path, record: ServerRecord | None = None) -> None:
@@ -176,7 +174,7 @@ def running(state_dir: Path) -> ServerRecord | None:
     record = read_record(state_dir)
     if record is None:
         return None
-    why = mismatch(record.pid, record.start_time, state_dir)
+    why = mismatch(record.pid, record.start_ticks, state_dir)
     if why is None:
         return record
     log.info("pid %d in %s %s: removing the stale record", record.pid, state_dir / record.source, why)
@@ -212,10 +210,12 @@ def _stub_of(pid: int, argv: list[str], python_dir: Path) -> tuple[Stub, int | N
     """(stub, the server pid it names) when pid (running argv) is a python-backend stub run from python_dir."""
     if not argv or Path(argv[0]).name != STUB_NAME:
         return None
-    try:  # after a rename over it, the running executable reads "<path> (deleted)"
-        exe = Path(psutil.Process(pid).exe().removesuffix(" (deleted)"))
-    except (*_GONE, psutil.ZombieProcess):
-        exe = _in_cwd_of(pid, argv[0])
+    try:
+        found = psutil.Process(pid).exe()  # "" where the link cannot be read
+    except _GONE:
+        found = ""
+    # After a rename over it, the running executable reads "<path> (deleted)".
+    exe = Path(found.removesuffix(" (deleted)")) if found else _in_cwd_of(pid, argv[0])
     # argv: stub, model.py, shm region, shm sizes (2), server pid, backend python folder, ...
     named = [_in_cwd_of(pid, arg) for arg in argv[6:7]]
     if exe.parent != python_dir and python_dir not in named:
@@ -267,11 +267,11 @@ def clean_leftovers(state_dir: Path, timeout: float = 10.0, grace: float = 2.0) 
         stubs = [s for s in stubs if s.pid in lingering]
     if not stubs:
         return Cleanup(servers, [], [])
-    starts = {s.pid: start_time(s.pid) for s in stubs}
+    ticks = {s.pid: start_ticks(s.pid) for s in stubs}
     held = [s.region for s in stubs if s.region and (SHM_DIR / s.region).exists()]
     for sigs in ((signal.SIGTERM, signal.SIGCONT), (signal.SIGKILL,)):  # SIGCONT: a stopped stub takes its TERM
         for stub in stubs:
-            if alive(stub.pid) and start_time(stub.pid) == starts[stub.pid]:
+            if alive(stub.pid) and start_ticks(stub.pid) == ticks[stub.pid]:
                 for sig in sigs:
                     with contextlib.suppress(ProcessLookupError, PermissionError):
                         os.kill(stub.pid, sig)

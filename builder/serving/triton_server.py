@@ -48,7 +48,7 @@ from builder.serving.processes import (
     mismatch,
     read_record,
     running,
-    start_time,
+    start_ticks,
     wait_gone,
 )
 from builder.spec.untrusted import check_tree
@@ -319,16 +319,16 @@ class TritonServer:
                 hide_key_once_parsed(pid, self.exposure.key, lambda: has_open(pid, log_file),
                                      lambda: process.poll() is not None)
             self.record = ServerRecord(
-                pid=pid, start_time=start_time(pid), argv=self.exposure.hide(argv),
+                pid=pid, start_ticks=start_ticks(pid), argv=self.exposure.hide(argv),
                 command=[sys.executable, *sys.argv],
                 repository=str(self.repository.resolve()), backend_dir=str(self.state_dir.resolve() / "backends"),
                 ports=asdict(self.ports), started=datetime.now(timezone.utc).isoformat(timespec="seconds"),
             )
-            if self.record.start_time is None:  # exited at once; the readiness loop reports why
+            if self.record.start_ticks is None:  # exited at once; the readiness loop reports why
                 self.record = None
             else:
                 try:
-                    write_json(self.state_dir / STATE_FILE, self.record.to_json())
+                    write_json(self.state_dir / STATE_FILE, asdict(self.record))
                 except BaseException:
                     # Unrecorded, no `trtbuild stop` could find it: stop it here rather than orphan it.
                     self.record = None
@@ -415,7 +415,7 @@ def dead_server_lines(state_dir: Path, count: int = 12) -> list[str]:
     """When the server recorded in state_dir has exited (not by `trtbuild stop`, which removes the record):
     a line saying so, then its log's last lines, indented. Empty while it runs or when none is recorded."""
     record = read_record(state_dir)
-    if record is None or not exited(record.pid, record.start_time):
+    if record is None or not exited(record.pid, record.start_ticks):
         return []
     tail = last_lines([state_dir / "tritonserver.log", state_dir / "tritonserver.out"], count)
     return [f"the tritonserver started from {state_dir} (pid {record.pid}) has exited; the last lines it wrote:",
@@ -436,19 +436,19 @@ def stop_recorded(state_dir: Path, timeout: float = 30.0) -> Stopped:
         record = read_record(state_dir)
         if record is None:
             return Stopped(None, clean_leftovers(state_dir))
-        if exited(record.pid, record.start_time):  # ours is gone (its pid may serve another now)
+        if exited(record.pid, record.start_ticks):  # ours is gone (its pid may serve another now)
             forget(state_dir, record)
             return Stopped(None, clean_leftovers(state_dir), exited=record.pid)
-        why = mismatch(record.pid, record.start_time, state_dir)
+        why = mismatch(record.pid, record.start_ticks, state_dir)
         if why is not None:
             forget(state_dir, record)
             raise ServerError(f"pid {record.pid} in {state_dir / record.source} {why}: not signalled; "
                               "removed the stale record")
-        started = start_time(record.pid)
+        ticks = start_ticks(record.pid)
         with contextlib.suppress(ProcessLookupError):  # it may exit between the check and the signal
             os.kill(record.pid, signal.SIGINT)
         if wait_gone([record.pid], timeout):
-            if start_time(record.pid) == started:  # still the same process
+            if start_ticks(record.pid) == ticks:  # still the same process
                 log.warning("tritonserver (pid %d) did not exit within %.0f s of SIGINT; killing it",
                             record.pid, timeout)
                 with contextlib.suppress(ProcessLookupError):

@@ -26,7 +26,7 @@ from builder.serving.processes import (
     ServerRecord,
     alive,
     read_record,
-    start_time,
+    start_ticks,
 )
 from builder.serving.triton_server import (
     STUB_TIMEOUT_S,
@@ -110,7 +110,7 @@ def test_serve_records_the_server_and_refuses_a_second_one(
     assert not any("cleaned up" in r.getMessage() for r in caplog.records)  # nothing to clean in a new folder
     record = read_record(state)
     assert record is not None and alive(record.pid)
-    assert record.start_time == start_time(record.pid) and on_disk_start(state) == record.start_time
+    assert record.start_ticks == start_ticks(record.pid)
     on_disk = json.loads((state / STATE_FILE).read_text())
     assert Path(on_disk["argv"][0]).name == "tritonserver"
     assert on_disk["repository"] == str(one_model.resolve()) and on_disk["command"] and on_disk["started"]
@@ -212,27 +212,20 @@ def sleeper() -> Iterator[subprocess.Popen[bytes]]:
     proc.wait(timeout=10)
 
 
-def on_disk_start(state: Path) -> object:
-    return json.loads((state / STATE_FILE).read_text())["start_time"]
-
-
-@pytest.mark.parametrize("record", ["json", "json-recycled", "json-of-an-earlier-version", "legacy-pid-file"])
+@pytest.mark.parametrize("record", ["json", "json-recycled", "legacy-pid-file"])
 def test_stop_refuses_a_pid_that_is_not_our_tritonserver(
     record: str, sleeper: subprocess.Popen[bytes], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     state = tmp_path / "run"
     state.mkdir()
-    started = start_time(sleeper.pid)
-    assert started is not None
+    ticks = start_ticks(sleeper.pid)
+    assert ticks is not None
     if record == "legacy-pid-file":
         (state / LEGACY_PID_FILE).write_text(f"{sleeper.pid}\n")
         source, why = state / LEGACY_PID_FILE, "is not a tritonserver (it runs `sleep 60`)"
-    elif record == "json-of-an-earlier-version":  # its start in clock ticks: unknown now, the argv decides
-        (state / STATE_FILE).write_text(json.dumps({"pid": sleeper.pid, "start_ticks": 123456}))
-        source, why = state / STATE_FILE, "is not a tritonserver (it runs `sleep 60`)"
     else:
-        recorded = started - 1 if record == "json-recycled" else started
-        (state / STATE_FILE).write_text(json.dumps({"pid": sleeper.pid, "start_time": recorded}))
+        recorded = ticks - 1 if record == "json-recycled" else ticks
+        (state / STATE_FILE).write_text(json.dumps({"pid": sleeper.pid, "start_ticks": recorded}))
         source = state / STATE_FILE
         why = ("has exited; the pid now belongs to another process (`sleep 60`)" if record == "json-recycled"
                else "is not a tritonserver (it runs `sleep 60`)")
