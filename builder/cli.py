@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import signal
 import sys
@@ -24,6 +25,7 @@ from builder.spec import (
 )
 from builder.spec.enums import GuardSensitivity
 from builder.spec.flags import CALIBRATION_SAMPLES, BuildFlags, spec_from_flags
+from builder.steps.budget import DEFAULT_GUARD_BUDGET_S
 from common import progress
 from common.logs import active_log_file, close_log_file, configure_logging, default_log_file, native_stderr_to_log
 
@@ -64,6 +66,9 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--guard-sensitivity", default=GuardSensitivity.ONE_PASS.value,
                        help="how the accuracy guards rank nodes: one-pass (one run of the FP32 and the converted "
                             "graph) or exhaustive (one conversion per node; slow); default: one-pass")
+        p.add_argument("--guard-budget", type=float, default=DEFAULT_GUARD_BUDGET_S, metavar="SECONDS",
+                       help="each accuracy guard's search stops after this many seconds and keeps the best mix "
+                            "found within it (0: no bound; default: %(default)g)")
         p.add_argument("--log", type=Path, default=None, metavar="FILE",
                        help="build log: every library's output and our debug lines "
                             "(default: .logs/build-<UTC time>-<pid>.log)")
@@ -261,6 +266,7 @@ def _build(args: argparse.Namespace, specs: list[ModelSpec]) -> int:
                            spec_origin="build flags" if args.command == "build" else "models.toml entry",
                            guard_sensitivity=GuardSensitivity.parse(args.guard_sensitivity, "--guard-sensitivity",
                                                                     error=ManifestError),
+                           guard_budget_s=_guard_budget(args.guard_budget),
                            runtime=select(runtime_choice, serving_backend=serving_backend, trt_options=trt_options,
                                           log_file=build_log,
                                           cuda_options=CudaOptions(cudnn_conv_algo_search=args.cudnn_conv_algo_search,
@@ -318,6 +324,12 @@ def _delays(value: str, flag: str) -> tuple[int | None, ...]:
         else:
             raise ManifestError(f"{flag} {value!r}: expected comma-separated integers (µs) or off")
     return tuple(dict.fromkeys(items))
+
+
+def _guard_budget(value: float) -> float | None:
+    if not math.isfinite(value) or value < 0:
+        raise ManifestError(f"--guard-budget {value:g}: expected seconds, 0 or more (0: no bound)")
+    return value or None
 
 
 def _positive(value: float, flag: str) -> float:

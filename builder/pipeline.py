@@ -27,6 +27,7 @@ from builder.spec.model import ModelSpec
 from builder.spec.settings import default_cache_dir
 from builder.spec.tuned import TunedServing
 from builder.steps import int8_recipe
+from builder.steps.budget import DEFAULT_GUARD_BUDGET_S
 from builder.steps.build_key import tool_versions
 from builder.steps.context import BuildContext
 from builder.steps.model import build_model
@@ -52,6 +53,8 @@ class BuildOptions:
     all_or_nothing: bool = False
     # How the accuracy guards rank nodes: one pass over both graphs, or one conversion per node.
     guard_sensitivity: GuardSensitivity = GuardSensitivity.ONE_PASS
+    # Each accuracy guard's search stops after this many seconds (None: no bound): steps/budget.py.
+    guard_budget_s: float | None = DEFAULT_GUARD_BUDGET_S
     # Where the specs came from, as rebuild reasons name it: "models.toml entry", or "build flags" (build --onnx).
     spec_origin: str = "models.toml entry"
     # How each variant's throughput is measured against FP32's (steps/speed.py); None, or TRTBUILD_NO_SPEED
@@ -117,7 +120,8 @@ def build_all(
                     spec=spec, runtime=options.runtime, executor=options.executor, repository=options.repository,
                     staging=staging, cache_dir=options.cache_dir, log_file=options.log_file, force=options.force,
                     all_or_nothing=options.all_or_nothing, tuned=options.tuned,
-                    guard_sensitivity=options.guard_sensitivity, spec_origin=options.spec_origin,
+                    guard_sensitivity=options.guard_sensitivity, guard_budget_s=options.guard_budget_s,
+                    spec_origin=options.spec_origin,
                     speed_meter=options.speed_meter)
                 try:
                     results.append(build_model(job))

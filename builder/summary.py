@@ -114,18 +114,26 @@ def _nodes(count: int) -> str:
     return f"{count} node{'s' if count != 1 else ''}"
 
 
+def _within(guard: Mapping[str, Any]) -> str:
+    """Where the guard's time budget ended its search, so the user knows a longer one might find a mix."""
+    if not guard.get("budget_spent"):
+        return ""
+    return f" within the guard's {guard.get('budget_s', 0):g} s budget; --guard-budget raises it"
+
+
 def guard_text(guard: Mapping[str, Any] | None, fp16_guard: Mapping[str, Any] | None = None) -> str:
     """What a guard kept in higher precision: INT8's unquantized nodes, FP16's FP32 nodes or op types, or
     the whole model served in the higher precision (a fallback)."""
     if guard:
         if guard.get("fallback"):
-            return f"all: {str(guard['fallback']).upper()} served (no INT8 mix met the tolerance)"
+            return f"all: {str(guard['fallback']).upper()} served (no INT8 mix met the tolerance{_within(guard)})"
         excluded = guard.get("excluded") or []
         if excluded:
             return f"{_nodes(len(excluded))} unquantized"
     if fp16_guard:
         if fp16_guard.get("fallback"):
-            return f"all: {str(fp16_guard['fallback']).upper()} served (no FP16 mix met the tolerance)"
+            return (f"all: {str(fp16_guard['fallback']).upper()} served (no FP16 mix met the tolerance"
+                    f"{_within(fp16_guard)})")
         nodes = fp16_guard.get("kept_fp32_nodes") or []
         types = fp16_guard.get("kept_fp32_op_types") or []
         if nodes:

@@ -17,6 +17,7 @@ from builder.spec.enums import GuardSensitivity, Precision
 from builder.spec.model import ModelSpec
 from builder.spec.names import variant_name
 from builder.steps import int8_recipe, precision
+from builder.steps.budget import DEFAULT_GUARD_BUDGET_S
 
 
 def tool_versions() -> dict[str, str]:
@@ -52,7 +53,8 @@ def spec_fields(spec: ModelSpec) -> dict[str, str]:
 
 
 def precision_settings(spec: ModelSpec, prec: Precision, int8: Mapping[str, Any] | None = None,
-                       guard_sensitivity: GuardSensitivity = GuardSensitivity.ONE_PASS) -> dict[str, Any]:
+                       guard_sensitivity: GuardSensitivity = GuardSensitivity.ONE_PASS,
+                       guard_budget_s: float | None = DEFAULT_GUARD_BUDGET_S) -> dict[str, Any]:
     """What only this precision's variant depends on: its tolerance, its guard and how the guard ranks nodes
     (another ranking can keep other nodes in higher precision), and, for INT8, the calibration settings (the
     data itself is in the inputs every variant shares: FP16 measures its ranges on it too) and the recipe
@@ -62,6 +64,8 @@ def precision_settings(spec: ModelSpec, prec: Precision, int8: Mapping[str, Any]
         settings["guard"] = spec.guard
         if spec.guard:
             settings["guard_sensitivity"] = guard_sensitivity
+            if guard_budget_s != DEFAULT_GUARD_BUDGET_S:  # keys of builds with the default stay as they were
+                settings["guard_budget_s"] = guard_budget_s
     if prec is Precision.FP16:
         settings["fp16_version"] = precision.FP16_VERSION
     if prec is Precision.INT8 and spec.calibration is not None:
@@ -75,9 +79,10 @@ def precision_settings(spec: ModelSpec, prec: Precision, int8: Mapping[str, Any]
 
 def variant_inputs(spec: ModelSpec, shared: Mapping[str, Any],
                    int8: Mapping[str, Any] | None = None,
-                   guard_sensitivity: GuardSensitivity = GuardSensitivity.ONE_PASS) -> dict[Precision, dict[str, Any]]:
+                   guard_sensitivity: GuardSensitivity = GuardSensitivity.ONE_PASS,
+                   guard_budget_s: float | None = DEFAULT_GUARD_BUDGET_S) -> dict[Precision, dict[str, Any]]:
     """Each variant's inputs: what every variant shares and its own settings; its digest is its build key."""
-    return {prec: {**shared, "settings": precision_settings(spec, prec, int8, guard_sensitivity)}
+    return {prec: {**shared, "settings": precision_settings(spec, prec, int8, guard_sensitivity, guard_budget_s)}
             for prec in spec.precisions}
 
 
@@ -103,7 +108,7 @@ def stale(spec: ModelSpec, repository: Path, keys: Mapping[Precision, str]) -> l
 
 # A variant's own settings that come from the builder or a flag of `trtbuild engines`, not from models.toml.
 _SETTING_LABELS = {"int8_version": "build recipe", "fp16_version": "build recipe", "int8_recipe": "build recipe",
-                   "guard_sensitivity": "--guard-sensitivity"}
+                   "guard_sensitivity": "--guard-sensitivity", "guard_budget_s": "--guard-budget"}
 _REASON_LABELS = {"onnx": "exported ONNX", "evaluation": "evaluation data", "calibration": "calibration data",
                   "spec": "models.toml entry", "settings": "models.toml entry", "runtime": "runtime",
                   "recipe": "build recipe", "tools": "tool versions"}

@@ -19,6 +19,7 @@ from builder.spec.shapes import ModelShapes, for_model
 from builder.spec.tuned import TunedServing
 from builder.steps import accuracy
 from builder.steps.accuracy import Metrics
+from builder.steps.budget import DEFAULT_GUARD_BUDGET_S
 from builder.steps.fp16_guard import Fp16GuardReport
 from builder.steps.guard import GuardReport
 from builder.steps.onnx_model import Signature
@@ -47,6 +48,7 @@ class BuildContext:
     all_or_nothing: bool = False  # the first failure raises; the staged variants are committed by the caller
     tuned: Mapping[str, TunedServing] = field(default_factory=dict)
     guard_sensitivity: GuardSensitivity = GuardSensitivity.ONE_PASS
+    guard_budget_s: float | None = DEFAULT_GUARD_BUDGET_S
     spec_origin: str = "models.toml entry"
     speed_meter: Meter | None = None
 
@@ -85,6 +87,7 @@ class ModelContext:
     other_levels: tuple[LevelSamples, ...] = ()
     # How the accuracy guards rank nodes before their search (BuildOptions.guard_sensitivity).
     guard_sensitivity: GuardSensitivity = GuardSensitivity.ONE_PASS
+    guard_budget_s: float | None = DEFAULT_GUARD_BUDGET_S  # each guard's search, in seconds (BuildOptions)
     # Each variant's build key and inputs (inputs_record and the variant's own settings); a precision not in
     # it is recorded with build_key and inputs_record.
     variant_inputs: Mapping[Precision, tuple[str, Mapping[str, Any]]] = field(default_factory=dict)

@@ -39,6 +39,7 @@ from builder.spec.enums import GuardSensitivity, Precision
 from builder.spec.model import Tolerance
 from builder.steps import accuracy
 from builder.steps.accuracy import Metrics
+from builder.steps.budget import Budget, BudgetSpent
 from builder.steps.fp16_cache import cached_conversion, feeds_digest, fp16_key
 from builder.steps.precision import Fp16Settings, to_fp16
 from builder.steps.resources import peak_rss_mib
@@ -128,6 +129,8 @@ class Fp16GuardReport:
     seconds: float = 0.0
     sensitivity: SensitivityRecord | None = None  # how the nodes were ranked, in what time and memory
     cached_conversions: int = 0  # of `conversions`, how many came from the cache (steps/fp16_cache.py)
+    budget_s: float | None = None  # the search's time budget (None: no bound)
+    budget_spent: bool = False  # the search stopped at it
 
 
 @dataclass
@@ -136,6 +139,7 @@ class _Search:
     evaluate: Evaluate
     tolerance: Tolerance
     work: Path
+    budget: Budget
     conversions: int = 0
     attempts: list[Fp16Attempt] = field(default_factory=list)
 
@@ -143,6 +147,7 @@ class _Search:
         """One conversion and its figures; autocast refusing these settings (where plain FP16 worked)
         is a candidate that failed, not the end of the search."""
         out = self.work / f"{tag}.onnx"
+        self.budget.check()
         self.conversions += 1
         try:
             self.convert(settings, out)
@@ -175,108 +180,127 @@ def _rank(done: tuple[Metrics, Path, int] | ToolError) -> tuple[float, float]:
 def guard(convert: Convert, evaluate: Evaluate, *, plain: Path, tolerance: Tolerance, work: Path,
           max_fp32_fraction: float = 0.5, method: GuardSensitivity = GuardSensitivity.EXHAUSTIVE,
           fp32: Path | None = None, evaluation: Mapping[str, NDArray[Any]] | None = None,
-          batch_size: int | None = None) -> tuple[Fp16GuardReport, Path | None]:
+          batch_size: int | None = None, budget_s: float | None = None) -> tuple[Fp16GuardReport, Path | None]:
     """Search settings under which the FP16 variant meets `tolerance`; return the report and the model's
     path (None: nothing met it, fall back to FP32). `convert(settings, out)` writes one FP16 variant.
     `method` ONE_PASS needs `fp32` (the graph `plain` was converted from, with the same node names) and the
-    held-out `evaluation` samples, run `batch_size` at a time (None: each sample whole)."""
+    held-out `evaluation` samples, run `batch_size` at a time (None: each sample whole). Past `budget_s` seconds
+    (None: no bound) no further conversion is tried: no mix found within it."""
     started = time.perf_counter()
-    search = _Search(convert, evaluate, tolerance, work)
+    search = _Search(convert, evaluate, tolerance, work, Budget(budget_s))
     before = evaluate(plain)
     plain_model = onnx.load(str(plain), load_external_data=False)  # node names and types only
     op_of = {n.name: n.op_type for n in plain_model.graph.node}
     candidates = fp16_nodes(plain_model)
     log.debug("FP16 guard: %d nodes compute in FP16; measuring their sensitivity", len(candidates))
 
-    # 1. Sensitivity: one pass, or one conversion per node (narrowed by op type on a large graph).
     type_damage: dict[str, float] = {}
     measured = candidates
-    ranking_started = time.perf_counter()
     sensitivity: dict[str, tuple[float, float]] = {}
-    if method is GuardSensitivity.ONE_PASS:
-        if fp32 is None or evaluation is None:
-            raise AssertionError("one-pass sensitivity needs the FP32 graph and the held-out samples")
-        added = one_pass(fp32, plain, candidates, evaluation, batch_size, what="FP16 guard")
-        sensitivity = {node: (added[node], 0.0) for node in candidates}
-    elif len(candidates) > NODE_BUDGET:
-        op_types = sorted({op_of[n] for n in candidates})
-        for index, op_type in enumerate(op_types):
-            others = tuple(t for t in op_types if t != op_type)
-            type_damage[op_type] = _rank(search.run(Fp16Settings(op_types_to_exclude=others),
-                                                    f"type_alone_{index}"))[0]
-        measured = []
-        for op_type in sorted(op_types, key=lambda t: type_damage[t], reverse=True):
-            of_type = [n for n in candidates if op_of[n] == op_type]
-            if measured and len(measured) + len(of_type) > NODE_BUDGET:
+    order: list[str] = []
+    ranked_in: float = 0.0
+    ranked_rss: float | None = None
+    found: tuple[Fp16Settings, Metrics, Path, int] | None = None
+    cache: dict[int, tuple[bool, Metrics | None, Path, int]] = {}  # nodes kept -> how that candidate measured
+    passing: list[tuple[Fp16Settings, Metrics, Path, int]] = []  # the range thresholds that meet the tolerance
+    try:
+        # 1. Sensitivity: one pass, or one conversion per node (narrowed by op type on a large graph).
+        ranking_started = time.perf_counter()
+        if method is GuardSensitivity.ONE_PASS:
+            if fp32 is None or evaluation is None:
+                raise AssertionError("one-pass sensitivity needs the FP32 graph and the held-out samples")
+            added = one_pass(fp32, plain, candidates, evaluation, batch_size, what="FP16 guard")
+            sensitivity = {node: (added[node], 0.0) for node in candidates}
+        elif len(candidates) > NODE_BUDGET:
+            op_types = sorted({op_of[n] for n in candidates})
+            for index, op_type in enumerate(op_types):
+                others = tuple(t for t in op_types if t != op_type)
+                type_damage[op_type] = _rank(search.run(Fp16Settings(op_types_to_exclude=others),
+                                                        f"type_alone_{index}"))[0]
+            measured = []
+            for op_type in sorted(op_types, key=lambda t: type_damage[t], reverse=True):
+                of_type = [n for n in candidates if op_of[n] == op_type]
+                if measured and len(measured) + len(of_type) > NODE_BUDGET:
+                    break
+                measured.extend(of_type[: NODE_BUDGET - len(measured)])
+        if method is GuardSensitivity.EXHAUSTIVE:
+            with progress.task("FP16 guard: sensitivity, one node in FP16 at a time", total=len(measured)) as bar:
+                for index, node in enumerate(measured):
+                    others = tuple(n for n in candidates if n != node)
+                    # data_max = inf skips autocast's reference run (the costly part on a large graph): every
+                    # other node is excluded by name, and this one is within the thresholds (plain FP16 has it).
+                    sensitivity[node] = _rank(search.run(Fp16Settings(nodes_to_exclude=others, data_max=math.inf),
+                                                         f"node_alone_{index}"))
+                    bar.advance(status=node)
+        ranked_in, ranked_rss = round(time.perf_counter() - ranking_started, 2), peak_rss_mib()
+        order = sorted(measured, key=lambda n: sensitivity[n], reverse=True)
+
+        if not type_damage:
+            for node in measured:
+                type_damage[op_of[node]] = max(type_damage.get(op_of[node], 0.0), sensitivity[node][0])
+
+        # 2. The fewest nodes kept in FP32.
+
+        def keep(k: int) -> bool:
+            if k not in cache:
+                cache[k] = search.attempt(Fp16Settings(nodes_to_exclude=tuple(order[:k])), "nodes", f"keep_{k}")
+            return cache[k][0]
+
+        limit = min(len(order), max(1, int(len(candidates) * max_fp32_fraction)))
+        k, first = 1, None
+        while k <= limit:
+            if keep(k):
+                first = k
                 break
-            measured.extend(of_type[: NODE_BUDGET - len(measured)])
-    if method is GuardSensitivity.EXHAUSTIVE:
-        with progress.task("FP16 guard: sensitivity, one node in FP16 at a time", total=len(measured)) as bar:
-            for index, node in enumerate(measured):
-                others = tuple(n for n in candidates if n != node)
-                # data_max = inf skips autocast's reference run (the costly part on a large graph): every
-                # other node is excluded by name, and this one is within the thresholds (plain FP16 has it).
-                sensitivity[node] = _rank(search.run(Fp16Settings(nodes_to_exclude=others, data_max=math.inf),
-                                                     f"node_alone_{index}"))
-                bar.advance(status=node)
-    ranked_in, ranked_rss = round(time.perf_counter() - ranking_started, 2), peak_rss_mib()
-    order = sorted(measured, key=lambda n: sensitivity[n], reverse=True)
+            k *= 2
+        if first is None and order and limit not in cache and keep(limit):
+            first = limit
+        if first is not None:
+            low, high = (first // 2 + 1 if first > 1 else 1), first
+            while low < high:
+                mid = (low + high) // 2
+                if keep(mid):
+                    high = mid
+                else:
+                    low = mid + 1
+            _, metrics, out, count = cache[high]
+            assert metrics is not None, "a passing candidate was measured"
+            found = (Fp16Settings(nodes_to_exclude=tuple(order[:high])), metrics, out, count)
+
+        # 3. Whole op types, most damaging first; then the range thresholds.
+        if found is None:
+            ranked_types = sorted(type_damage, key=lambda t: type_damage[t], reverse=True)
+            for count_types in range(1, len(ranked_types)):
+                settings = Fp16Settings(op_types_to_exclude=tuple(ranked_types[:count_types]))
+                passes, metrics, out, count = search.attempt(settings, "op_types", f"types_{count_types}")
+                if passes and metrics is not None:
+                    found = (settings, metrics, out, count)
+                    break
+        if found is None:
+            for value in THRESHOLDS:
+                settings = Fp16Settings(data_max=value, init_max=value)
+                passes, metrics, out, count = search.attempt(settings, "thresholds", f"max_{value:g}")
+                if passes and metrics is not None:
+                    passing.append((settings, metrics, out, count))
+            if passing:
+                found = max(passing, key=lambda item: item[3])  # the one that keeps the most nodes in FP16
+    except BudgetSpent:
+        ranked_rss = ranked_rss or peak_rss_mib()
+        # What met the tolerance before the budget ran out still counts: the fewest nodes kept, else the threshold
+        # that keeps the most in FP16.
+        met = sorted(k for k, (passes, *_rest) in cache.items() if passes)
+        if met:
+            _, metrics, out, count = cache[met[0]]
+            assert metrics is not None, "a passing candidate was measured"
+            found = (Fp16Settings(nodes_to_exclude=tuple(order[:met[0]])), metrics, out, count)
+        elif passing:
+            found = max(passing, key=lambda item: item[3])
+        log.warning("FP16 guard: its budget of %g s was spent after %d conversions; %s (--guard-budget raises it)",
+                    budget_s, search.conversions,
+                    "no mix found within it" if found is None else "the best mix found within it is kept")
 
     def ranking(kept: int | None) -> SensitivityRecord:
         return SensitivityRecord(method, FIGURES[method], len(measured), ranked_in, kept, ranked_rss)
-
-    if not type_damage:
-        for node in measured:
-            type_damage[op_of[node]] = max(type_damage.get(op_of[node], 0.0), sensitivity[node][0])
-
-    # 2. The fewest nodes kept in FP32.
-    found: tuple[Fp16Settings, Metrics, Path, int] | None = None
-    cache: dict[int, tuple[bool, Metrics | None, Path, int]] = {}
-
-    def keep(k: int) -> bool:
-        if k not in cache:
-            cache[k] = search.attempt(Fp16Settings(nodes_to_exclude=tuple(order[:k])), "nodes", f"keep_{k}")
-        return cache[k][0]
-
-    limit = min(len(order), max(1, int(len(candidates) * max_fp32_fraction)))
-    k, first = 1, None
-    while k <= limit:
-        if keep(k):
-            first = k
-            break
-        k *= 2
-    if first is None and order and limit not in cache and keep(limit):
-        first = limit
-    if first is not None:
-        low, high = (first // 2 + 1 if first > 1 else 1), first
-        while low < high:
-            mid = (low + high) // 2
-            if keep(mid):
-                high = mid
-            else:
-                low = mid + 1
-        _, metrics, out, count = cache[high]
-        assert metrics is not None, "a passing candidate was measured"
-        found = (Fp16Settings(nodes_to_exclude=tuple(order[:high])), metrics, out, count)
-
-    # 3. Whole op types, most damaging first; then the range thresholds.
-    if found is None:
-        ranked_types = sorted(type_damage, key=lambda t: type_damage[t], reverse=True)
-        for count_types in range(1, len(ranked_types)):
-            settings = Fp16Settings(op_types_to_exclude=tuple(ranked_types[:count_types]))
-            passes, metrics, out, count = search.attempt(settings, "op_types", f"types_{count_types}")
-            if passes and metrics is not None:
-                found = (settings, metrics, out, count)
-                break
-    if found is None:
-        passing = []
-        for value in THRESHOLDS:
-            settings = Fp16Settings(data_max=value, init_max=value)
-            passes, metrics, out, count = search.attempt(settings, "thresholds", f"max_{value:g}")
-            if passes and metrics is not None:
-                passing.append((settings, metrics, out, count))
-        if passing:
-            found = max(passing, key=lambda item: item[3])  # the one that keeps the most nodes in FP16
 
     def figure(damage: float) -> float | None:  # refused by autocast: no figure
         return None if math.isinf(damage) else round(damage, 9)
@@ -287,20 +311,23 @@ def guard(convert: Convert, evaluate: Evaluate, *, plain: Path, tolerance: Toler
     if found is None:
         log.warning("FP16 guard: no FP16 mix meets the tolerance (%d conversions)", search.conversions)
         return Fp16GuardReport([], [], {}, Precision.FP32, before, None, len(candidates), 0, search.conversions,
-                               search.attempts, top, recorded_types, seconds, ranking(None)), None
+                               search.attempts, top, recorded_types, seconds, ranking(None), budget_s=budget_s,
+                               budget_spent=search.budget.spent), None
     settings, after, path, count = found
     log.info("FP16 guard: kept in FP32: %s; %d of %d nodes still in FP16",
              ", ".join(settings.nodes_to_exclude or settings.op_types_to_exclude)
              or f"nodes beyond data_max={settings.data_max:g}", count, len(candidates))
     return Fp16GuardReport(list(settings.nodes_to_exclude), list(settings.op_types_to_exclude), settings.record(),
                            None, before, after, len(candidates), count, search.conversions, search.attempts, top,
-                           recorded_types, seconds, ranking(len(candidates) - count)), path
+                           recorded_types, seconds, ranking(len(candidates) - count), budget_s=budget_s,
+                           budget_spent=search.budget.spent), path
 
 
 def guard_fp16(*, fp32_path: Path, feeds: Sequence[Mapping[str, NDArray[Any]]], variant_onnx: Path,
                evaluate: Evaluate, tolerance: Tolerance, what: str, work: Path, log_file: Path | None,
                evaluation: Mapping[str, NDArray[Any]] | None = None, batch_size: int | None = None,
-               method: GuardSensitivity = GuardSensitivity.ONE_PASS, cache_dir: Path | None = None) -> Fp16GuardReport:
+               method: GuardSensitivity = GuardSensitivity.ONE_PASS, cache_dir: Path | None = None,
+               budget_s: float | None = None) -> Fp16GuardReport:
     """Replace variant_onnx by the guarded FP16 mix, or by the FP32 model when none meets the tolerance.
     `evaluation` (held-out samples, run `batch_size` at a time) is what one-pass sensitivity runs on; with
     `cache_dir`, each conversion is reused from an earlier run with the same inputs (steps/fp16_cache.py)."""
@@ -333,7 +360,7 @@ def guard_fp16(*, fp32_path: Path, feeds: Sequence[Mapping[str, NDArray[Any]]], 
         if method is GuardSensitivity.ONE_PASS and evaluation is None:
             raise AssertionError("one-pass sensitivity needs the held-out samples")
         report, guarded = guard(convert, evaluate, plain=plain, tolerance=tolerance, work=folder, method=method,
-                                fp32=named, evaluation=evaluation, batch_size=batch_size)
+                                fp32=named, evaluation=evaluation, batch_size=batch_size, budget_s=budget_s)
     report.cached_conversions = reused
     if guarded is not None:
         copy_model(guarded, variant_onnx)

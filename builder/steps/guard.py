@@ -40,6 +40,7 @@ from builder.spec.enums import GuardSensitivity, Int8Recipe, Precision, Task
 from builder.spec.model import CalibrationSpec, Tolerance
 from builder.steps import accuracy, int8_recipe, precision, qdq_mix
 from builder.steps.accuracy import Metrics
+from builder.steps.budget import Budget, BudgetSpent
 from builder.steps.qdq_mix import quantized_nodes
 from builder.steps.resources import peak_rss_mib
 from builder.steps.sensitivity import FIGURES, SensitivityRecord, one_pass
@@ -74,6 +75,7 @@ class GuardResult:
     seconds: float = 0.0
     ranking: SensitivityRecord | None = None
     derived: int = 0  # candidates derived from the plain graph's calibration (qdq_mix): no quantization
+    budget_spent: bool = False  # the search stopped at its time budget (budget.Budget)
 
 
 def guard(
@@ -95,6 +97,7 @@ def guard(
     measure: Callable[[Path], Metrics] | None = None,
     float_graph: Path | None = None,
     placement: Callable[[CalibrationSpec], Collection[str]] | None = None,
+    budget_s: float | None = None,
 ) -> tuple[GuardResult, Path | None]:
     """Return the search's result and the path of the guarded INT8 ONNX (None: fall back to FP16).
     `method` ONE_PASS needs `fp32`, the graph `plain` was quantized from; its candidates are derived from `plain`
@@ -104,8 +107,10 @@ def guard(
     with `escalate`, a one-pass ranking whose search finds no mix is
     followed by the exhaustive ranking and its search. EXHAUSTIVE quantizes every candidate. `measure` scores a
     candidate as the gate will (every shape level); by default, on `evaluation` against `reference` only, run by
-    `executor`, whose `errors` on a derived candidate mean: quantize that one instead."""
+    `executor`, whose `errors` on a derived candidate mean: quantize that one instead. Past `budget_s` seconds
+    (None: no bound) no further candidate is tried: no mix found within it."""
     started = time.perf_counter()
+    budget = Budget(budget_s)
     underivable = (*_UNDERIVABLE, *executor.errors)
 
     def evaluate(path: Path) -> Metrics:
@@ -126,6 +131,7 @@ def guard(
     log.debug("INT8 guard: %d quantized nodes; measuring their sensitivity (%s)", len(nodes), method)
     builds = derived = 0
     searched: list[Attempt] = []
+    met: list[tuple[list[str], Metrics, Path]] = []  # every candidate that met the tolerance
     # One pass derives its candidates from the plain graph's calibration; exhaustive is the slow reference.
     derive = method is GuardSensitivity.ONE_PASS and fp32 is not None and not dynamic
     graphs: list[onnx.ModelProto] = []  # the plain Q/DQ graph and its float graph, loaded once when first needed
@@ -133,6 +139,7 @@ def guard(
     def score(out: Path, *, excluded: Sequence[str] = (), alone: str | None = None) -> Metrics:
         """A candidate's figures: `excluded` kept in higher precision, or `alone` the only node quantized."""
         nonlocal builds, derived
+        budget.check()
         if derive:
             assert fp32 is not None
             try:
@@ -187,6 +194,8 @@ def guard(
                 out = work / f"exclude_{how.name.lower()}_{len(tried)}.onnx"
                 metrics = score(out, excluded=excluded)
                 tried[key] = (accuracy.violation(metrics, tolerance, "candidate") is None, metrics, out)
+                if tried[key][0] and len(key) <= limit:
+                    met.append((list(excluded), metrics, out))
                 searched.append(Attempt(len(key), tried[key][0], metrics, how))
                 search_bar.advance(status=f"{len(key)} excluded: {'meets' if tried[key][0] else 'misses'} the "
                                           "tolerance")
@@ -236,23 +245,32 @@ def guard(
         _, metrics, path = tried[frozenset(chosen)]
         return chosen, metrics, path
 
-    ranking_started = time.perf_counter()
-    sensitivity = rank(method)
-    ranked_in = time.perf_counter() - ranking_started
-    order = sorted(nodes, key=lambda n: sensitivity[n], reverse=True)
-    found = search(order, method)
-    escalated = found is None and method is GuardSensitivity.ONE_PASS and escalate
-    if escalated:
-        # The one-pass figure is first-order: it misses damage that only shows downstream of a tensor whose
-        # relative error an outlier channel hides. Before giving up on INT8, the exhaustive ranking decides
-        # (its candidates derived too: one evaluation per node).
-        log.info("INT8 guard: no mix of at most %d nodes found from the one-pass ranking meets the tolerance; "
-                 "ranking each node by quantizing it alone", limit)
+    sensitivity: dict[str, float] = {}
+    ranked_in, escalated, found = 0.0, False, None
+    try:
         ranking_started = time.perf_counter()
-        sensitivity = rank(GuardSensitivity.EXHAUSTIVE)
-        ranked_in += time.perf_counter() - ranking_started
+        sensitivity = rank(method)
+        ranked_in = time.perf_counter() - ranking_started
         order = sorted(nodes, key=lambda n: sensitivity[n], reverse=True)
-        found = search(order, GuardSensitivity.EXHAUSTIVE)
+        found = search(order, method)
+        escalated = found is None and method is GuardSensitivity.ONE_PASS and escalate
+        if escalated:
+            # The one-pass figure is first-order: it misses damage that only shows downstream of a tensor whose
+            # relative error an outlier channel hides. Before giving up on INT8, the exhaustive ranking decides
+            # (its candidates derived too: one evaluation per node).
+            log.info("INT8 guard: no mix of at most %d nodes found from the one-pass ranking meets the tolerance; "
+                     "ranking each node by quantizing it alone", limit)
+            ranking_started = time.perf_counter()
+            sensitivity = rank(GuardSensitivity.EXHAUSTIVE)
+            ranked_in += time.perf_counter() - ranking_started
+            order = sorted(nodes, key=lambda n: sensitivity[n], reverse=True)
+            found = search(order, GuardSensitivity.EXHAUSTIVE)
+    except BudgetSpent:
+        # What met the tolerance before the budget ran out still counts: the fewest nodes kept.
+        found = min(met, key=lambda item: len(item[0])) if met else None
+        log.warning("INT8 guard: its budget of %g s was spent after %d candidates; %s (--guard-budget raises it)",
+                    budget_s, builds + derived,
+                    "no mix found within it" if found is None else "the best mix found within it is kept")
     figure = FIGURES[GuardSensitivity.EXHAUSTIVE if escalated else method]
 
     def ranking(kept: int | None) -> SensitivityRecord:
@@ -260,14 +278,15 @@ def guard(
 
     seconds = time.perf_counter() - started
     if found is None:
-        log.warning("INT8 guard: no mix with up to %d of %d nodes excluded meets the tolerance", limit, len(order))
+        if not budget.spent:
+            log.warning("INT8 guard: no mix with up to %d of %d nodes excluded meets the tolerance", limit, len(nodes))
         return GuardResult(False, [], sensitivity, before, None, builds, searched, seconds, ranking(None),
-                           derived), None
+                           derived, budget.spent), None
     excluded, after, path = found
     log.info("INT8 guard: %d node(s) kept in higher precision: %s (%d candidates derived from the plain INT8 "
              "graph's calibration, %d quantized again)", len(excluded), ", ".join(excluded), derived, builds)
     return GuardResult(True, excluded, sensitivity, before, after, builds, searched, seconds, ranking(len(excluded)),
-                       derived), path
+                       derived, budget.spent), path
 
 
 def sensitivity_one_pass(fp32: Path, plain: Path, nodes: list[str], evaluation: Mapping[str, NDArray[Any]],
@@ -324,6 +343,8 @@ class GuardReport:
     throughput_b1_cpu: VariantFigures
     sensitivity: SensitivityRecord | None = None  # how the nodes were ranked, in what time and memory
     derived: int = 0  # candidates derived from the plain INT8 graph's calibration (no quantization)
+    budget_s: float | None = None  # the search's time budget (None: no bound)
+    budget_spent: bool = False  # the search stopped at it
 
 
 def guard_int8(*, fp32_path: Path, fp32_sha: str, calibration: Mapping[str, NDArray[Any]], calibration_digest: str,
@@ -334,7 +355,7 @@ def guard_int8(*, fp32_path: Path, fp32_sha: str, calibration: Mapping[str, NDAr
                method: GuardSensitivity = GuardSensitivity.ONE_PASS,
                measure: Callable[[Path], Metrics] | None = None,
                float_graph: Path | None = None,
-               runtime: str = int8_recipe.CPU_RUNTIME) -> GuardReport:
+               runtime: str = int8_recipe.CPU_RUNTIME, budget_s: float | None = None) -> GuardReport:
     """Replace variant_onnx by the guarded INT8 mix, or by FP16 when none meets the tolerance. `measure`:
     how the gate scores a candidate (all its shape levels), so the search's pick is the one the gate passes.
     `float_graph`: the graph the quantizer was given, where it changed the FP32 graph first (ONNX Runtime's
@@ -360,7 +381,7 @@ def guard_int8(*, fp32_path: Path, fp32_sha: str, calibration: Mapping[str, NDAr
     result, guarded = guard(quantize, spec=spec, plain=plain, evaluation=evaluation, reference=reference,
                             task=task, tolerance=tolerance, work=search_dir, executor=executor, batch_size=batch_size,
                             method=method, fp32=fp32_path, measure=measure, float_graph=float_graph,
-                            escalate=modelopt, placement=placement if modelopt else None)
+                            escalate=modelopt, placement=placement if modelopt else None, budget_s=budget_s)
     fallback = None
     if guarded is not None:
         onnx_files.copy_model(guarded, variant_onnx)
@@ -390,5 +411,5 @@ def guard_int8(*, fp32_path: Path, fp32_sha: str, calibration: Mapping[str, NDAr
         throughput_b1_cpu=VariantFigures(*(throughput(path, evaluation, executor=executor,
                                                       batching=batch_size is not None)
                                            for path in (fp32_path, plain, variant_onnx))),
-        sensitivity=result.ranking,
+        sensitivity=result.ranking, budget_s=budget_s, budget_spent=result.budget_spent,
     )

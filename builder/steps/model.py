@@ -43,7 +43,7 @@ def build_model(job: BuildContext) -> ModelResult:
                          "recipe": precision.RECIPE_VERSION, "tools": tool_versions()}
         key = digest(inputs_record)
         per_variant = variant_inputs(spec, inputs_record, int8_key(spec, fp32_path, job.runtime.name),
-                                     job.guard_sensitivity)
+                                     job.guard_sensitivity, job.guard_budget_s)
         keys = {prec: digest(record) for prec, record in per_variant.items()}
         to_build = list(spec.precisions) if job.force else stale(spec, job.repository, keys)
         if not to_build:

@@ -81,7 +81,7 @@ def reference(job: BuildContext, source: Source, *, work: Path, calibration_dige
         inputs_record=inputs_record, work=work, cache_dir=job.cache_dir, repository=job.repository,
         executor=executor, shapes=shapes,
         other_levels=other_levels(spec, source.signature, shapes, fp32_path, eval_batch, what, evaluation, executor),
-        guard_sensitivity=job.guard_sensitivity,
+        guard_sensitivity=job.guard_sensitivity, guard_budget_s=job.guard_budget_s,
         speed_meter=None if speed.skipped() else job.speed_meter, log_file=job.log_file,
     )
     return model, slim_report

@@ -212,8 +212,9 @@ class MeasureSpeed:
             return
         fell_back = (ctx.guard.fallback if ctx.guard is not None else None) or \
             (ctx.fp16_guard.fallback if ctx.fp16_guard is not None else None)
-        if fell_back is Precision.FP32 and ctx.speed.worth_serving:
-            # The FP32 graph under this variant's name: FP32 itself is the one to serve.
+        if fell_back is Precision.FP32:
+            # The FP32 graph under this variant's name: FP32 itself is the one to serve, whatever the noise of the
+            # two measurements of one graph said.
             ctx.speed = replace(ctx.speed, worth_serving=False,
                                 reason=f"the FP32 graph (no {ctx.precision.value.upper()} mix met the tolerance)")
         if not ctx.speed.worth_serving:
@@ -241,7 +242,7 @@ class Guard:
             evaluation=model.evaluation, reference=model.reference, task=spec.task,
             tolerance=spec.tolerance(ctx.precision), cache_dir=model.cache_dir, work=model.work,
             fp16_feeds=fp16_feeds(model), what=what(model), log_file=model.log_file, executor=model.executor,
-            batch_size=model.eval_batch, method=model.guard_sensitivity,
+            batch_size=model.eval_batch, method=model.guard_sensitivity, budget_s=model.guard_budget_s,
             # Scored as the gate scores (the evaluation samples and the min/max levels): a pick measured on
             # the evaluation samples alone met the limit in the search and missed it at the gate (MiniLM
             # INT8: 0.607 at another sequence length).
@@ -274,7 +275,7 @@ class Fp16Guard:
             fp32_path=model.fp32_path, feeds=fp16_feeds(model), variant_onnx=ctx.variant_onnx, evaluate=evaluate,
             tolerance=model.spec.tolerance(ctx.precision), what=what(model), work=model.work,
             log_file=model.log_file, evaluation=model.evaluation, batch_size=model.eval_batch,
-            method=model.guard_sensitivity, cache_dir=model.cache_dir)
+            method=model.guard_sensitivity, cache_dir=model.cache_dir, budget_s=model.guard_budget_s)
         ctx.settings = ctx.fp16_guard.settings or {"fallback": "fp32", "why": "no FP16 mix met the tolerance"}
 
 
