@@ -373,7 +373,7 @@ def _tune(args: argparse.Namespace) -> int:
     goal = Goal.parse(args.objective, "--objective", error=ManifestError)
     search = Search.parse(args.search, "--search", error=ManifestError)
     axes = (_int_list(args.max_batch, "--max-batch"), _delays(args.queue_delay_us, "--queue-delay-us"),
-            _int_list(args.instances or "1,2", "--instances"))
+            _int_list(args.instances if args.instances is not None else "1,2", "--instances"))
     concurrencies = _int_list(args.concurrency, "--concurrency")
     gpus = _metered_gpus(args.gpus)
     budget = _positive(args.p99_budget_ms, "--p99-budget-ms") * 1000 if args.p99_budget_ms is not None else None

@@ -132,7 +132,7 @@ def check_variant(repository: Path, name: str, samples: dict[str, NDArray[Any]],
                 got = client.infer(name, {k: np.ascontiguousarray(v) for k, v in feed.items()}, outputs)
                 for out in outputs:
                     want = expected[out][index * batch : (index + 1) * batch] if step else expected[out][index]
-                    have = fitted(got[out], want)
+                    have = fitted(got[out], want, batched=step is not None)
                     if have is None:
                         log.warning("%s: output %r over %s is %s, expected %s", name, out, protocol,
                                     list(got[out].shape), list(want.shape))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -29,11 +30,14 @@ _lock = threading.Lock()
 
 
 class Ranges:
-    """Running absmax/min/max per tensor, and each tensor's first shape."""
+    """Running absmax/min/max per tensor, and each tensor's first shape, aggregated as ModelOpt's runner does: a
+    feed whose figure is NaN leaves the running one as it was (Python's min and max keep their first argument
+    against a NaN), so one NaN does not hide the other feeds' ranges."""
 
     def __init__(self) -> None:
         self.low: dict[str, float] = {}
         self.high: dict[str, float] = {}
+        self.absmax: dict[str, float] = {}
         self.shape: dict[str, tuple[int, ...]] = {}
 
     def add(self, name: str, value: NDArray[Any]) -> None:
@@ -44,25 +48,29 @@ class Ranges:
             low = high = 0.0
         else:
             low, high = float(np.min(value)), float(np.max(value))
-        self.low[name] = min(self.low.get(name, low), low)
-        self.high[name] = max(self.high.get(name, high), high)
+        self.low[name] = min(self.low.get(name, math.inf), low)
+        self.high[name] = max(self.high.get(name, -math.inf), high)
+        self.absmax[name] = max(self.absmax.get(name, -math.inf), max(abs(low), abs(high)))
 
     def stats(self, tensor_stats: type) -> OrderedDict[str, Any]:
         """ModelOpt's TensorStats per tensor (absmax from min and max: no |x| copy of a large tensor)."""
-        return OrderedDict((name, tensor_stats(absmax=max(abs(self.low[name]), abs(self.high[name])),
-                                               min_val=self.low[name], max_val=self.high[name], shape=shape))
+        return OrderedDict((name, tensor_stats(absmax=self.absmax[name], min_val=self.low[name],
+                                               max_val=self.high[name], shape=shape))
                            for name, shape in self.shape.items())
 
 
 def exposed_outputs(model: Any) -> Any:
-    """A copy of `model` whose every main-graph tensor is a graph output (subgraph tensors stay inside
-    their If/Loop/Scan, as with ModelOpt's own runner)."""
+    """A copy of `model` whose every main-graph tensor is a graph output, as Polygraphy marks them for ModelOpt's
+    own runner: Constant nodes' outputs are not among them (a large constant, an attention mask's -1e9, would
+    otherwise keep its consumer in FP32), and subgraph tensors stay inside their If/Loop/Scan."""
     from modelopt.onnx import utils as onnx_utils
 
     exposed = copy.deepcopy(model)
     onnx_utils.clear_stale_value_info(exposed)
     present = {o.name for o in exposed.graph.output} | {i.name for i in exposed.graph.input}
     for node in exposed.graph.node:
+        if node.op_type == "Constant":
+            continue
         for name in node.output:
             if name and name not in present:
                 present.add(name)

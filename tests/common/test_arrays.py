@@ -23,6 +23,15 @@ def test_a_shorter_data_sized_answer_is_padded_with_zeros_like_the_expected_one(
     assert not outputs_match({"audio": np.array([0.5, -0.25, 1.5], np.float32)}, {"audio": want})
 
 
+def test_a_truncated_answer_against_real_values_or_a_missing_batch_row_is_refused() -> None:
+    want = np.array([0.5, -0.25, 1.0, 8e-5, 0.0], np.float32)  # the tail holds a value, however small
+    assert fitted(np.array([0.5, -0.25, 1.0], np.float32), want) is None
+    assert not outputs_match({"audio": np.array([0.5, -0.25, 1.0], np.float32)}, {"audio": want})
+    rows = np.zeros((4, 3), np.float32)  # a batch of 4 whose outputs happen to be all zero
+    assert fitted(np.zeros((2, 3), np.float32), rows, batched=True) is None
+    assert fitted(np.zeros((4, 2), np.float32), rows, batched=True) is not None
+
+
 def test_an_answer_larger_or_of_another_rank_is_refused() -> None:
     want = np.zeros((2, 3), np.float32)
     assert fitted(np.zeros((2, 4), np.float32), want) is None

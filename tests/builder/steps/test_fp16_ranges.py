@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
 import pytest
+from numpy.typing import NDArray
+from onnx import TensorProto, helper, numpy_helper
 
 from builder.steps import fp16_ranges, precision
 from builder.steps.precision import Fp16Settings
@@ -16,7 +19,7 @@ from tests.helpers.foreign_models import SAMPLES, detector
 from tests.helpers.tiny_models import cnn_onnx, cnn_samples
 
 
-def _feed_folder(tmp_path: Path, feeds: list[dict[str, np.ndarray]]) -> Path:
+def _feed_folder(tmp_path: Path, feeds: list[dict[str, NDArray[np.float32]]]) -> Path:
     folder = tmp_path / "feeds"
     folder.mkdir()
     for index, feed in enumerate(feeds):
@@ -24,21 +27,63 @@ def _feed_folder(tmp_path: Path, feeds: list[dict[str, np.ndarray]]) -> Path:
     return folder
 
 
-def test_the_streaming_ranges_equal_modelopts_over_several_feeds(tmp_path: Path) -> None:
-    from modelopt.onnx.autocast.referencerunner import ReferenceRunner, TensorStats
+def _streamed(model: onnx.ModelProto, folder: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The streaming runner's figures, with ModelOpt's own run made to fail: they are the stand-in's own."""
+    from modelopt.onnx.autocast.referencerunner import ReferenceRunner
 
-    model = onnx.load(str(cnn_onnx(tmp_path / "cnn.onnx")))
-    samples = cnn_samples(6)
-    feeds = [{k: v[i:i + 2] for k, v in samples.items()} for i in range(0, 6, 2)]
-    folder = str(_feed_folder(tmp_path, feeds))
-    theirs = ReferenceRunner(model).run(folder)
-    ours = fp16_ranges._streaming_runner(ReferenceRunner)(model).run(folder)
+    runner = fp16_ranges._streaming_runner(ReferenceRunner)(model)
+    with monkeypatch.context() as patched:
+        patched.setattr(ReferenceRunner, "run", lambda self, inputs=None: pytest.fail("ModelOpt's own run"))
+        return runner.run(folder)
+
+
+def _same(ours: Any, theirs: Any) -> None:
+    from modelopt.onnx.autocast.referencerunner import TensorStats
+
     assert list(ours) and set(ours) == set(theirs)
     for name, stats in theirs.items():
         mine = ours[name]
         assert isinstance(mine, TensorStats) and mine.shape == stats.shape, name
         for field in ("absmax", "min_val", "max_val"):
-            assert math.isclose(getattr(mine, field), float(getattr(stats, field)), rel_tol=1e-6, abs_tol=1e-9)
+            assert math.isclose(getattr(mine, field), float(getattr(stats, field)), rel_tol=1e-6, abs_tol=1e-9), \
+                (name, field)
+
+
+def test_the_streaming_ranges_equal_modelopts_over_several_feeds(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from modelopt.onnx.autocast.referencerunner import ReferenceRunner
+
+    model = onnx.load(str(cnn_onnx(tmp_path / "cnn.onnx")))
+    samples = cnn_samples(6)
+    feeds = [{k: v[i:i + 2] for k, v in samples.items()} for i in range(0, 6, 2)]
+    folder = str(_feed_folder(tmp_path, feeds))
+    _same(_streamed(model, folder, monkeypatch), ReferenceRunner(model).run(folder))
+
+
+def _constant_and_sqrt() -> onnx.ModelProto:
+    """y = Sqrt(x) * Constant(1000): a large constant (not a tensor ModelOpt measures) and a NaN where x < 0."""
+    nodes = [helper.make_node("Constant", [], ["big"], value=numpy_helper.from_array(np.array(1000.0, np.float32))),
+             helper.make_node("Sqrt", ["x"], ["root"], name="sqrt"),
+             helper.make_node("Mul", ["root", "big"], ["y"], name="mul")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_a_constant_node_is_not_measured_and_a_nan_feed_hides_no_other_range(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from modelopt.onnx.autocast.referencerunner import ReferenceRunner
+
+    model = _constant_and_sqrt()
+    # The first feed's root is NaN (Sqrt of -1); the last one's is 400.
+    feeds = [{"x": np.array([[-1.0, 1e-8, 1e-8, 1e-8]], np.float32)},
+             {"x": np.array([[1e-8, 1e-8, 1e-8, 1e-8]], np.float32)},
+             {"x": np.array([[160000.0, 1e-8, 1e-8, 1e-8]], np.float32)}]
+    folder = str(_feed_folder(tmp_path, feeds))
+    ours, theirs = _streamed(model, folder, monkeypatch), ReferenceRunner(model).run(folder)
+    assert "big" not in ours and "big" not in theirs  # before: measured, and 1000 kept the Mul in FP32
+    assert ours["root"].absmax == pytest.approx(400.0)  # before: NaN, and the Mul went to FP16
+    _same(ours, theirs)
 
 
 def test_other_feeds_keep_modelopts_own_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -47,7 +92,11 @@ def test_other_feeds_keep_modelopts_own_run(tmp_path: Path, monkeypatch: pytest.
     model = onnx.load(str(cnn_onnx(tmp_path / "cnn.onnx")))
     runner = fp16_ranges._streaming_runner(ReferenceRunner)(model)
     calls: list[object] = []
-    monkeypatch.setattr(ReferenceRunner, "run", lambda self, inputs=None: calls.append(inputs) or {})
+    def run(self: ReferenceRunner, inputs: object = None) -> dict[str, object]:
+        calls.append(inputs)
+        return {}
+
+    monkeypatch.setattr(ReferenceRunner, "run", run)
     runner.run(None)  # random inputs: ModelOpt's own business
     assert calls == [None]
 

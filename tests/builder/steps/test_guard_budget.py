@@ -20,8 +20,8 @@ from builder.steps import accuracy, budget, precision
 from builder.steps.accuracy import Metrics
 from builder.steps.fp16_guard import guard as fp16_guard
 from builder.steps.guard import guard as int8_guard
-from builder.steps.guard import quantized_nodes
 from builder.steps.precision import Fp16Settings
+from builder.steps.qdq_mix import quantized_nodes
 from builder.summary import guard_text
 from tests.builder.steps.test_fp16_guard import offset_model, offset_samples
 from tests.helpers.tiny_models import mlp_samples, outlier_mlp_onnx
