@@ -5,6 +5,7 @@ the same large offset, as in a normalization layer fed raw sensor values."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,32 @@ def offset_model(path: Path, seed: int = 0, *, head: bool = True) -> Path:
 def offset_samples(count: int, seed: int) -> dict[str, NDArray[np.float32]]:
     rng = np.random.default_rng(seed)
     return {"x": (OFFSET + 0.1 * rng.standard_normal((count, FEATURES))).astype(np.float32)}
+
+
+@dataclass(frozen=True)
+class Offset:
+    """The offset model, its held-out samples, autocast's feeds, the FP32 outputs and the plain FP16 graph."""
+
+    model: Path
+    evaluation: dict[str, NDArray[np.float32]]
+    feeds: list[dict[str, NDArray[Any]]]
+    reference: dict[str, NDArray[Any]]
+    plain: Path
+
+    def convert(self, settings: Fp16Settings, out: Path) -> None:
+        precision.to_fp16(self.model, out, feeds=self.feeds, what="offset", settings=settings, log_file=None)
+
+    def evaluate(self, path: Path) -> accuracy.Metrics:
+        return accuracy.compare(self.reference, run_file(path, self.evaluation, 8), Task.GENERIC)
+
+
+def plain_offset(tmp_path: Path, *, head: bool = True) -> Offset:
+    model = offset_model(tmp_path / "offset.onnx", head=head)
+    evaluation = offset_samples(32, seed=1)
+    feeds = precision.autocast_feeds([evaluation], 8)
+    plain = tmp_path / "plain.onnx"
+    precision.to_fp16(model, plain, feeds=feeds, what="offset", log_file=None)
+    return Offset(model, evaluation, feeds, run_file(model, evaluation, 8), plain)
 
 
 def spec_for(tmp_path: Path, tolerance: Tolerance | None = None, *, head: bool = True) -> ModelSpec:
@@ -99,26 +126,19 @@ def test_when_no_fp16_mix_meets_the_tolerance_fp32_is_served_under_the_fp16_name
 
 
 def test_a_candidate_autocast_refuses_is_recorded_and_the_search_goes_on(tmp_path: Path) -> None:
-    model = offset_model(tmp_path / "offset.onnx")
-    evaluation = offset_samples(32, seed=1)
-    feeds = precision.autocast_feeds([evaluation], 8)
-    reference = run_file(model, evaluation, 8)
-    plain = tmp_path / "plain.onnx"
-    precision.to_fp16(model, plain, feeds=feeds, what="offset", log_file=None)
+    offset = plain_offset(tmp_path)
     refused: list[Fp16Settings] = []
 
     def convert(settings: Fp16Settings, out: Path) -> None:
         if len(settings.nodes_to_exclude) == 4 and "relu" not in settings.nodes_to_exclude:
             refused.append(settings)  # relu alone in FP16: refused, as autocast may refuse a combination
             raise ToolError("model 'offset': FP16 conversion (ModelOpt autocast) failed: refused (full output: -)")
-        precision.to_fp16(model, out, feeds=feeds, what="offset", settings=settings, log_file=None)
-
-    def evaluate(path: Path) -> accuracy.Metrics:
-        return accuracy.compare(reference, run_file(path, evaluation, 8), Task.GENERIC)
+        offset.convert(settings, out)
 
     work = tmp_path / "work"
     work.mkdir()
-    report, path = guard(convert, evaluate, plain=plain, tolerance=Tolerance(cosine_min=0.999), work=work)
+    report, path = guard(convert, offset.evaluate, plain=offset.plain, tolerance=Tolerance(cosine_min=0.999),
+                         work=work)
     assert len(refused) == 1 and path is not None
     assert report.kept_fp32_nodes == ["centre"] and report.fallback is None
     relu = next(s for s in report.most_sensitive if s.node == "relu")

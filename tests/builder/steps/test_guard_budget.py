@@ -12,18 +12,18 @@ import pytest
 
 from builder.cli import main
 from builder.repository.onnx_files import sha256_file
-from builder.runtimes.onnxruntime import OnnxRuntimeReference, run_file
+from builder.runtimes.onnxruntime import OnnxRuntimeReference
 from builder.spec import DataSpec, Task, Tolerance
 from builder.spec.enums import CalibrationMethod, GuardSensitivity, Int8Recipe
 from builder.spec.model import CalibrationSpec
-from builder.steps import accuracy, budget, precision
+from builder.steps import budget, precision
 from builder.steps.accuracy import Metrics
 from builder.steps.fp16_guard import guard as fp16_guard
 from builder.steps.guard import guard as int8_guard
 from builder.steps.precision import Fp16Settings
 from builder.steps.qdq_mix import quantized_nodes
 from builder.summary import guard_text
-from tests.builder.steps.test_fp16_guard import offset_model, offset_samples
+from tests.builder.steps.test_fp16_guard import offset_model, offset_samples, plain_offset
 from tests.helpers.tiny_models import mlp_samples, outlier_mlp_onnx
 
 
@@ -75,32 +75,25 @@ def test_the_int8_guard_tries_no_candidate_past_its_budget(tmp_path: Path, clock
 
 
 def test_the_fp16_guard_stops_at_its_budget_and_serves_fp32_saying_why(tmp_path: Path, clock: Clock) -> None:
-    model = offset_model(tmp_path / "offset.onnx", head=False)  # no FP16 mix can meet it
-    evaluation = offset_samples(32, seed=1)
-    feeds = precision.autocast_feeds([evaluation], 8)
-    reference = run_file(model, evaluation, 8)
-    plain = tmp_path / "plain.onnx"
-    precision.to_fp16(model, plain, feeds=feeds, what="offset", log_file=None)
+    offset = plain_offset(tmp_path, head=False)  # no FP16 mix can meet it
     converted: list[Fp16Settings] = []
 
     def convert(settings: Fp16Settings, out: Path) -> None:
         converted.append(settings)
         clock.now += 10.0
-        precision.to_fp16(model, out, feeds=feeds, what="offset", settings=settings, log_file=None)
-
-    def evaluate(path: Path) -> accuracy.Metrics:
-        return accuracy.compare(reference, run_file(path, evaluation, 8), Task.GENERIC)
+        offset.convert(settings, out)
 
     work = tmp_path / "work"
     work.mkdir()
-    report, path = fp16_guard(convert, evaluate, plain=plain, tolerance=Tolerance(cosine_min=0.999), work=work,
-                              budget_s=15.0)
+    report, path = fp16_guard(convert, offset.evaluate, plain=offset.plain, tolerance=Tolerance(cosine_min=0.999),
+                              work=work, budget_s=15.0)
     assert path is None and report.budget_spent and report.budget_s == 15.0
     assert len(converted) == 2 == report.conversions  # at 0 and 10 s; at 20 s the budget is spent
     text = guard_text(None, {"fallback": "fp32", "budget_s": report.budget_s, "budget_spent": report.budget_spent})
     assert text == ("all: FP32 served (no FP16 mix met the tolerance within the guard's 15 s budget; "
                     "--guard-budget raises it)")
-    unbounded, _ = fp16_guard(convert, evaluate, plain=plain, tolerance=Tolerance(cosine_min=0.999), work=work)
+    unbounded, _ = fp16_guard(convert, offset.evaluate, plain=offset.plain, tolerance=Tolerance(cosine_min=0.999),
+                              work=work)
     assert not unbounded.budget_spent and unbounded.conversions > 2
     assert guard_text(None, {"fallback": "fp32"}) == "all: FP32 served (no FP16 mix met the tolerance)"
 
