@@ -16,7 +16,7 @@ from typing import Protocol
 
 import onnx
 
-from builder.errors import AccuracyError, BuilderError, DataError, ToolError, tool_cause
+from builder.errors import AccuracyError, BuilderError, DataError, OnnxModelError, ToolError, tool_cause
 from builder.repository import model_folder, onnx_files
 from builder.repository.onnx_files import copy_model, sha256_model
 from builder.repository.triton_config import ConfigInputs
@@ -95,7 +95,7 @@ class MakePrecision:
                                          "examples": samples.digest(model.evaluation)})
             try:
                 ctx.settings, cached = cached_conversion(model.cache_dir, key, ctx.variant_onnx, make)
-            except ToolError as exc:
+            except (ToolError, OnnxModelError) as exc:  # a converter failed, or its graph does not run
                 quantized = precision.already_quantized(model.fp32_path)
                 if quantized is None:
                     raise
