@@ -96,7 +96,9 @@ class MakePrecision:
             try:
                 ctx.settings, cached = cached_conversion(model.cache_dir, key, ctx.variant_onnx, make)
             except (ToolError, OnnxModelError) as exc:  # a converter failed, or its graph does not run
-                quantized = precision.already_quantized(model.fp32_path)
+                # Quantized by its exporter, wholly or in part (kokoro keeps 26 float MatMul beside its integer
+                # ops): the converters' failure is that graph's, and the model as given is what there is to serve.
+                quantized = precision.already_quantized(model.fp32_path) or precision.integer_compute(model.fp32_path)
                 if quantized is None:
                     raise
                 # Both converters fail on a graph quantized by whoever made it (kokoro's TTS: MatMulInteger,

@@ -427,12 +427,13 @@ def rate_gated(folder: Path) -> ForeignModel:
         data, ("--shapes", "x:1x32,sr:[]"), '[model.shapes]\nx = [1, 32]\nsr = []\n', False)
 
 
-def prequantized(folder: Path) -> ForeignModel:
+def prequantized(folder: Path, *, float_head: bool = False) -> ForeignModel:
     """An OCR model already quantized dynamically by its exporter, with a contrib op: x[1, 8] (no batching) →
     DynamicQuantizeLinear → MatMulInteger (int8 weights) → Cast to float → Mul by the scales → Add bias →
     com.microsoft Gelu → y[1, 6]. No float Conv/MatMul/Gemm is left; ModelOpt hands the custom op to TensorRT
     (absent: "name 'trt' is not defined"), and onnxconverter-common's FP16 mixes FP16 with the float the Casts
-    and the FP32-only DynamicQuantizeLinear produce."""
+    and the FP32-only DynamicQuantizeLinear produce. `float_head`: a float MatMul after the Gelu, as kokoro's TTS
+    keeps 26 float MatMul beside its 148 MatMulInteger (quantized in part)."""
     rng = np.random.default_rng(12)
     weights = rng.integers(-127, 128, (8, 6)).astype(np.int8)
     nodes = [
@@ -442,14 +443,18 @@ def prequantized(folder: Path) -> ForeignModel:
         helper.make_node("Mul", ["xs", "ws"], ["scale"], name="scale"),
         helper.make_node("Mul", ["accf", "scale"], ["mm"], name="scale_mul"),
         helper.make_node("Add", ["mm", "bias"], ["pre"], name="bias"),
-        helper.make_node("Gelu", ["pre"], ["y"], domain="com.microsoft", name="gelu"),
+        helper.make_node("Gelu", ["pre"], ["g" if float_head else "y"], domain="com.microsoft", name="gelu"),
     ]
+    head = [_init(rng, "head_w", 6, 6)] if float_head else []
+    if float_head:
+        nodes.append(helper.make_node("MatMul", ["g", "head_w"], ["y"], name="head"))
     graph = helper.make_graph(
         nodes, "prequantized",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 6])],
         initializer=[numpy_helper.from_array(weights, "wq"), numpy_helper.from_array(np.array(0, np.int8), "wz"),
-                     numpy_helper.from_array(np.array(0.01, np.float32), "ws"), _init(rng, "bias", 6, scale=0.1)],
+                     numpy_helper.from_array(np.array(0.01, np.float32), "ws"), _init(rng, "bias", 6, scale=0.1),
+                     *head],
     )
     path = _save(graph, folder / "prequantized.onnx", 13, domains=(("com.microsoft", 1),))
     data = _npz(folder / "prequantized.npz", {"x": rng.standard_normal((SAMPLES, 1, 8)).astype(np.float32)})
