@@ -219,6 +219,9 @@ class MeasureSpeed:
             # two measurements of one graph said.
             ctx.speed = replace(ctx.speed, worth_serving=False,
                                 reason=f"the FP32 graph (no {ctx.precision.value.upper()} mix met the tolerance)")
+        elif ctx.precision is Precision.FP16 and ctx.settings.get("as_given"):  # the model as given: FP32's graph
+            ctx.speed = replace(ctx.speed, worth_serving=False,
+                                reason="the model as given (already quantized; FP16 conversion failed)")
         if not ctx.speed.worth_serving:
             log.warning("%s not worth serving: %s", ctx.name, ctx.speed.reason)
 
