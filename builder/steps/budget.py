@@ -31,7 +31,3 @@ class Budget:
         if self.seconds is not None and _now() - self.started > self.seconds:
             self.spent = True
             raise BudgetSpent(f"the guard's budget of {self.seconds:g} s is spent")
-
-    def note(self) -> str:
-        """What the summary adds to "no mix met the tolerance" when the budget ended the search."""
-        return f"within the guard's {self.seconds:g} s budget; --guard-budget raises it" if self.spent else ""

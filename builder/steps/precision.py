@@ -419,8 +419,7 @@ def already_quantized(fp32_path: Path) -> str | None:
     counts = Counter(node.op_type for node in nodes)
     integer = {op: n for op, n in counts.items() if op in _QUANTIZED_OPS}
     if integer and not any(op in _FLOAT_COMPUTE_OPS for op in counts):
-        listed = ", ".join(f"{n} {op}" for op, n in sorted(integer.items(), key=lambda kv: (-kv[1], kv[0])))
-        return f"{listed}, no float Conv/MatMul/Gemm left"
+        return f"{_listed(integer)}, no float Conv/MatMul/Gemm left"
     producers = {out: node for node in nodes for out in node.output if out}
 
     def dequantized(tensor: str) -> bool:
@@ -449,8 +448,11 @@ def integer_compute(fp32_path: Path) -> str | None:
     without any."""
     model = onnx.load(str(fp32_path), load_external_data=False)
     counts = Counter(node.op_type for node in onnx_model.all_nodes(model.graph) if node.op_type in _QUANTIZED_OPS)
-    if not counts:
-        return None
+    return _listed(counts) if counts else None
+
+
+def _listed(counts: Mapping[str, int]) -> str:
+    """Op counts in words, the most frequent first: "148 MatMulInteger, 87 ConvInteger"."""
     return ", ".join(f"{n} {op}" for op, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
