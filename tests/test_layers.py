@@ -309,6 +309,8 @@ ORT_IN_STEPS: dict[str, str] = {
     "builder.steps.fp16_fallback": "repairs the FP16 graph from ONNX Runtime's own type-check messages",
     "builder.steps.fp16_ranges": "stands in for ModelOpt autocast's ONNX Runtime reference run, one feed at a time, "
                                  "on the sanitized graph autocast hands it",
+    "builder.steps.ort_calibration": "ONNX Runtime's entropy calibration, streamed through the calibrator's own "
+                                     "session and histogram collector inside the quantizer subprocess",
 }
 
 

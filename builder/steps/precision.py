@@ -38,7 +38,7 @@ from builder.runtimes.onnxruntime import ORT_ERRORS
 from builder.spec.enums import CalibrationMethod, Int8Recipe
 from builder.spec.model import CalibrationSpec
 from builder.spec.settings import default_cache_dir
-from builder.steps import calibration_order, fp16_ranges, int8_recipe, onnx_model, qdq_mix
+from builder.steps import calibration_order, fp16_ranges, int8_recipe, onnx_model, ort_calibration, qdq_mix
 from builder.steps.int8_recipe import CPU_RUNTIME
 from common import progress
 
@@ -748,6 +748,7 @@ def _ort_quantize_worker(job_path: str) -> None:
     from onnxruntime.quantization import (
         CalibrationMethod as OrtCalibrationMethod,
     )
+    from onnxruntime.quantization.calibrate import save_tensors_data
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
     job = json.loads(Path(job_path).read_text())
@@ -789,17 +790,25 @@ def _ort_quantize_worker(job_path: str) -> None:
             return {k: np.require(np.asarray(v[i]), requirements="C") if whole else v[i : i + 1]
                     for k, v in calibration.items()}
 
+    entropy = job["method"] == CalibrationMethod.ENTROPY.value
+    ranges = Path(job["tmp"]) / "entropy_ranges.json"
     with contextlib.redirect_stdout(io.StringIO()):  # ORT's calibrator prints its progress
+        if entropy:  # streamed, in bounded memory; quantize_static then reads the ranges as its cache
+            work = Path(job["tmp"]) / "entropy"
+            work.mkdir(exist_ok=True)
+            tensors = ort_calibration.entropy_ranges(prepared, lambda: iter(Reader()), op_types=op_types,
+                                                     external=external, workdir=work)
+            save_tensors_data(tensors, ranges)
         quantize_static(
             str(prepared),
             job["out"],
             Reader(),
+            calibration_cache_path=ranges if entropy else None,
             quant_format=QuantFormat.QDQ,
             per_channel=True,
             activation_type=QuantType[form["activations"]],
             weight_type=QuantType[form["weights"]],
-            calibrate_method=(OrtCalibrationMethod.Entropy if job["method"] == CalibrationMethod.ENTROPY.value
-                             else OrtCalibrationMethod.MinMax),
+            calibrate_method=OrtCalibrationMethod.Entropy if entropy else OrtCalibrationMethod.MinMax,
             op_types_to_quantize=op_types or None,
             nodes_to_exclude=job["nodes_to_exclude"] or None,
             nodes_to_quantize=job["nodes_to_quantize"] or None,
