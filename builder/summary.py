@@ -154,7 +154,9 @@ def row_from_record(record: Mapping[str, Any], *, state: str) -> SummaryRow:
         state = "rebuilt, calibration cached"
     seconds = record.get("build_seconds")
     speed = record.get("speed") or {}
-    ratio = speed.get("ratio") if speed.get("fp32_throughput") is not None else (1.0 if speed else None)
+    # FP32 itself: 1.0; a variant not measured (only marked, as FP32's graph under its name): none.
+    ratio = (speed.get("ratio") if speed.get("fp32_throughput") is not None
+             else 1.0 if speed.get("throughput") is not None else None)
     return SummaryRow(
         variant=str(record.get("name", "?")), precision=str(record.get("precision", "?")),
         runtime=record.get("runtime"), size_bytes=record.get("size_bytes"), accuracy=accuracy, within=within,

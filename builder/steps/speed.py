@@ -45,7 +45,7 @@ def skipped() -> bool:
 class Speed:
     """What build.json and the build report record of a variant's speed and size against FP32."""
 
-    throughput: float  # inferences/s at the opt shape: the median of its rounds
+    throughput: float | None  # inferences/s at the opt shape: the median of its rounds (None: not measured)
     rounds: list[float]
     fp32_throughput: float | None  # FP32's median in rounds alternating with these (None: FP32 itself)
     fp32_rounds: list[float] | None
@@ -74,6 +74,18 @@ def verdict(precision: Precision, rounds: Sequence[float], fp32_rounds: Sequence
     if not (slower or larger):
         return True, None
     return False, f"{precision.value} {ratio:.2f}x FP32's throughput, {_size(size)} vs {_size(fp32_size)}"
+
+
+def unmeasured(batch: int, threads: int, size: int, fp32_size: int, reason: str) -> Speed:
+    """Not worth serving whatever a measurement would say (FP32's graph under a variant's name), where none ran:
+    a runtime the build-time check does not measure (the GPU's), or a measurement that failed."""
+    return Speed(throughput=None, rounds=[], fp32_throughput=None, fp32_rounds=None, ratio=None, batch=batch,
+                 threads=threads, size_bytes=size, fp32_size_bytes=fp32_size, worth_serving=False, reason=reason)
+
+
+def opt_batch(shapes: ModelShapes) -> int:
+    """The inferences one run at the opt shape makes: the opt batch of a batching model, else 1."""
+    return shapes.batch.opt if shapes.batch is not None and shapes.batching else 1
 
 
 def opt_feed(inputs: tuple[TensorSpec, ...], shapes: ModelShapes,

@@ -32,6 +32,7 @@ from builder.steps.fp16_guard import guard_fp16
 from builder.steps.guard import guard_int8
 from builder.steps.onnx_model import default_opset
 from builder.steps.results import VariantResult
+from builder.steps.speed import Speed
 from common import progress
 
 log = logging.getLogger(__name__)
@@ -199,31 +200,40 @@ class MeasureSpeed:
 
     def run(self, ctx: VariantContext) -> None:
         model = ctx.model
+        fell_back = (ctx.guard.fallback if ctx.guard is not None else None) or \
+            (ctx.fp16_guard.fallback if ctx.fp16_guard is not None else None)
+        # FP32's graph under this variant's name: FP32 itself is the one to serve on any runtime, whatever the
+        # noise of two measurements of one graph said, or where none is made.
+        same_graph = (f"the FP32 graph (no {ctx.precision.value.upper()} mix met the tolerance)"
+                      if fell_back is Precision.FP32 else
+                      "the model as given (already quantized; FP16 conversion failed)"
+                      if ctx.precision is Precision.FP16 and ctx.settings.get("as_given") else None)
+        ctx.speed = self._measured(ctx)
+        if same_graph is not None:
+            ctx.speed = (replace(ctx.speed, worth_serving=False, reason=same_graph) if ctx.speed is not None else
+                         speed.unmeasured(speed.opt_batch(model.input_shapes),
+                                          model.spec.serving.ort_intra_op_threads,
+                                          onnx_files.model_size(ctx.artifact),
+                                          onnx_files.model_size(model.fp32_path), same_graph))
+        if ctx.speed is not None and not ctx.speed.worth_serving:
+            log.warning("%s not worth serving: %s", ctx.name, ctx.speed.reason)
+
+    @staticmethod
+    def _measured(ctx: VariantContext) -> Speed | None:
+        model = ctx.model
         if model.speed_meter is None or ctx.runtime.name != RuntimeChoice.ONNXRUNTIME.value:
-            return
+            return None
         # A graph the meter cannot run fails as under the executor (ONNX Runtime both, by default).
         failed: tuple[type[Exception], ...] = (*model.executor.errors, DataError)
         try:
             feed, batch = speed.opt_feed(model.signature.inputs, model.input_shapes, model.spec.input_ranges)
-            ctx.speed = speed.measure(ctx.precision, ctx.artifact, model.fp32_path, feed, batch=batch,
-                                      threads=model.spec.serving.ort_intra_op_threads,
-                                      size=onnx_files.model_size(ctx.artifact),
-                                      fp32_size=onnx_files.model_size(model.fp32_path), meter=model.speed_meter)
+            return speed.measure(ctx.precision, ctx.artifact, model.fp32_path, feed, batch=batch,
+                                 threads=model.spec.serving.ort_intra_op_threads,
+                                 size=onnx_files.model_size(ctx.artifact),
+                                 fp32_size=onnx_files.model_size(model.fp32_path), meter=model.speed_meter)
         except failed as exc:
             log.warning("%s: throughput not measured: %s", ctx.name, tool_cause(exc))
-            return
-        fell_back = (ctx.guard.fallback if ctx.guard is not None else None) or \
-            (ctx.fp16_guard.fallback if ctx.fp16_guard is not None else None)
-        if fell_back is Precision.FP32:
-            # The FP32 graph under this variant's name: FP32 itself is the one to serve, whatever the noise of the
-            # two measurements of one graph said.
-            ctx.speed = replace(ctx.speed, worth_serving=False,
-                                reason=f"the FP32 graph (no {ctx.precision.value.upper()} mix met the tolerance)")
-        elif ctx.precision is Precision.FP16 and ctx.settings.get("as_given"):  # the model as given: FP32's graph
-            ctx.speed = replace(ctx.speed, worth_serving=False,
-                                reason="the model as given (already quantized; FP16 conversion failed)")
-        if not ctx.speed.worth_serving:
-            log.warning("%s not worth serving: %s", ctx.name, ctx.speed.reason)
+            return None
 
 
 class Guard:

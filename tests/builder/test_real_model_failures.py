@@ -298,6 +298,28 @@ def test_an_already_quantized_model_both_fp16_converters_refuse_gets_the_model_a
     assert record["variant_onnx_sha256"] == record["fp32_onnx_sha256"]
 
 
+def test_fp16_as_given_is_marked_not_worth_serving_where_no_throughput_is_measured(
+        workdir: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mark is the graph's, not a measurement's: on a GPU runtime (whose speed the build does not measure) the
+    FP16 variant that is FP32's graph was listed as worth serving (the H200's make test found it). Here the
+    measurement is switched off as a GPU runtime leaves it."""
+    def refused(*_: Any, **__: Any) -> dict[str, object]:
+        raise ToolError("model 'prequantized': FP16 conversion (ModelOpt autocast) failed: no")
+
+    monkeypatch.setattr(variant, "to_fp16_checked", refused)
+    monkeypatch.setenv("TRTBUILD_NO_SPEED", "1")
+    model = prequantized(workdir, float_head=False)
+    code = main([*model.build_args(workdir / "repo"), "--log", "build.log"])
+    err = capfd.readouterr().err
+    assert code == 0, err
+    fp16 = json.loads((workdir / "repo" / "prequantized_fp16" / "build.json").read_text())
+    assert fp16["speed"]["worth_serving"] is False and "the model as given" in fp16["speed"]["reason"]
+    assert fp16["speed"]["throughput"] is None and fp16["speed"]["ratio"] is None
+    assert "prequantized_fp16 not worth serving: the model as given" in err
+    fp32 = json.loads((workdir / "repo" / "prequantized_fp32" / "build.json").read_text())
+    assert fp32["speed"] is None  # nothing to mark, nothing measured
+
+
 def test_a_float_model_both_fp16_converters_refuse_still_fails_in_one_line(
         workdir: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     def refused(*_: Any, **__: Any) -> dict[str, object]:
