@@ -4,14 +4,17 @@ through tritonclient's HTTP client."""
 from __future__ import annotations
 
 import http.client
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from importlib.metadata import version
 from typing import Any, TypeVar
 
 import gevent
 import gevent.ssl
 import tritonclient.http as httpclient
+from geventhttpclient import connectionpool
 from tritonclient.utils import InferenceServerException
 
 from builder.errors import ServerError
@@ -23,6 +26,17 @@ T = TypeVar("T")
 # load's minutes are spent waiting for the answer (network_timeout), not connecting.
 CONNECT_TIMEOUT_S = 10.0
 MAX_ERROR_CHARS = 600  # of Triton's error text (a python-backend model's traceback can be long)
+
+
+def tls_missing() -> str | None:
+    """Why tritonclient's HTTP client cannot speak TLS in this interpreter, or None where it can. geventhttpclient
+    defines its TLS pool only where ssl.match_hostname exists, which Python 3.12 removed, and tritonclient 2.50
+    admits no geventhttpclient newer than 2.0.2, which predates the fix."""
+    if hasattr(connectionpool, "SSLConnectionPool"):
+        return None
+    return (f"geventhttpclient {version('geventhttpclient')} (the newest tritonclient {version('tritonclient')} "
+            f"admits) has no TLS under Python {sys.version_info.major}.{sys.version_info.minor} (it needs "
+            "ssl.match_hostname, which Python 3.12 removed); use Python 3.11, or a plain http:// URL on loopback")
 
 
 class Rejected(ServerError):
@@ -52,6 +66,8 @@ class Http:
     def _call(self, path: str, call: Callable[[Any, dict[str, str] | None], T], *, timeout: float) -> T:
         url = f"{self.base}{path}"
         headers = {KEY_HEADER: self.key} if self.key else None
+        if self.tls and (missing := tls_missing()) is not None:  # never fall back to clear text: the admin key
+            raise ServerError(f"{url}: cannot use https here: {missing}")
         try:
             tls: dict[str, Any] = {"ssl": True, "ssl_context_factory": gevent.ssl.create_default_context} \
                 if self.tls else {}

@@ -14,7 +14,8 @@ from google.protobuf import json_format
 from builder.errors import ServerError
 from builder.repository import triton_config
 from builder.serving.triton_server import ModelControl, Ports, TritonServer, free_ports
-from builder.tuning.control import Http, Rejected
+from builder.tuning import control
+from builder.tuning.control import Http, Rejected, tls_missing
 
 
 def open_descriptors() -> int:
@@ -124,6 +125,7 @@ class _Listener:
         self.sock.close()
 
 
+@pytest.mark.skipif(tls_missing() is not None, reason=f"no TLS in tritonclient's HTTP client here: {tls_missing()}")
 def test_an_https_url_stays_https_and_the_admin_key_never_crosses_in_clear_text() -> None:
     listener = _Listener()  # speaks no TLS: a client that stays on https fails the handshake
     try:
@@ -135,6 +137,22 @@ def test_an_https_url_stays_https_and_the_admin_key_never_crosses_in_clear_text(
         assert "\n" not in str(caught.value)
     finally:
         listener.close()
+
+
+def test_https_where_the_http_client_has_no_tls_is_one_line_and_opens_no_connection(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Python 3.12 (the GPU hosts'): geventhttpclient 2.0.2, the newest tritonclient 2.50 admits, defines no TLS
+    pool there, and the client died with an ImportError traceback. Now one line, and no client is even made (so
+    nothing, the admin key least of all, can go out in clear text)."""
+    monkeypatch.delattr(control.connectionpool, "SSLConnectionPool", raising=False)
+    made: list[object] = []
+    monkeypatch.setattr(control.httpclient, "InferenceServerClient", lambda *a, **k: made.append(a))
+    with pytest.raises(ServerError) as caught:
+        Http("https://127.0.0.1:8000", key="s3cret-admin-key").ready(timeout=5)
+    message = str(caught.value)
+    assert message.startswith("https://127.0.0.1:8000/v2/health/ready: cannot use https here: geventhttpclient ")
+    assert "ssl.match_hostname" in message and "\n" not in message
+    assert made == []
 
 
 def test_a_scheme_other_than_http_is_one_line() -> None:
