@@ -116,7 +116,7 @@ test-latest: $(STAMP)
 	$(BIN)/python .ci/test_latest.py --locked-python $(BIN)/python --venv .venv-latest
 
 engines: $(STAMP) $(GPU_DEP)
-	@$(BIN)/python -m builder.lockcheck $(if $(GPU_DEP),$(LOCK_GPU),$(LOCK))
+	@$(BIN)/python -m builder.lockcheck $(INSTALL_LOCK)
 	@$(BIN)/trtbuild engines --manifest $(MANIFEST) --repository $(REPOSITORY)
 
 serve: $(STAMP)

@@ -82,8 +82,13 @@ def differences(pins: dict[str, str],
     found = []
     for name, locked in sorted(pins.items()):
         installed = installed_of(name)
-        if installed is None and name in _STANDS_IN and pins.get(_STANDS_IN[name]) == locked:
-            installed = installed_of(_STANDS_IN[name])
+        stand_in = _STANDS_IN.get(name)
+        if stand_in is not None and pins.get(stand_in) == locked:
+            theirs = installed_of(stand_in)
+            # The stand-in at the locked version is what imports; a GPU host's own CPU onnxruntime, found through
+            # the host-torch path after the venv's packages, is not.
+            if installed is None or theirs == locked:
+                installed = theirs
         # A local label on the lock's side only (torch 2.13.0+cpu) is the same release when metadata drops it.
         if installed is None or (installed != locked and installed != locked.split("+", 1)[0]):
             found.append((name, locked, installed))

@@ -80,6 +80,9 @@ def test_on_a_gpu_host_onnxruntime_gpu_stands_in_for_the_cpu_wheel_it_replaced(t
     assert differences(pins, {"onnxruntime-gpu": "1.32.0"}.get) == [
         ("onnxruntime", "1.31.1", "1.32.0"), ("onnxruntime-gpu", "1.31.1", "1.32.0")]
     assert differences(pins, {}.get) == [("onnxruntime", "1.31.1", None), ("onnxruntime-gpu", "1.31.1", None)]
+    # The H200 host's own CPU onnxruntime 1.30.0, visible through the host-torch path, is not what imports: the
+    # note named it on every GPU `make demo`.
+    assert differences(pins, {"onnxruntime": "1.30.0", "onnxruntime-gpu": "1.31.1"}.get) == []
     # the CPU lock pins onnxruntime alone: nothing stands in for it there
     assert differences(locked_versions(lock(tmp_path, "onnxruntime==1.31.1")), gpu_host.get) == [
         ("onnxruntime", "1.31.1", None)]
