@@ -22,6 +22,8 @@ import numpy as np
 import onnxruntime as ort
 from numpy.typing import NDArray
 
+from builder.steps import onnx_model
+
 log = logging.getLogger(__name__)
 
 # A model whose serialized form ONNX Runtime cannot take from memory (protobuf's 2 GB) keeps ModelOpt's runner.
@@ -66,6 +68,9 @@ def exposed_outputs(model: Any) -> Any:
     from modelopt.onnx import utils as onnx_utils
 
     exposed = copy.deepcopy(model)
+    # One copy of each weight that ModelOpt's sanitizer duplicated per consumer (captcha_crnn's unrolled LSTM: 19 MB
+    # became 270 MB), before shape inference and the session copy it again: the ranges are of node outputs only.
+    onnx_model.dedupe_initializers(exposed)
     onnx_utils.clear_stale_value_info(exposed)
     present = {o.name for o in exposed.graph.output} | {i.name for i in exposed.graph.input}
     for node in exposed.graph.node:
