@@ -47,6 +47,12 @@ _INSERTED = frozenset({"Cast", "QuantizeLinear", "DequantizeLinear"})
 # Held-out samples the pass uses at most, and the batch they run in (bounds one batch's activations).
 MAX_SAMPLES = 32
 MAX_BATCH = 8
+# The exposed tensors one run of both graphs returns at most, in bytes (the FP32 graph's sizes, counted twice): a
+# model whose activations exceed it runs in several groups of outputs, each a run of both graphs (layout_cdla at
+# 800x608: about 1 GB per graph, which set its build's peak).
+GROUP_BYTES = 512 << 20
+# Elements per slice of the float64 error sums.
+_SLICE = 1 << 22
 # A relative error at least this large is recorded as this (an FP16 overflow gives inf).
 ERROR_CAP = 1e6
 _FLOAT_KINDS = "fc"
@@ -170,6 +176,38 @@ def _exposed(path: Path, model: onnx.ModelProto, names: set[str]) -> Path:
     return out
 
 
+def _run(session: Any, feed: Mapping[str, NDArray[Any]], names: Sequence[str]) -> dict[str, NDArray[Any]]:
+    """The named tensors of one run: graph outputs from the session, the feed's own inputs as given."""
+    fetch = list(dict.fromkeys(n for n in names if n not in feed))
+    values = dict(zip(fetch, session.run(fetch, dict(feed)), strict=True)) if fetch else {}
+    return {n: feed[n] if n in feed else values[n] for n in names}
+
+
+def _sizes(session: Any, feed: Mapping[str, NDArray[Any]], names: Sequence[str]) -> dict[str, int]:
+    """Bytes of each named FP32 tensor on one feed, from one run of the FP32 graph that keeps only the sizes (it
+    holds one graph's tensors at once: half of what a run of both held)."""
+    sizes = {n: int(np.asarray(feed[n]).nbytes) for n in names if n in feed}
+    pending = list(dict.fromkeys(n for n in names if n not in feed))
+    for name, value in zip(pending, session.run(pending, dict(feed)) if pending else [], strict=True):
+        sizes[name] = int(np.asarray(value).nbytes)
+    return sizes
+
+
+def _groups(pairs: Sequence[_Pair], sizes: Mapping[str, int]) -> list[list[_Pair]]:
+    """The pairs in the order given, cut into groups whose two graphs' tensors stay within GROUP_BYTES together (a
+    tensor larger than that is a group of its own). Each pair's sums do not depend on the grouping."""
+    groups: list[list[_Pair]] = [[]]
+    held = 0
+    for pair in pairs:
+        size = 2 * sizes.get(pair.fp32, 0)
+        if groups[-1] and held + size > GROUP_BYTES:
+            groups.append([])
+            held = 0
+        groups[-1].append(pair)
+        held += size
+    return groups if groups[-1] else []
+
+
 class _Errors:
     """Running sums per tensor pair: Σ(candidate − FP32)² and Σ FP32²."""
 
@@ -181,14 +219,19 @@ class _Errors:
     def add(self, pair: _Pair, reference: NDArray[Any], candidate: NDArray[Any]) -> None:
         if reference.shape != candidate.shape or reference.dtype.kind not in _FLOAT_KINDS + "iub":
             return
-        ref = reference.astype(np.float64)
-        with np.errstate(over="ignore", invalid="ignore"):
-            diff = float(np.sum(np.square(candidate.astype(np.float64) - ref)))
+        # In float64, a slice at a time: four float64 temporaries of a whole 100 MB activation held 800 MB at once.
+        flat_ref, flat_cand = reference.reshape(-1), candidate.reshape(-1)
+        diff = ref_sum = 0.0
+        for start in range(0, flat_ref.size, _SLICE):
+            ref = flat_ref[start : start + _SLICE].astype(np.float64)
+            with np.errstate(over="ignore", invalid="ignore"):
+                diff += float(np.sum(np.square(flat_cand[start : start + _SLICE].astype(np.float64) - ref)))
+            ref_sum += float(np.sum(np.square(ref)))
         if math.isnan(diff):
             diff = math.inf
         self.diff[pair] = self.diff.get(pair, 0.0) + diff
-        self.ref[pair] = self.ref.get(pair, 0.0) + float(np.sum(np.square(ref)))
-        self.count[pair] = self.count.get(pair, 0) + ref.size
+        self.ref[pair] = self.ref.get(pair, 0.0) + ref_sum
+        self.count[pair] = self.count.get(pair, 0) + flat_ref.size
 
     def relative(self, pair: _Pair) -> float | None:
         if pair not in self.diff:
@@ -217,19 +260,25 @@ def one_pass(fp32_path: Path, candidate_path: Path, nodes: Sequence[str], evalua
     try:
         # ONNX Runtime itself, not the reference executor: batches stream through two sessions and only running
         # sums of the exposed tensors are kept (an executor's run() returns every sample's outputs at once).
-        sessions = [ort_session(path) for path in exposed]
-        names = [[o.name for o in s.get_outputs()] for s in sessions]
+        sessions = [ort_session(path, arena=False) for path in exposed]
+        outputs = [{o.name for o in s.get_outputs()} for s in sessions]
         feeds = list(sample_feeds(used, batch))
-        description = f"{what}: sensitivity, one pass over {len(feeds)} held-out batches"
-        with progress.task(description, total=len(feeds)) as bar:
+        first = feeds[0] if feeds else {}
+        # Pairs whose two tensors are a feed's input or a graph output, as the runs return them.
+        returned = [p for p in wanted if (p.fp32 in outputs[0] or p.fp32 in first)
+                    and (p.candidate in outputs[1] or p.candidate in first)]
+        groups = _groups(returned, _sizes(sessions[0], first, [p.fp32 for p in returned])) if feeds else []
+        description = (f"{what}: sensitivity, one pass over {len(feeds)} held-out batches"
+                       + (f" in {len(groups)} groups of tensors" if len(groups) > 1 else ""))
+        with progress.task(description, total=len(feeds) * len(groups)) as bar:
             for feed in feeds:
-                values = [dict(feed) | dict(zip(n, s.run(n, dict(feed)), strict=True))
-                          for n, s in zip(names, sessions, strict=True)]
-                for pair in wanted:
-                    if pair.fp32 in values[0] and pair.candidate in values[1]:
+                for group in groups:
+                    values = [_run(session, feed, names) for session, names in
+                              zip(sessions, ([p.fp32 for p in group], [p.candidate for p in group]), strict=True)]
+                    for pair in group:
                         errors.add(pair, np.asarray(values[0][pair.fp32]), np.asarray(values[1][pair.candidate]))
-                del values
-                bar.advance()
+                    del values
+                    bar.advance()
         del sessions
     finally:
         for path in exposed:

@@ -15,7 +15,7 @@ from builder.pipeline import BuildOptions, build_all
 from builder.repository.onnx_files import sha256_file
 from builder.runtimes.onnxruntime import OnnxRuntimeCPU
 from builder.spec import CalibrationMethod, CalibrationSpec, DataSpec, GuardSensitivity, Int8Recipe
-from builder.steps import precision
+from builder.steps import precision, sensitivity
 from builder.steps.fp16_guard import fp16_nodes
 from builder.steps.guard import quantized_nodes
 from builder.steps.sensitivity import node_tensors, one_pass
@@ -36,6 +36,31 @@ def test_one_pass_ranks_the_layer_fed_the_outlier_channel_first(tmp_path: Path) 
     assert ranked[0] == "fc2", scores
     assert scores["fc2"] > 0.5 > max(scores[n] for n in ranked[1:]), scores
     assert not list(tmp_path.glob(".*sensitivity*"))  # the exposed copies are removed
+
+
+def test_one_pass_in_groups_of_tensors_gives_the_same_scores_as_one_run(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model whose exposed tensors exceed GROUP_BYTES runs in several groups (layout_cdla's guard peaked at
+    2.1 GB holding both graphs' tensors at once): each pair's sums, so the scores, do not change."""
+    model = outlier_mlp_onnx(tmp_path / "outlier.onnx")
+    plain = tmp_path / "int8.onnx"
+    spec = CalibrationSpec(DataSpec("unused.npz", 64), method=CalibrationMethod.MAX, recipe=Int8Recipe.MODELOPT)
+    precision.to_int8(model, fp32_sha=sha256_file(model), calibration=mlp_samples(64, seed=0), data_digest="t",
+                      spec=spec, out_path=plain, cache_dir=tmp_path / "cache", log_file=None)
+    nodes = quantized_nodes(onnx.load(str(plain)))
+    whole = one_pass(model, plain, nodes, mlp_samples(32, seed=1), 8)
+    runs: list[int] = []
+    original = sensitivity._run
+
+    def counted(session: object, feed: object, names: list[str]) -> object:
+        runs.append(len(names))
+        return original(session, feed, names)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(sensitivity, "GROUP_BYTES", 1)  # every tensor a group of its own
+    monkeypatch.setattr(sensitivity, "_run", counted)
+    grouped = one_pass(model, plain, nodes, mlp_samples(32, seed=1), 8)
+    assert max(runs) == 1 and len(runs) > 2 * 4  # one tensor per run, both graphs, 4 batches of 8
+    assert grouped == pytest.approx(whole, rel=1e-9, abs=1e-12)
 
 
 def test_one_pass_ranks_the_subtraction_fp16_cannot_hold_first(tmp_path: Path) -> None:
