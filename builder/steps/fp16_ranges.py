@@ -101,6 +101,7 @@ def _streaming_runner(base: type) -> type:
             self._validate_inputs(data_loader)  # ModelOpt's own check and message
             options = ort.SessionOptions()
             options.log_severity_level = 3
+            options.enable_cpu_mem_arena = False  # its high-water mark would be every tensor of the graph at once
             session = ort.InferenceSession(exposed_outputs(self.model).SerializeToString(), sess_options=options,
                                            providers=["CPUExecutionProvider"])
             names = [o.name for o in session.get_outputs()]

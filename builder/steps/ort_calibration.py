@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnxruntime as ort
 from numpy.typing import NDArray
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,13 @@ def entropy_ranges(prepared: Path, feeds: Callable[[], Iterable[Feed]], *, op_ty
                                    augmented_model_path=str(workdir / "augmented_model.onnx"),
                                    calibrate_method=CalibrationMethod.Entropy,
                                    use_external_data_format=external, extra_options={})
-    session = calibrator.infer_session
+    # The calibrator's own session again (its options, its providers), without the CPU arena: a run that returns
+    # every calibrated tensor leaves the arena at a graph's worth of activations for the session's life.
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.enable_cpu_mem_arena = False
+    session = calibrator.infer_session = ort.InferenceSession(calibrator.augmented_model_path, sess_options=options,
+                                                              providers=calibrator.execution_providers)
     names = [o.name for o in session.get_outputs()]
     wanted = [(i, name) for i, name in enumerate(names) if name in calibrator.tensors_to_calibrate]
 
