@@ -18,6 +18,7 @@ activations are held at a time; the price is one more inference pass.
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,37 +32,46 @@ log = logging.getLogger(__name__)
 Feed = Mapping[str, NDArray[Any]]
 
 
+class CalibrationFailed(ValueError):
+    """The samples give a calibrated tensor no finite range (NaN or infinity in every sample): a failure of
+    this model's calibration, as ONNX Runtime's own calibrator fails on it, not a bug of ours."""
+
+
 def entropy_ranges(prepared: Path, feeds: Callable[[], Iterable[Feed]], *, op_types: Sequence[str],
                    external: bool, workdir: Path) -> Any:
     """ONNX Runtime's entropy TensorsData for `prepared` over `feeds()` (called once per pass), as quantize_static
     would compute it with its default calibration options."""
     from onnxruntime.quantization.calibrate import (
         CalibrationMethod,
+        EntropyCalibrater,
         HistogramCollector,
         TensorsData,
-        create_calibrator,
     )
+    from onnxruntime.quantization.registry import QDQRegistry, QLinearOpsRegistry
 
-    calibrator = create_calibrator(prepared, list(op_types) or None,
-                                   augmented_model_path=str(workdir / "augmented_model.onnx"),
-                                   calibrate_method=CalibrationMethod.Entropy,
-                                   use_external_data_format=external, extra_options={})
-    # The calibrator's own session again (its options, its providers), without the CPU arena: a run that returns
-    # every calibrated tensor leaves the arena at a graph's worth of activations for the session's life.
+    # quantize_static's own choice when it is given no op types: every op it can quantize (None here would
+    # calibrate every float tensor of the graph instead).
+    calibrated_ops = list(op_types) or sorted(set(QLinearOpsRegistry) | set(QDQRegistry))
+    # What create_calibrator builds for the entropy method with default options, less its inference session:
+    # ours below replaces it.
+    calibrator = EntropyCalibrater(prepared, calibrated_ops, str(workdir / "augmented_model.onnx"),
+                                   use_external_data_format=external)
+    calibrator.augment_graph()
+    # The calibrator's session options, without the CPU arena: a run that returns every calibrated tensor leaves
+    # the arena at a graph's worth of activations for the session's life.
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.enable_cpu_mem_arena = False
     session = calibrator.infer_session = ort.InferenceSession(calibrator.augmented_model_path, sess_options=options,
                                                               providers=calibrator.execution_providers)
-    names = [o.name for o in session.get_outputs()]
-    wanted = [(i, name) for i, name in enumerate(names) if name in calibrator.tensors_to_calibrate]
+    names = [o.name for o in session.get_outputs() if o.name in calibrator.tensors_to_calibrate]
 
     def outputs() -> Iterable[list[NDArray[Any]]]:
         count = 0
         for feed in feeds():
             count += 1
             # Flattened as the one-shot calibration flattens each tensor's stack of samples.
-            yield [np.asarray(out).ravel() for out in session.run(None, dict(feed))]
+            yield [np.asarray(out).ravel() for out in session.run(names, dict(feed))]
         if count == 0:
             raise ValueError("No data is collected.")  # ONNX Runtime's own words for an empty reader
 
@@ -69,29 +79,55 @@ def entropy_ranges(prepared: Path, feeds: Callable[[], Iterable[Feed]], *, op_ty
     highs: dict[str, Any] = {}
     dtypes: dict[str, Any] = {}
     for outs in outputs():
-        for i, name in wanted:
-            values = outs[i]
+        for name, values in zip(names, outs, strict=True):
             dtypes.setdefault(name, values.dtype)
             if values.size == 0:
                 continue
-            low, high = np.nanmin(values), np.nanmax(values)
+            with np.errstate(invalid="ignore"), warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)  # a sample all NaN: its min is NaN, skipped below
+                low, high = np.nanmin(values), np.nanmax(values)
             # fmin/fmax skip NaN as nanmin/nanmax over all samples do.
             lows[name] = low if name not in lows else np.fmin(lows[name], low)
             highs[name] = high if name not in highs else np.fmax(highs[name], high)
 
-    collector = HistogramCollector(method=calibrator.method, symmetric=calibrator.symmetric,
-                                   num_bins=calibrator.num_bins, num_quantized_bins=calibrator.num_quantized_bins,
-                                   percentile=calibrator.percentile, scenario=calibrator.scenario)
-    for _, name in wanted:
+    ranges: dict[str, tuple[Any, Any, Any]] = {}
+    hists: dict[str, NDArray[np.int64]] = {}
+    edges: dict[str, NDArray[Any]] = {}
+    for name in names:
         zero = np.array(0, dtype=dtypes[name])  # a tensor empty in every sample, as the one-shot takes it
         low, high = lows.get(name, zero), highs.get(name, zero)
         threshold = np.array(max(abs(low), abs(high)), dtype=low.dtype)
+        if not np.isfinite(threshold):
+            raise CalibrationFailed(f"tensor {name!r} has no finite range over the calibration samples "
+                                    f"(min {low}, max {high})")
+        ranges[name] = (low, high, threshold)
         # Edges as np.histogram makes them from this range and dtype, the same as the one-shot's.
-        hist, edges = np.histogram(np.empty(0, dtype=low.dtype), calibrator.num_bins,
-                                   range=(-threshold, threshold))  # type: ignore[arg-type]
-        collector.histogram_dict[name] = (hist, edges, low, high, threshold)
+        hists[name], edges[name] = np.histogram(np.empty(0, dtype=low.dtype), calibrator.num_bins,
+                                                range=(-threshold, threshold))  # type: ignore[arg-type]
     for outs in outputs():
-        collector.collect_value({name: outs[i] for i, name in wanted})
-    log.debug("entropy calibration streamed: %d tensors", len(wanted))
+        for name, values in zip(names, outs, strict=True):
+            # Over fixed edges a histogram's counts are the sum of its parts' (NaN is in no bin, as in the
+            # one-shot's): what ONNX Runtime's collector adds when a sample lies within the range it has.
+            threshold = ranges[name][2]
+            hists[name] += np.histogram(values, calibrator.num_bins, range=(-threshold, threshold))[0]
+
+    collector = HistogramCollector(method=calibrator.method, symmetric=calibrator.symmetric,
+                                   num_bins=calibrator.num_bins, num_quantized_bins=calibrator.num_quantized_bins,
+                                   percentile=calibrator.percentile, scenario=calibrator.scenario)
+    collector.histogram_dict = {name: (hists[name], edges[name], *ranges[name]) for name in names}
+    log.debug("entropy calibration streamed: %d tensors", len(names))
     return TensorsData(CalibrationMethod.Entropy, collector.compute_collection_result())
 
+
+def save_ranges(tensors: Any, path: Path) -> None:
+    """ONNX Runtime's save_tensors_data, keeping each range's dtype: it writes a numpy float scalar as a plain
+    number, which reads back as float32, so an FP16 tensor's range (and so its scale) would change on the way
+    through the cache. As 0-d arrays they are written with their dtype and read back as they were."""
+    from onnxruntime.quantization.calibrate import TensorData, TensorsData, save_tensors_data
+
+    kept = {}
+    for name, data in tensors.items():
+        fields = {k: np.asarray(v) if isinstance(v, np.floating) else v
+                  for k, v in data.to_dict().items() if k != "CLS"}
+        kept[name] = TensorData(**fields)
+    save_tensors_data(TensorsData(tensors.calibration_method, kept), path)

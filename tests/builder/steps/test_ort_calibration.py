@@ -1,6 +1,9 @@
-"""The streamed entropy calibration gives ONNX Runtime's one-shot ranges and Q/DQ graph exactly.
+"""The streamed entropy calibration gives ONNX Runtime's one-shot ranges and Q/DQ graph exactly, for float32 and
+float16 graphs, with NaN in samples, ops ONNX Runtime does not quantize and outputs that are not tensors; where
+the samples give a tensor no finite range it fails as a calibration failure, one line naming the tensor.
 
-Both run in a fresh interpreter: importing ModelOpt (other tests do) patches ONNX Runtime's calibrators in place.
+Each case runs in a fresh interpreter: importing ModelOpt (other tests do) patches ONNX Runtime's calibrators in
+place.
 """
 
 from __future__ import annotations
@@ -9,22 +12,25 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+import pytest
+from onnx import helper, numpy_helper
 
 _COMPARE = r"""
 import json, sys
 from pathlib import Path
 import numpy as np
 import onnx
-from onnx import numpy_helper
 from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
-from onnxruntime.quantization.calibrate import CalibrationCacheEncoder, create_calibrator, save_tensors_data
-from builder.steps.ort_calibration import entropy_ranges
+from onnxruntime.quantization.calibrate import CalibrationCacheEncoder, create_calibrator
+from onnxruntime.quantization.registry import QDQRegistry, QLinearOpsRegistry
+from builder.steps.ort_calibration import CalibrationFailed, entropy_ranges, save_ranges
 
 model, samples, work = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+one_shot_too = sys.argv[4] == "1"
 with np.load(samples) as archive:
     xs = archive["x"]
 
@@ -40,68 +46,108 @@ class Reader:
 def as_json(tensors):
     return json.loads(json.dumps(tensors, cls=CalibrationCacheEncoder))
 
-(work / "one").mkdir()
-calibrator = create_calibrator(model, None, augmented_model_path=str(work / "one" / "aug.onnx"),
-                               calibrate_method=CalibrationMethod.Entropy)
-calibrator.collect_data(Reader())
-one_shot = calibrator.compute_data()
-(work / "streamed").mkdir()
 calls = []
 def feeds():
     calls.append(1)
-    reader = Reader()
-    return iter(reader.get_next, None)
-streamed = entropy_ranges(model, feeds, op_types=[], external=False, workdir=work / "streamed")
+    return iter(Reader().get_next, None)
+(work / "streamed").mkdir()
+try:
+    streamed = entropy_ranges(model, feeds, op_types=[], external=False, workdir=work / "streamed")
+except CalibrationFailed as exc:
+    print(json.dumps({"failed": str(exc)}))
+    sys.exit(0)
 
 def quantized(path, cache):
     quantize_static(str(model), str(path), Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
                     activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
                     calibrate_method=CalibrationMethod.Entropy, calibration_cache_path=cache)
-    return {t.name: numpy_helper.to_array(t).tolist() for t in onnx.load(str(path)).graph.initializer}
+    return onnx.load(str(path)).graph.SerializeToString()
 
-save_tensors_data(streamed, work / "ranges.json")
-print(json.dumps({
-    "passes": len(calls),
-    "same_ranges": as_json(one_shot) == as_json(streamed),
-    "tensors": len(as_json(streamed)["data"]),
-    "bins": {k: len(v.hist) for k, v in streamed.items()},
-    "same_graph": quantized(work / "a.onnx", None) == quantized(work / "b.onnx", work / "ranges.json"),
-}))
+result = {"passes": len(calls), "tensors": sorted(streamed.keys()),
+          "bins": sorted({len(v.hist) for v in streamed.values()})}
+if one_shot_too:
+    (work / "one").mkdir()
+    # The op types quantize_static calibrates when it is given none.
+    ops = sorted(set(QLinearOpsRegistry) | set(QDQRegistry))
+    calibrator = create_calibrator(model, ops, augmented_model_path=str(work / "one" / "aug.onnx"),
+                                   calibrate_method=CalibrationMethod.Entropy)
+    calibrator.collect_data(Reader())
+    one_shot = calibrator.compute_data()
+    result["same_ranges"] = as_json(one_shot) == as_json(streamed)
+    # The whole Q/DQ graph, quantize_static's own calibration against ours read back from the cache file.
+    save_ranges(streamed, work / "ranges.json")
+    result["same_graph"] = quantized(work / "a.onnx", None) == quantized(work / "b.onnx", work / "ranges.json")
+print(json.dumps(result))
 """
 
 
-def _model(path: Path) -> None:
+def _model(path: Path, dtype: Any = np.float32, sequence_output: bool = False) -> None:
+    """Conv → Relu → Conv → Add, and Tanh (an op ONNX Runtime does not quantize) after it; optionally
+    a sequence of two tensors of different shapes as a second output."""
     rng = np.random.default_rng(0)
-    w1 = numpy_helper.from_array(rng.normal(size=(8, 3, 3, 3)).astype(np.float32), "w1")
-    w2 = numpy_helper.from_array(rng.normal(size=(4, 8, 1, 1)).astype(np.float32), "w2")
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    w1 = numpy_helper.from_array(rng.normal(size=(8, 3, 3, 3)).astype(dtype), "w1")
+    w2 = numpy_helper.from_array(rng.normal(size=(4, 8, 1, 1)).astype(dtype), "w2")
     nodes = [helper.make_node("Conv", ["x", "w1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
              helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
              helper.make_node("Conv", ["r1", "w2"], ["c2"], name="conv2"),
-             helper.make_node("Add", ["c2", "c2"], ["y"], name="add")]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, 3, 8, 8])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, 4, 8, 8])], [w1, w2])
+             helper.make_node("Add", ["c2", "c2"], ["y"], name="add"),
+             helper.make_node("Tanh", ["y"], ["t"], name="tanh")]
+    outputs = [helper.make_tensor_value_info("y", elem, [None, 4, 8, 8]),
+               helper.make_tensor_value_info("t", elem, [None, 4, 8, 8])]
+    if sequence_output:
+        nodes.append(helper.make_node("SequenceConstruct", ["r1", "y"], ["seq"], name="seq"))
+        outputs.append(helper.make_tensor_sequence_value_info("seq", elem, None))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", elem, [None, 3, 8, 8])],
+                              outputs, [w1, w2])
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
 
 
-def test_streamed_entropy_ranges_and_graph_equal_onnxruntimes_one_shot(tmp_path: Path) -> None:
-    model = tmp_path / "m.onnx"
-    _model(model)
+def _samples(dtype: Any) -> Any:
     rng = np.random.default_rng(1)
     # A quiet first sample and a loud one later: a histogram built sample by sample from the first one's range
     # would have to widen (to ~128 x 300 bins); the streamed one must not, and must match the one-shot's.
     scales = np.array([0.01, 1.0, 3.0, 0.5, 2.0], dtype=np.float32)
-    xs = (rng.normal(size=(5, 3, 8, 8)).astype(np.float32) * scales[:, None, None, None]).astype(np.float32)
-    xs[3, 0, 0, 0] = np.nan  # NaN is skipped by both
+    xs = rng.normal(size=(5, 3, 8, 8)).astype(np.float32) * scales[:, None, None, None]
+    xs[3, 0, 0, 0] = np.nan  # one NaN in a sample: skipped by both
+    xs[1] = np.nan  # a sample NaN throughout (so is every tensor it reaches): skipped by both, never a crash
+    return xs.astype(dtype)
+
+
+def _run(tmp_path: Path, xs: Any, one_shot: bool = True, **model: Any) -> dict[str, Any]:
+    _model(tmp_path / "m.onnx", dtype=xs.dtype, **model)
     np.savez(tmp_path / "samples.npz", x=xs)
     work = tmp_path / "work"
     work.mkdir()
-    proc = subprocess.run([sys.executable, "-c", _COMPARE, str(model), str(tmp_path / "samples.npz"), str(work)],
+    proc = subprocess.run([sys.executable, "-c", _COMPARE, str(tmp_path / "m.onnx"), str(tmp_path / "samples.npz"),
+                           str(work), "1" if one_shot else "0"],
                           capture_output=True, text=True, timeout=300, check=False,
                           cwd=Path(__file__).resolve().parents[3])
     assert proc.returncode == 0, proc.stderr
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["passes"] == 2
-    assert result["tensors"] >= 4
+    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_streamed_entropy_ranges_and_graph_equal_onnxruntimes_one_shot(tmp_path: Path, dtype: Any) -> None:
+    result = _run(tmp_path, _samples(dtype))
+    assert result.get("passes") == 2, result
+    assert "t" not in result["tensors"]  # Tanh's output: no op ONNX Runtime quantizes reads or writes it
+    assert {"x", "c1", "r1", "c2", "y"} <= set(result["tensors"])
     assert result["same_ranges"], result
-    assert set(result["bins"].values()) == {128}  # never widened
-    assert result["same_graph"]
+    assert result["bins"] == [128]  # never widened
+    assert result["same_graph"]  # through the JSON cache too: FP16 ranges keep their dtype
+
+
+def test_outputs_that_are_sequences_are_not_read(tmp_path: Path) -> None:
+    result = _run(tmp_path, _samples(np.float32), one_shot=False, sequence_output=True)
+    assert result["passes"] == 2
+    assert {"x", "c1", "r1", "c2", "y"} <= set(result["tensors"])
+
+
+def test_a_tensor_nan_in_every_sample_fails_naming_it(tmp_path: Path) -> None:
+    xs = _samples(np.float32)
+    xs[:] = np.nan
+    result = _run(tmp_path, xs, one_shot=False)
+    assert "no finite range" in result["failed"]
+    assert result["failed"].startswith("tensor '")
