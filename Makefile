@@ -115,8 +115,9 @@ $(BIN)/uv:
 test-latest: $(STAMP)
 	$(BIN)/python .ci/test_latest.py --locked-python $(BIN)/python --venv .venv-latest
 
+# The lock the venv was installed from; lock-host.txt exists only where an install kept the host's torch.
 engines: $(STAMP) $(GPU_DEP)
-	@$(BIN)/python -m builder.lockcheck $(INSTALL_LOCK)
+	@$(BIN)/python -m builder.lockcheck $(or $(wildcard $(INSTALL_LOCK)),$(LOCK_GPU))
 	@$(BIN)/trtbuild engines --manifest $(MANIFEST) --repository $(REPOSITORY)
 
 serve: $(STAMP)
