@@ -36,7 +36,7 @@ def tls_missing() -> str | None:
         return None
     return (f"geventhttpclient {version('geventhttpclient')} (the newest tritonclient {version('tritonclient')} "
             f"admits) has no TLS under Python {sys.version_info.major}.{sys.version_info.minor} (it needs "
-            "ssl.match_hostname, which Python 3.12 removed); use Python 3.11, or a plain http:// URL on loopback")
+            "ssl.match_hostname, which Python 3.12 removed); use a plain http:// URL to a server on loopback")
 
 
 class Rejected(ServerError):
@@ -62,12 +62,14 @@ class Http:
         self.tls = scheme == "https"
         self.base = f"{scheme}://{self.address}"
         self.key = key  # the admin key of a server whose repository API is restricted (exposure.py)
+        # Refused when made, before any call: never fall back to clear text (the admin key), and say why here
+        # rather than as the first call's failure ("not ready").
+        if self.tls and (missing := tls_missing()) is not None:
+            raise ServerError(f"{self.base}: cannot use https here: {missing}")
 
     def _call(self, path: str, call: Callable[[Any, dict[str, str] | None], T], *, timeout: float) -> T:
         url = f"{self.base}{path}"
         headers = {KEY_HEADER: self.key} if self.key else None
-        if self.tls and (missing := tls_missing()) is not None:  # never fall back to clear text: the admin key
-            raise ServerError(f"{url}: cannot use https here: {missing}")
         try:
             tls: dict[str, Any] = {"ssl": True, "ssl_context_factory": gevent.ssl.create_default_context} \
                 if self.tls else {}

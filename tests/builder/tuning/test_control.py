@@ -142,15 +142,15 @@ def test_an_https_url_stays_https_and_the_admin_key_never_crosses_in_clear_text(
 def test_https_where_the_http_client_has_no_tls_is_one_line_and_opens_no_connection(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Python 3.12 (the GPU hosts'): geventhttpclient 2.0.2, the newest tritonclient 2.50 admits, defines no TLS
-    pool there, and the client died with an ImportError traceback. Now one line, and no client is even made (so
-    nothing, the admin key least of all, can go out in clear text)."""
+    pool there, and the client died with an ImportError traceback. Now one line when the URL is given, and no
+    client is even made (so nothing, the admin key least of all, can go out in clear text)."""
     monkeypatch.delattr(control.connectionpool, "SSLConnectionPool", raising=False)
     made: list[object] = []
     monkeypatch.setattr(control.httpclient, "InferenceServerClient", lambda *a, **k: made.append(a))
     with pytest.raises(ServerError) as caught:
-        Http("https://127.0.0.1:8000", key="s3cret-admin-key").ready(timeout=5)
+        Http("https://127.0.0.1:8000", key="s3cret-admin-key")
     message = str(caught.value)
-    assert message.startswith("https://127.0.0.1:8000/v2/health/ready: cannot use https here: geventhttpclient ")
+    assert message.startswith("https://127.0.0.1:8000: cannot use https here: geventhttpclient ")
     assert "ssl.match_hostname" in message and "\n" not in message
     assert made == []
 
