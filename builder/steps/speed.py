@@ -77,8 +77,8 @@ def verdict(precision: Precision, rounds: Sequence[float], fp32_rounds: Sequence
 
 
 def unmeasured(batch: int, threads: int, size: int, fp32_size: int, reason: str) -> Speed:
-    """Not worth serving whatever a measurement would say (FP32's graph under a variant's name), where none ran:
-    a runtime the build-time check does not measure (the GPU's), or a measurement that failed."""
+    """Not worth serving whatever a measurement would say (FP32's graph under a variant's name): no measurement
+    is made for it."""
     return Speed(throughput=None, rounds=[], fp32_throughput=None, fp32_rounds=None, ratio=None, batch=batch,
                  threads=threads, size_bytes=size, fp32_size_bytes=fp32_size, worth_serving=False, reason=reason)
 

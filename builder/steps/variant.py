@@ -10,7 +10,6 @@ in a test given a context that holds what it reads.
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 from pathlib import Path
 from typing import Protocol
 
@@ -193,8 +192,10 @@ class Gate:
 class MeasureSpeed:
     """The gated variant's throughput at the opt shape (and FP32's, alternating) and size against FP32's, where
     the runtime is ONNX Runtime on the CPU (the artifact is what this process can run as served): an FP16 or
-    INT8 variant slower or larger than FP32 is marked not worth serving (steps/speed.py). A measurement that
-    fails is a warning: the variant met its tolerance."""
+    INT8 variant slower or larger than FP32 is marked not worth serving (steps/speed.py). A variant that is
+    FP32's graph under its name (a guard that fell back to FP32, a model given already quantized) is marked so
+    on every runtime, without a measurement: FP32 itself is the one to serve. A measurement that fails is a
+    warning: the variant met its tolerance."""
 
     label = "throughput measurement"
 
@@ -208,13 +209,10 @@ class MeasureSpeed:
                       if fell_back is Precision.FP32 else
                       "the model as given (already quantized; FP16 conversion failed)"
                       if ctx.precision is Precision.FP16 and ctx.settings.get("as_given") else None)
-        ctx.speed = self._measured(ctx)
-        if same_graph is not None:
-            ctx.speed = (replace(ctx.speed, worth_serving=False, reason=same_graph) if ctx.speed is not None else
-                         speed.unmeasured(speed.opt_batch(model.input_shapes),
-                                          model.spec.serving.ort_intra_op_threads,
-                                          onnx_files.model_size(ctx.artifact),
-                                          onnx_files.model_size(model.fp32_path), same_graph))
+        # Two measurements of one graph would say only how noisy the machine is: not worth their build time.
+        ctx.speed = self._measured(ctx) if same_graph is None else \
+            speed.unmeasured(speed.opt_batch(model.input_shapes), model.spec.serving.ort_intra_op_threads,
+                             onnx_files.model_size(ctx.artifact), onnx_files.model_size(model.fp32_path), same_graph)
         if ctx.speed is not None and not ctx.speed.worth_serving:
             log.warning("%s not worth serving: %s", ctx.name, ctx.speed.reason)
 

@@ -21,7 +21,9 @@ from builder.summary import (
     failed_row,
     guard_text,
     render,
+    row_from_record,
     summarize,
+    with_recommendation,
 )
 from tests.helpers.tiny_models import mlp_onnx
 
@@ -191,3 +193,22 @@ def test_a_wide_terminal_keeps_every_cell_on_its_row(monkeypatch: pytest.MonkeyP
     stream = io.StringIO()
     render(wide, stream, color=True)
     assert max(len(ln) for ln in re.sub(r"\x1b\[[0-9;]*m", "", stream.getvalue()).splitlines()) <= 112
+
+
+def test_a_variant_marked_without_a_measurement_shows_no_ratio_and_is_never_the_pick() -> None:
+    """FP32's graph under the INT8 name (its guard fell back to FP32) is marked on every runtime without a
+    throughput: its row has no "vs FP32", says not worth serving, and FP32 (measured) is the one to serve."""
+    fp32 = {"name": "m_fp32", "precision": "fp32", "model": "m", "accuracy": {"max_rel": 0.0},
+            "tolerance": {"max_rel": 1e-4},
+            "speed": {"throughput": 100.0, "fp32_throughput": None, "worth_serving": True}}
+    int8 = {"name": "m_int8", "precision": "int8", "model": "m", "accuracy": {"max_rel": 0.0},
+            "tolerance": {"max_rel": 1e-4},
+            "speed": {"throughput": None, "fp32_throughput": None, "ratio": None, "worth_serving": False,
+                      "reason": "the FP32 graph (no INT8 mix met the tolerance)"}}
+    rows = with_recommendation([row_from_record(fp32, state="rebuilt"), row_from_record(int8, state="rebuilt")])
+    assert [r.speed_ratio for r in rows] == [1.0, None]
+    assert [r.serve for r in rows] == [True, False]
+    assert rows[1].worth_serving is False
+    text = _text(BuildSummary(rows=tuple(rows), repository=Path("repo")))
+    int8_line = next(line for line in text.splitlines() if line.startswith("m_int8"))
+    assert int8_line.split("|")[5].strip() == "-" and int8_line.split("|")[6].strip() == "not worth serving"
