@@ -290,3 +290,17 @@ def test_where_modelopt_fails_for_tensorrt_onnx_runtimes_fallback_is_symmetric_i
                                runtime=TensorRTRuntime.name, log_file=None)
     assert result.recipe is Int8Recipe.ONNXRUNTIME and result.settings["instead_of"] == "modelopt.onnx.quantization"
     assert zero_points(tmp_path / "int8.onnx") == ({TensorProto.INT8}, {TensorProto.INT8}, {0})
+
+
+def test_calibration_data_with_no_finite_value_is_the_quantizers_failure_not_a_crash(tmp_path: Path) -> None:
+    """The streamed entropy calibration is our code; samples that give a tensor no finite range (NaN
+    throughout) fail it as they fail ONNX Runtime's own calibrator: a tool failure (one line, the recipe's
+    fallback can follow), not a crash with a traceback."""
+    model = mlp_onnx(tmp_path / "m.onnx")
+    samples = mlp_samples(4)
+    samples["x"][:] = np.nan
+    spec = CalibrationSpec(DataSpec("x.npz", 4), method=CalibrationMethod.ENTROPY, recipe=Int8Recipe.ONNXRUNTIME)
+    with pytest.raises(precision.QuantizerFailed) as caught:
+        precision._quantize_ort(model, samples, spec, tmp_path, tmp_path / "int8.onnx", "onnxruntime")
+    assert str(caught.value).startswith("CalibrationFailed: tensor '")
+    assert "no finite range over the calibration samples" in str(caught.value)
