@@ -6,8 +6,9 @@ process), alternating, and whether the two Q/DQ graphs are the same.
 
 DATA.npz holds the samples keyed by input name (a corpus .npz: `.cache/corpus/data/NAME.npz` after `make corpus`).
 Each run is the product's quantizer subprocess (`python -m builder.steps.precision JOB`) as an INT8 build starts
-it with the CPU runtime; "one-shot" swaps the streamed ranges for ONNX Runtime's own calibrator (every sample's
-activations held until the last has run). Prints one line per round and mode, then the medians.
+it with the CPU runtime; "one-shot" is the same worker without the streamed ranges, so that quantize_static
+calibrates by itself with ONNX Runtime's own calibrator (every sample's activations held until the last has run),
+as the worker did before. Prints one line per round and mode, then the medians.
 """
 
 from __future__ import annotations
@@ -34,19 +35,10 @@ from builder.steps import ort_calibration, precision
 
 mode, job = sys.argv[1], sys.argv[2]
 if mode == "one-shot":
-    def one_shot(prepared, feeds, *, op_types, external, workdir):
-        from onnxruntime.quantization.calibrate import CalibrationMethod, create_calibrator
-        calibrator = create_calibrator(prepared, list(op_types) or None,
-                                       augmented_model_path=str(workdir / "augmented_model.onnx"),
-                                       calibrate_method=CalibrationMethod.Entropy,
-                                       use_external_data_format=external, extra_options={})
-        it = iter(feeds())
-        class Reader:
-            def get_next(self):
-                return next(it, None)
-        calibrator.collect_data(Reader())
-        return calibrator.compute_data()
-    ort_calibration.entropy_ranges = one_shot
+    # The worker as it was before the streamed calibration: no ranges file, so quantize_static calibrates by
+    # itself with ONNX Runtime's own HistogramCalibrater (and only then writes the file).
+    ort_calibration.entropy_ranges = lambda *args, **kwargs: None
+    ort_calibration.save_ranges = lambda *args, **kwargs: None
 started = time.perf_counter()
 precision._ort_quantize_worker(job)
 print(json.dumps({"seconds": time.perf_counter() - started,
