@@ -63,6 +63,8 @@ class SummaryRow:
     worth_serving: bool | None = None  # False: slower or larger than FP32 (the figures in `worth_reason`)
     worth_reason: str | None = None
     serve: bool = False  # the model's variant to serve: the fastest that met its tolerance
+    # Faster than FP32 beyond the rounds' spread (its slowest round above FP32's fastest); None: not compared.
+    clearly_faster: bool | None = None
 
     @property
     def failed(self) -> bool:
@@ -157,23 +159,29 @@ def row_from_record(record: Mapping[str, Any], *, state: str) -> SummaryRow:
     # FP32 itself: 1.0; a variant not measured (only marked, as FP32's graph under its name): none.
     ratio = (speed.get("ratio") if speed.get("fp32_throughput") is not None
              else 1.0 if speed.get("throughput") is not None else None)
+    rounds, fp32_rounds = speed.get("rounds") or [], speed.get("fp32_rounds") or []
+    clearly_faster = min(rounds) > max(fp32_rounds) if rounds and fp32_rounds else None
     return SummaryRow(
         variant=str(record.get("name", "?")), precision=str(record.get("precision", "?")),
         runtime=record.get("runtime"), size_bytes=record.get("size_bytes"), accuracy=accuracy, within=within,
         kept=guard_text(record.get("guard"), record.get("fp16_guard")),
         seconds=float(seconds) if seconds is not None else None, state=state,
         model=record.get("model"), speed_ratio=float(ratio) if ratio is not None else None,
-        worth_serving=speed.get("worth_serving"), worth_reason=speed.get("reason"),
+        worth_serving=speed.get("worth_serving"), worth_reason=speed.get("reason"), clearly_faster=clearly_faster,
     )
 
 
 def with_recommendation(rows: Sequence[SummaryRow]) -> list[SummaryRow]:
     """The rows with the variant to serve marked per model: the fastest (against FP32, at the opt shape) of
-    those that met their tolerance and are worth serving. None marked for a model whose variants were not
-    measured (another runtime than ONNX Runtime on the CPU)."""
+    those that met their tolerance and are worth serving, where a lower precision counts only if it was faster
+    than FP32 beyond the rounds' spread: on a busy machine a few short rounds can rank a slower variant first,
+    and FP32 is the safe pick until a measurement says otherwise. None marked for a model whose variants were
+    not measured (another runtime than ONNX Runtime on the CPU)."""
     best: dict[str | None, SummaryRow] = {}
     for row in rows:
         if row.failed or row.within is not True or row.speed_ratio is None or row.worth_serving is False:
+            continue
+        if row.clearly_faster is False:  # compared with FP32 (None: FP32 itself) and not beyond the spread
             continue
         chosen = best.get(row.model)
         if chosen is None or row.speed_ratio > (chosen.speed_ratio or 0.0):
@@ -246,7 +254,10 @@ def _ratio(ratio: float | None) -> str:
 def _serve(row: SummaryRow) -> str:
     if row.serve:
         return "yes"
-    return "not worth serving" if row.worth_serving is False else ""
+    if row.worth_serving is False:
+        return "not worth serving"
+    # Met its tolerance, but its rounds overlap FP32's: no faster than FP32 that the measurement can tell.
+    return "within noise" if row.clearly_faster is False and row.within is True else ""
 
 
 def _runtimes(summary: BuildSummary) -> set[str]:

@@ -7,9 +7,11 @@ from __future__ import annotations
 import io
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import pytest
 from numpy.typing import NDArray
 
 from builder.pipeline import BuildOptions, build_all
@@ -85,3 +87,27 @@ def test_the_real_measurement_records_positive_figures(tmp_path: Path) -> None:
         assert isinstance(speed["worth_serving"], bool)
     int8 = json.loads((tmp_path / "repo" / "mlp_int8" / "build.json").read_text())["speed"]
     assert int8["fp32_throughput"] > 0 and int8["ratio"] > 0 and len(int8["fp32_rounds"]) == 3
+
+
+def test_a_variant_faster_only_within_the_spread_is_not_the_one_to_serve(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """FP16's slowest round above FP32's fastest: FP16 is the pick. FP16's median above FP32's but its rounds
+    overlapping FP32's (a busy machine's short rounds): FP32 is the pick, and FP16's row says why not it. (The
+    tiny MLP's INT8 is larger than its FP32, so never the pick.)"""
+    monkeypatch.setitem(_ROUNDS, "fp16", [150.0, 160.0, 155.0])
+    specs = tiny_specs(tmp_path)[:1]
+    options = BuildOptions(repository=tmp_path / "repo", runtime=OnnxRuntimeCPU(), cache_dir=tmp_path / "cache",
+                           speed_meter=_stub_meter)
+    results = build_all(specs, options, None, ["pytest"])
+    summary = summarize(results, specs, repository=tmp_path / "repo", report=None, log_file=None)
+    assert [r.variant for r in summary.rows if r.serve] == ["mlp_fp16"]
+
+    monkeypatch.setitem(_ROUNDS, "fp16", [95.0, 130.0, 110.0])  # median 1.1x FP32's, slowest round below its fastest
+    results = build_all(specs, replace(options, repository=tmp_path / "repo2"), None, ["pytest"])
+    summary = summarize(results, specs, repository=tmp_path / "repo2", report=None, log_file=None)
+    assert [r.variant for r in summary.rows if r.serve] == ["mlp_fp32"]
+    out = io.StringIO()
+    render(summary, out, color=False)
+    lines = {line.split(" |")[0]: line for line in out.getvalue().splitlines() if line.startswith("mlp_")}
+    assert "1.10x" in lines["mlp_fp16"] and "| within noise" in lines["mlp_fp16"]
+    assert "| yes " in lines["mlp_fp32"]
