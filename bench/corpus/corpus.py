@@ -35,6 +35,7 @@ import tomllib
 from numpy.typing import NDArray
 
 from builder.repository.onnx_files import sha256_file
+from builder.summary import row_from_record, with_recommendation
 
 ROOT = Path(__file__).resolve().parents[2]
 LIST = Path(__file__).with_name("corpus.toml")
@@ -363,6 +364,7 @@ class VariantRow:
     # What the build says of the variant besides "built": not worth serving (slower or larger than FP32, with
     # the figures), or the FP32 graph served under the FP16 name when no FP16 mix met the tolerance.
     note: str | None = None
+    pick: bool = False  # the build summary's variant to serve for this model
 
 
 @dataclass
@@ -422,6 +424,7 @@ def build(entry: Entry, repository: Path, logs: Path, *, timeout: float,
     model_errors = [line.removeprefix("trtbuild: error: ").strip() for line in child.stderr.splitlines()
                     if line.startswith("trtbuild: error:") and " not written" not in line]
     row.model_error = model_errors[0] if model_errors else None
+    records: dict[str, dict[str, Any]] = {}
     for precision in precisions:
         variant = f"{entry.name}_{precision}"
         record = repository / variant / "build.json"
@@ -429,6 +432,7 @@ def build(entry: Entry, repository: Path, logs: Path, *, timeout: float,
         if fresh:
             data = json.loads(record.read_text(encoding="utf-8"))
             result = data.get("result", data)
+            records[precision] = result
             accuracy = result.get("accuracy") or {}
             row.variants.append(VariantRow(
                 precision=precision, state="built", accuracy={k: v for k, v in accuracy.items()
@@ -444,7 +448,16 @@ def build(entry: Entry, repository: Path, logs: Path, *, timeout: float,
             reason = _error_for(child.stderr, variant) or row.model_error or (
                 row.tracebacks[-1] if row.tracebacks else f"not written (exit {child.returncode})")
             row.variants.append(VariantRow(precision, "failed", reason))
+    mark_pick(row, records)
     return row
+
+
+def mark_pick(row: ModelRow, records: dict[str, dict[str, Any]]) -> None:
+    """Mark the variant the build summary names to serve, from the build records (precision -> record)."""
+    summary = with_recommendation([row_from_record(r, state="rebuilt") for r in records.values()])
+    picked = {p for p, summary_row in zip(records, summary, strict=True) if summary_row.serve}
+    for v in row.variants:
+        v.pick = v.precision in picked
 
 
 def _opt_shapes(repository: Path, variant: str) -> list[str]:
@@ -566,6 +579,11 @@ def write_table(rows: list[ModelRow], out: Path, meta: dict[str, Any]) -> str:
     served = sum(v.infer_per_s is not None for r in rows for v in r.variants)
     tracebacks = sum(len(r.tracebacks) for r in rows)
     unworthy = sum(v.note is not None and "not worth serving" in v.note for r in rows for v in r.variants)
+    # Issue 22's check: a variant the build names to serve that served slower than the model's FP32.
+    fp32_served = {r.name: v.infer_per_s for r in rows for v in r.variants if v.precision == "fp32"}
+    picks = [(r.name, v) for r in rows for v in r.variants if v.pick]
+    slower_picks = [f"{name}_{v.precision}" for name, v in picks if v.precision != "fp32"
+                    and v.infer_per_s is not None and (fp32_served.get(name) or 0) > v.infer_per_s]
     lines = [
         f"Corpus run {meta['date']} on {meta['machine']} (load average {meta['load']}), command: `{meta['command']}`",
         "",
@@ -579,6 +597,8 @@ def write_table(rows: list[ModelRow], out: Path, meta: dict[str, Any]) -> str:
             state = v.state if v.state == "built" else f"{v.state}: {v.reason}"
             if v.note:
                 state = f"{state} ({v.note})"
+            if v.pick:
+                state = f"{state}; **the pick**"
             served_text = "-" if v.infer_per_s is None else f"{v.infer_per_s:g}"
             if v.infer_per_s is None and v.perf_error:
                 served_text = f"- ({v.perf_error})"
@@ -591,7 +611,10 @@ def write_table(rows: list[ModelRow], out: Path, meta: dict[str, Any]) -> str:
                 "-" if v.size_mb is None else f"{v.size_mb:g}", (v.verify or "-").replace("|", "/"), served_text,
             ]) + " |")
     lines += ["", f"Variants built / attempted: {built} / {attempted}; verified: {verified}; served with a "
-              f"throughput: {served}; marked not worth serving: {unworthy}; tracebacks: {tracebacks}."]
+              f"throughput: {served}; marked not worth serving: {unworthy}; tracebacks: {tracebacks}.",
+              f"The build's pick to serve: {len(picks)} models, {sum(v.precision != 'fp32' for _, v in picks)} of "
+              f"them a lower precision; picks served slower than FP32: {len(slower_picks)}"
+              + (f" ({', '.join(slower_picks)})." if slower_picks else ".")]
     for r in rows:
         for t in r.tracebacks:
             lines.append(f"- traceback in {r.name}: `{t}`")
@@ -600,7 +623,8 @@ def write_table(rows: list[ModelRow], out: Path, meta: dict[str, Any]) -> str:
     (out / "corpus.md").write_text(text, encoding="utf-8")
     (out / "corpus.json").write_text(json.dumps({
         **meta, "counts": {"attempted": attempted, "built": built, "verified": verified, "served": served,
-                           "not_worth_serving": unworthy, "tracebacks": tracebacks},
+                           "not_worth_serving": unworthy, "tracebacks": tracebacks, "picks": len(picks),
+                           "picks_slower_than_fp32": slower_picks},
         "models": [asdict(r) for r in rows]}, indent=2) + "\n", encoding="utf-8")
     return text
 

@@ -5,6 +5,7 @@ traceback, each variant in the state it reached on this CPU."""
 from __future__ import annotations
 
 import hashlib
+import json
 import socket
 import zipfile
 from collections.abc import Iterator
@@ -159,3 +160,42 @@ def test_the_table_says_what_the_build_said_of_a_built_variant(corpus: ModuleTyp
     text = corpus.write_table([row], tmp_path, {"date": "d", "machine": "x", "load": "0", "command": "c"})
     assert "| int8 | built (not worth serving: int8 0.40x FP32's throughput" in text
     assert "marked not worth serving: 1;" in text
+
+
+def test_the_table_counts_the_builds_picks_that_served_slower_than_fp32(corpus: ModuleType, tmp_path: Path) -> None:
+    """Issue 22's target, checked by the table: no variant the build names to serve slower than FP32 served."""
+    fast = corpus.ModelRow(name="a", cls="c", flags=[])
+    fast.variants = [corpus.VariantRow("fp32", "built", infer_per_s=100.0),
+                     corpus.VariantRow("int8", "built", infer_per_s=180.0, pick=True)]
+    slow = corpus.ModelRow(name="b", cls="c", flags=[])
+    slow.variants = [corpus.VariantRow("fp32", "built", infer_per_s=100.0),
+                     corpus.VariantRow("int8", "built", infer_per_s=60.0, pick=True)]
+    safe = corpus.ModelRow(name="d", cls="c", flags=[])
+    safe.variants = [corpus.VariantRow("fp32", "built", infer_per_s=100.0, pick=True),
+                     corpus.VariantRow("int8", "built", infer_per_s=60.0)]
+    text = corpus.write_table([fast, slow, safe], tmp_path, {"date": "d", "machine": "x", "load": "0",
+                                                             "command": "c"})
+    assert "| int8 | built; **the pick** |" in text
+    assert "The build's pick to serve: 3 models, 2 of them a lower precision; picks served slower than FP32: 1 " \
+           "(b_int8)." in text
+    counts = json.loads((tmp_path / "corpus.json").read_text())["counts"]
+    assert counts["picks"] == 3 and counts["picks_slower_than_fp32"] == ["b_int8"]
+
+
+def test_the_pick_is_the_build_summarys(corpus: ModuleType) -> None:
+    """The corpus marks the variant the build summary would name, from the build records: INT8 faster than
+    FP32 beyond the spread is the pick; with rounds overlapping FP32's, FP32 is."""
+    fp32 = {"name": "m_fp32", "precision": "fp32", "accuracy": {"max_rel": 0.0}, "tolerance": {"max_rel": 1e-4},
+            "speed": {"throughput": 100.0, "rounds": [99.0, 100.0, 101.0], "worth_serving": True}}
+
+    def int8(rounds: list[float]) -> dict[str, object]:
+        return {"name": "m_int8", "precision": "int8", "accuracy": {"max_rel": 0.0},
+                "tolerance": {"max_rel": 1e-4},
+                "speed": {"throughput": rounds[1], "rounds": rounds, "fp32_throughput": 100.0,
+                          "fp32_rounds": [99.0, 100.0, 101.0], "ratio": rounds[1] / 100, "worth_serving": True}}
+
+    for rounds, pick in (([190.0, 200.0, 210.0], "int8"), ([95.0, 120.0, 140.0], "fp32")):
+        row = corpus.ModelRow(name="m", cls="c", flags=[])
+        row.variants = [corpus.VariantRow("fp32", "built"), corpus.VariantRow("int8", "built")]
+        corpus.mark_pick(row, {"fp32": fp32, "int8": int8(rounds)})
+        assert [v.precision for v in row.variants if v.pick] == [pick]
