@@ -6,13 +6,15 @@ that held 5.6 GB for layout_cdla's 8 samples (a 23 MB model) and 15 GB for kokor
 only reduced outputs, so it needs none of this (and its `CalibMaxIntermediateOutputs` cannot help the other:
 in ONNX Runtime 1.31 it drops the outputs it has collected instead of reducing them).
 
-How, and why the ranges are identical: two passes over the samples with the calibrator's own augmented session.
-The first keeps each tensor's min and max only. The second starts each tensor's histogram empty over the range
-the one-shot calibration would have given it (-T, T with T the largest magnitude over all samples, in the
-tensor's dtype) and adds one sample's histogram at a time through ONNX Runtime's own HistogramCollector. Since
-no sample then lies outside that range, the collector never widens it, and a histogram's counts over fixed
-edges are the sum of its parts' counts: the same histograms, so the same entropy thresholds. Only one sample's
-activations are held at a time; the price is one more inference pass.
+How, and why the ranges are identical: two passes over the samples with the calibrator's own augmented graph.
+The first keeps each tensor's min and max only. The second counts each sample's values into a histogram over
+the range the one-shot calibration would have given the tensor (-T, T with T the largest magnitude over all
+samples, in the tensor's dtype), the bins ONNX Runtime's HistogramCollector would make for it. Over fixed edges
+a histogram's counts are the sum of its parts' (NaN is in no bin, in either), so the histograms, and so the
+entropy thresholds, are the same. Only one sample's activations are held at a time; the price is one more
+inference pass. (Where the samples' shapes differ, so that the one-shot cannot stack them, this still works; a
+graph with random ops, whose second pass differs from its first, has its few values beyond the first pass's
+range counted in the edge bins.)
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ Feed = Mapping[str, NDArray[Any]]
 
 
 class CalibrationFailed(ValueError):
-    """The samples give a calibrated tensor no finite range (NaN or infinity in every sample): a failure of
-    this model's calibration, as ONNX Runtime's own calibrator fails on it, not a bug of ours."""
+    """The calibration cannot be made from these samples (none, a calibrated tensor with an infinite value or
+    NaN throughout, nothing to calibrate in the graph): a failure of this model's calibration, as ONNX
+    Runtime's own calibrator fails on it, not a bug of ours."""
 
 
 def entropy_ranges(prepared: Path, feeds: Callable[[], Iterable[Feed]], *, op_types: Sequence[str],
@@ -65,6 +68,9 @@ def entropy_ranges(prepared: Path, feeds: Callable[[], Iterable[Feed]], *, op_ty
     session = calibrator.infer_session = ort.InferenceSession(calibrator.augmented_model_path, sess_options=options,
                                                               providers=calibrator.execution_providers)
     names = [o.name for o in session.get_outputs() if o.name in calibrator.tensors_to_calibrate]
+    if not names:  # (and run([]) would return every output)
+        kinds = f"of the op types {', '.join(op_types)}" if op_types else "of a type ONNX Runtime quantizes"
+        raise CalibrationFailed(f"no tensor to calibrate: the graph has no node {kinds}")
 
     def outputs() -> Iterable[list[NDArray[Any]]]:
         count = 0
@@ -73,7 +79,7 @@ def entropy_ranges(prepared: Path, feeds: Callable[[], Iterable[Feed]], *, op_ty
             # Flattened as the one-shot calibration flattens each tensor's stack of samples.
             yield [np.asarray(out).ravel() for out in session.run(names, dict(feed))]
         if count == 0:
-            raise ValueError("No data is collected.")  # ONNX Runtime's own words for an empty reader
+            raise CalibrationFailed("No data is collected.")  # ONNX Runtime's own words for an empty reader
 
     lows: dict[str, Any] = {}
     highs: dict[str, Any] = {}
@@ -104,12 +110,24 @@ def entropy_ranges(prepared: Path, feeds: Callable[[], Iterable[Feed]], *, op_ty
         # Edges as np.histogram makes them from this range and dtype, the same as the one-shot's.
         hists[name], edges[name] = np.histogram(np.empty(0, dtype=low.dtype), calibrator.num_bins,
                                                 range=(-threshold, threshold))  # type: ignore[arg-type]
+    beyond: dict[str, int] = {}
     for outs in outputs():
         for name, values in zip(names, outs, strict=True):
             # Over fixed edges a histogram's counts are the sum of its parts' (NaN is in no bin, as in the
             # one-shot's): what ONNX Runtime's collector adds when a sample lies within the range it has.
             threshold = ranges[name][2]
-            hists[name] += np.histogram(values, calibrator.num_bins, range=(-threshold, threshold))[0]
+            counts = np.histogram(values, calibrator.num_bins, range=(-threshold, threshold))[0]
+            missing = values.size - int(counts.sum())
+            if missing and missing > (nan := int(np.count_nonzero(np.isnan(values)))):
+                # Values beyond the first pass's range: the second pass differs from the first (random ops).
+                beyond[name] = beyond.get(name, 0) + missing - nan
+                counts = np.histogram(np.clip(values, -threshold, threshold), calibrator.num_bins,
+                                      range=(-threshold, threshold))[0]
+            hists[name] += counts
+    if beyond:
+        log.info("entropy calibration: %d tensors had values beyond the first pass's range in the second "
+                 "(a graph whose runs differ, e.g. random ops), counted in the edge bins: %s", len(beyond),
+                 ", ".join(f"{name} ({count})" for name, count in sorted(beyond.items())[:5]))
 
     collector = HistogramCollector(method=calibrator.method, symmetric=calibrator.symmetric,
                                    num_bins=calibrator.num_bins, num_quantized_bins=calibrator.num_quantized_bins,

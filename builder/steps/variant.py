@@ -203,8 +203,7 @@ class MeasureSpeed:
         model = ctx.model
         fell_back = (ctx.guard.fallback if ctx.guard is not None else None) or \
             (ctx.fp16_guard.fallback if ctx.fp16_guard is not None else None)
-        # FP32's graph under this variant's name: FP32 itself is the one to serve on any runtime, whatever the
-        # noise of two measurements of one graph said, or where none is made.
+        # FP32's graph under this variant's name: FP32 itself is the one to serve on any runtime.
         same_graph = (f"the FP32 graph (no {ctx.precision.value.upper()} mix met the tolerance)"
                       if fell_back is Precision.FP32 else
                       "the model as given (already quantized; FP16 conversion failed)"

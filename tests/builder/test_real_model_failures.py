@@ -293,8 +293,9 @@ def test_an_already_quantized_model_both_fp16_converters_refuse_gets_the_model_a
     assert len(said) == 1 and "already quantized" in said[0], err
     record = json.loads((workdir / "repo" / "prequantized_fp16" / "build.json").read_text())
     assert record["precision_settings"]["as_given"] is True and record["precision_settings"]["fallback"] == "fp32"
-    # The same graph as FP32's: FP32 is the one to serve, whatever the two measurements of it said.
+    # The same graph as FP32's: FP32 is the one to serve, marked so without measuring the same graph twice.
     assert record["speed"]["worth_serving"] is False and "the model as given" in record["speed"]["reason"]
+    assert record["speed"]["throughput"] is None
     assert record["variant_onnx_sha256"] == record["fp32_onnx_sha256"]
 
 
