@@ -1,4 +1,4 @@
-"""The layer contract of README "Architecture", read from every module's imports with `ast` (module-level,
+"""The layer contract of docs/architecture.md, read from every module's imports with `ast` (module-level,
 function-level and TYPE_CHECKING imports alike).
 
 What fails: a module importing a higher layer; client importing builder; common importing builder or client;
@@ -310,7 +310,7 @@ ORT_IN_STEPS: dict[str, str] = {
     "builder.steps.fp16_ranges": "stands in for ModelOpt autocast's ONNX Runtime reference run, one feed at a time, "
                                  "on the sanitized graph autocast hands it",
     "builder.steps.ort_calibration": "ONNX Runtime's entropy calibration, streamed through the calibrator's own "
-                                     "session and histogram collector inside the quantizer subprocess",
+                                     "augmented graph and histogram bins inside the quantizer subprocess",
 }
 
 
