@@ -13,8 +13,8 @@ samples, in the tensor's dtype), the bins ONNX Runtime's HistogramCollector woul
 a histogram's counts are the sum of its parts' (NaN is in no bin, in either), so the histograms, and so the
 entropy thresholds, are the same. Only one sample's activations are held at a time; the price is one more
 inference pass. (Where the samples' shapes differ, so that the one-shot cannot stack them, this still works; a
-graph with random ops, whose second pass differs from its first, has its few values beyond the first pass's
-range counted in the edge bins.)
+graph with random ops, whose second pass differs from its first, has its values beyond the first pass's range
+counted in the edge bins, and the quantizer worker says how many.)
 """
 
 from __future__ import annotations
@@ -41,9 +41,10 @@ class CalibrationFailed(ValueError):
 
 
 def entropy_ranges(prepared: Path, feeds: Callable[[], Iterable[Feed]], *, op_types: Sequence[str],
-                   external: bool, workdir: Path) -> Any:
+                   external: bool, workdir: Path, beyond: dict[str, tuple[int, int]] | None = None) -> Any:
     """ONNX Runtime's entropy TensorsData for `prepared` over `feeds()` (called once per pass), as quantize_static
-    would compute it with its default calibration options."""
+    would compute it with its default calibration options. `beyond`, where given, gets each tensor whose second
+    pass had values beyond the first pass's range: (those values, all values of the tensor counted)."""
     from onnxruntime.quantization.calibrate import (
         CalibrationMethod,
         EntropyCalibrater,
@@ -72,14 +73,19 @@ def entropy_ranges(prepared: Path, feeds: Callable[[], Iterable[Feed]], *, op_ty
         kinds = f"of the op types {', '.join(op_types)}" if op_types else "of a type ONNX Runtime quantizes"
         raise CalibrationFailed(f"no tensor to calibrate: the graph has no node {kinds}")
 
+    passes: list[int] = []
+
     def outputs() -> Iterable[list[NDArray[Any]]]:
         count = 0
         for feed in feeds():
             count += 1
             # Flattened as the one-shot calibration flattens each tensor's stack of samples.
             yield [np.asarray(out).ravel() for out in session.run(names, dict(feed))]
-        if count == 0:
+        if count == 0 and not passes:
             raise CalibrationFailed("No data is collected.")  # ONNX Runtime's own words for an empty reader
+        if passes and count != passes[0]:  # feeds() must give the same samples each time: ours to keep
+            raise RuntimeError(f"the calibration samples changed between passes: {passes[0]}, then {count}")
+        passes.append(count)
 
     lows: dict[str, Any] = {}
     highs: dict[str, Any] = {}
@@ -110,7 +116,7 @@ def entropy_ranges(prepared: Path, feeds: Callable[[], Iterable[Feed]], *, op_ty
         # Edges as np.histogram makes them from this range and dtype, the same as the one-shot's.
         hists[name], edges[name] = np.histogram(np.empty(0, dtype=low.dtype), calibrator.num_bins,
                                                 range=(-threshold, threshold))  # type: ignore[arg-type]
-    beyond: dict[str, int] = {}
+    outside: dict[str, int] = {}
     for outs in outputs():
         for name, values in zip(names, outs, strict=True):
             # Over fixed edges a histogram's counts are the sum of its parts' (NaN is in no bin, as in the
@@ -118,16 +124,17 @@ def entropy_ranges(prepared: Path, feeds: Callable[[], Iterable[Feed]], *, op_ty
             threshold = ranges[name][2]
             counts = np.histogram(values, calibrator.num_bins, range=(-threshold, threshold))[0]
             missing = values.size - int(counts.sum())
-            if missing and missing > (nan := int(np.count_nonzero(np.isnan(values)))):
+            if missing and missing > int(np.count_nonzero(np.isnan(values))):
                 # Values beyond the first pass's range: the second pass differs from the first (random ops).
-                beyond[name] = beyond.get(name, 0) + missing - nan
-                counts = np.histogram(np.clip(values, -threshold, threshold), calibrator.num_bins,
-                                      range=(-threshold, threshold))[0]
+                # Counted in the edge bins (np.histogram's own edges: a zero range is widened to ±0.5).
+                below = int(np.count_nonzero(values < edges[name][0]))
+                above = int(np.count_nonzero(values > edges[name][-1]))
+                counts[0] += below
+                counts[-1] += above
+                outside[name] = outside.get(name, 0) + below + above
             hists[name] += counts
-    if beyond:
-        log.info("entropy calibration: %d tensors had values beyond the first pass's range in the second "
-                 "(a graph whose runs differ, e.g. random ops), counted in the edge bins: %s", len(beyond),
-                 ", ".join(f"{name} ({count})" for name, count in sorted(beyond.items())[:5]))
+    if beyond is not None:
+        beyond.update({name: (count, int(hists[name].sum())) for name, count in outside.items()})
 
     collector = HistogramCollector(method=calibrator.method, symmetric=calibrator.symmetric,
                                    num_bins=calibrator.num_bins, num_quantized_bins=calibrator.num_quantized_bins,

@@ -696,10 +696,14 @@ def _quantize_ort(fp32_path: Path, calibration: Mapping[str, NDArray[Any]], spec
         raise QuantizerFailed(lines[-1] if lines else "the ONNX Runtime quantizer failed", proc.stdout + proc.stderr)
     if proc.returncode != 0:  # anything else is a bug (ours or the tool's): keep the child's traceback
         raise QuantizerCrashed(f"the quantizer subprocess exited with status {proc.returncode}:\n{proc.stderr}")
+    if (notes := tmp / _NOTES).exists():
+        log.warning("INT8 calibration (ONNX Runtime): %s", notes.read_text().strip())
 
 
 # The quantizer subprocess exits with this status when the tool itself refused the model (TOOL_ERRORS).
 _TOOL_FAILED = 3
+# What the quantizer subprocess has to say of a calibration that succeeded, for the parent to log (in its tmp).
+_NOTES = "calibration_notes.txt"
 
 
 class QuantizerCrashed(Exception):
@@ -795,9 +799,16 @@ def _ort_quantize_worker(job_path: str) -> None:
         if entropy:  # streamed, in bounded memory; quantize_static then reads the ranges as its cache
             work = Path(job["tmp"]) / "entropy"
             work.mkdir(exist_ok=True)
+            beyond: dict[str, tuple[int, int]] = {}
             tensors = ort_calibration.entropy_ranges(prepared, lambda: iter(Reader()), op_types=op_types,
-                                                     external=external, workdir=work)
+                                                     external=external, workdir=work, beyond=beyond)
             ort_calibration.save_ranges(tensors, ranges)
+            if beyond:  # said by the parent (this process's stdout is ORT's progress; its stderr unread on success)
+                worst = sorted(beyond.items(), key=lambda item: -item[1][0] / max(item[1][1], 1))[:3]
+                Path(job["tmp"], _NOTES).write_text(
+                    f"{len(beyond)} calibrated tensors had values beyond the first calibration pass's range in "
+                    "the second (the graph's runs differ, e.g. random ops); counted in the histograms' edge bins: "
+                    + ", ".join(f"{name} {out / max(total, 1):.1%} of {total}" for name, (out, total) in worst))
         quantize_static(
             str(prepared),
             job["out"],

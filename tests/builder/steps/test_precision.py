@@ -3,6 +3,7 @@ with its full output; anything else keeps its traceback; ModelOpt's logging is l
 
 from __future__ import annotations
 
+import json
 import logging
 import subprocess
 import sys
@@ -304,3 +305,22 @@ def test_calibration_data_with_no_finite_value_is_the_quantizers_failure_not_a_c
         precision._quantize_ort(model, samples, spec, tmp_path, tmp_path / "int8.onnx", "onnxruntime")
     assert str(caught.value).startswith("CalibrationFailed: tensor '")
     assert "no finite range over the calibration samples" in str(caught.value)
+
+
+def test_what_the_quantizer_subprocess_noted_of_its_calibration_reaches_the_build_log(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The subprocess's own logging goes nowhere and its stderr is not read on success: what it has to say of a
+    calibration that succeeded (values beyond the first pass's range) comes back as a file, and is logged."""
+    def quantizer(command: list[str], **_: object) -> subprocess.CompletedProcess[str]:
+        job = json.loads(Path(command[-1]).read_text())
+        Path(job["out"]).write_bytes(b"")
+        (Path(job["tmp"]) / precision._NOTES).write_text("2 calibrated tensors had values beyond ...\n")
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setattr(precision.subprocess, "run", quantizer)
+    spec = CalibrationSpec(DataSpec("x.npz", 4), method=CalibrationMethod.ENTROPY, recipe=Int8Recipe.ONNXRUNTIME)
+    with caplog.at_level(logging.WARNING, logger=precision.__name__):
+        precision._quantize_ort(mlp_onnx(tmp_path / "m.onnx"), mlp_samples(4), spec, tmp_path,
+                                tmp_path / "int8.onnx", "onnxruntime")
+    assert [r.getMessage() for r in caplog.records] == [
+        "INT8 calibration (ONNX Runtime): 2 calibrated tensors had values beyond ..."]
