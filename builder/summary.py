@@ -65,6 +65,7 @@ class SummaryRow:
     serve: bool = False  # the model's variant to serve: the fastest that met its tolerance
     # Faster than FP32 beyond the rounds' spread (its slowest round above FP32's fastest); None: not compared.
     clearly_faster: bool | None = None
+    spread: str | None = None  # the variant's rounds against FP32's, where compared: "118–130 vs FP32's 96–104"
 
     @property
     def failed(self) -> bool:
@@ -159,8 +160,10 @@ def row_from_record(record: Mapping[str, Any], *, state: str) -> SummaryRow:
     # FP32 itself: 1.0; a variant not measured (only marked, as FP32's graph under its name): none.
     ratio = (speed.get("ratio") if speed.get("fp32_throughput") is not None
              else 1.0 if speed.get("throughput") is not None else None)
-    rounds, fp32_rounds = speed.get("rounds") or [], speed.get("fp32_rounds") or []
+    rounds, fp32_rounds = _figures(speed.get("rounds")), _figures(speed.get("fp32_rounds"))
     clearly_faster = min(rounds) > max(fp32_rounds) if rounds and fp32_rounds else None
+    spread = (f"rounds {min(rounds):.4g}–{max(rounds):.4g} vs FP32's {min(fp32_rounds):.4g}–{max(fp32_rounds):.4g} "
+              "infer/s" if rounds and fp32_rounds else None)
     return SummaryRow(
         variant=str(record.get("name", "?")), precision=str(record.get("precision", "?")),
         runtime=record.get("runtime"), size_bytes=record.get("size_bytes"), accuracy=accuracy, within=within,
@@ -168,7 +171,16 @@ def row_from_record(record: Mapping[str, Any], *, state: str) -> SummaryRow:
         seconds=float(seconds) if seconds is not None else None, state=state,
         model=record.get("model"), speed_ratio=float(ratio) if ratio is not None else None,
         worth_serving=speed.get("worth_serving"), worth_reason=speed.get("reason"), clearly_faster=clearly_faster,
+        spread=spread,
     )
+
+
+def _figures(value: Any) -> list[float]:
+    """A build record's list of throughputs; nothing for anything else (an older or hand-edited build.json)."""
+    if not isinstance(value, list) or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                              for v in value):
+        return []
+    return [float(v) for v in value]
 
 
 def with_recommendation(rows: Sequence[SummaryRow]) -> list[SummaryRow]:
@@ -181,7 +193,7 @@ def with_recommendation(rows: Sequence[SummaryRow]) -> list[SummaryRow]:
     for row in rows:
         if row.failed or row.within is not True or row.speed_ratio is None or row.worth_serving is False:
             continue
-        if row.clearly_faster is False:  # compared with FP32 (None: FP32 itself) and not beyond the spread
+        if row.precision != "fp32" and row.clearly_faster is not True:  # not shown faster than FP32 (yet)
             continue
         chosen = best.get(row.model)
         if chosen is None or row.speed_ratio > (chosen.speed_ratio or 0.0):
@@ -326,9 +338,11 @@ def render(summary: BuildSummary, stream: TextIO, *, color: bool | None = None) 
         # Too wide for whole cells: the guard and state columns wrap within limits, the accuracy gets the room.
         variants = table(summary, color=True, limits=True)
     console.print(variants)
-    # Variants slower or larger than FP32: built and gated all the same, each with its figures.
+    # Variants slower or larger than FP32: built and gated all the same, each with its figures; and those
+    # whose rounds overlapped FP32's, with theirs.
     lines = [f"{r.variant} not worth serving: {r.worth_reason}" for r in summary.rows
              if not r.failed and r.worth_serving is False]
+    lines += [f"{r.variant} within noise of FP32: {r.spread}" for r in summary.rows if _serve(r) == "within noise"]
     lines.append(f"repository: {summary.repository}")
     if summary.report is not None:
         lines.append(f"report:     {summary.report}")

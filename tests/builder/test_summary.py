@@ -212,3 +212,38 @@ def test_a_variant_marked_without_a_measurement_shows_no_ratio_and_is_never_the_
     text = _text(BuildSummary(rows=tuple(rows), repository=Path("repo")))
     int8_line = next(line for line in text.splitlines() if line.startswith("m_int8"))
     assert int8_line.split("|")[5].strip() == "-" and int8_line.split("|")[6].strip() == "not worth serving"
+
+
+def test_a_lower_precision_without_rounds_to_compare_is_never_the_pick() -> None:
+    """An older or hand-edited build.json: a ratio but no rounds (or rounds that are not numbers) shows no
+    measurement that the variant is faster, so FP32 stays the pick; nothing raises."""
+    fp32 = {"name": "m_fp32", "precision": "fp32", "model": "m", "accuracy": {"max_rel": 0.0},
+            "tolerance": {"max_rel": 1e-4}, "speed": {"throughput": 100.0, "rounds": [99.0, 101.0]}}
+    for speed in ({"throughput": 300.0, "fp32_throughput": 100.0, "ratio": 3.0},
+                  {"throughput": 300.0, "fp32_throughput": 100.0, "ratio": 3.0, "rounds": "fast",
+                   "fp32_rounds": [1, "x"]}):
+        int8 = {"name": "m_int8", "precision": "int8", "model": "m", "accuracy": {"max_rel": 0.0},
+                "tolerance": {"max_rel": 1e-4}, "speed": speed}
+        rows = with_recommendation([row_from_record(fp32, state="unchanged"),
+                                    row_from_record(int8, state="unchanged")])
+        assert [r.variant for r in rows if r.serve] == ["m_fp32"]
+        assert rows[1].speed_ratio == 3.0 and rows[1].clearly_faster is None
+
+
+def test_within_noise_is_said_with_the_rounds_and_only_of_a_variant_within_its_tolerance() -> None:
+    def record(name: str, within: bool) -> dict[str, object]:
+        return {"name": name, "precision": "int8", "model": "m", "accuracy": {"max_rel": 0.0 if within else 1.0},
+                "tolerance": {"max_rel": 1e-4},
+                "speed": {"throughput": 110.0, "rounds": [95.0, 110.0, 130.0], "fp32_throughput": 100.0,
+                          "fp32_rounds": [96.0, 100.0, 104.0], "ratio": 1.1, "worth_serving": True}}
+
+    fp32 = {"name": "m_fp32", "precision": "fp32", "model": "m", "accuracy": {"max_rel": 0.0},
+            "tolerance": {"max_rel": 1e-4}, "speed": {"throughput": 100.0, "rounds": [96.0, 100.0, 104.0]}}
+    rows = with_recommendation([row_from_record(r, state="rebuilt")
+                                for r in (fp32, record("m_int8", True), record("m_int8b", False))])
+    text = _text(BuildSummary(rows=tuple(rows), repository=Path("repo")))
+    cells = {line.split(" |")[0].strip(): line.split("|")[6].strip() for line in text.splitlines()
+             if line.startswith("m_") and " | " in line}
+    assert cells == {"m_fp32": "yes", "m_int8": "within noise", "m_int8b": ""}
+    assert "m_int8 within noise of FP32: rounds 95–130 vs FP32's 96–104 infer/s" in text.splitlines()
+    assert not any(line.startswith("m_int8b within noise") for line in text.splitlines())

@@ -110,4 +110,5 @@ def test_a_variant_faster_only_within_the_spread_is_not_the_one_to_serve(tmp_pat
     render(summary, out, color=False)
     lines = {line.split(" |")[0]: line for line in out.getvalue().splitlines() if line.startswith("mlp_")}
     assert "1.10x" in lines["mlp_fp16"] and "| within noise" in lines["mlp_fp16"]
+    assert "mlp_fp16 within noise of FP32: rounds 95–130 vs FP32's 96–104 infer/s" in out.getvalue().splitlines()
     assert "| yes " in lines["mlp_fp32"]
