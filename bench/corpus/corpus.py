@@ -582,8 +582,11 @@ def write_table(rows: list[ModelRow], out: Path, meta: dict[str, Any]) -> str:
     # Issue 22's check: a variant the build names to serve that served slower than the model's FP32.
     fp32_served = {r.name: v.infer_per_s for r in rows for v in r.variants if v.precision == "fp32"}
     picks = [(r.name, v) for r in rows for v in r.variants if v.pick]
-    slower_picks = [f"{name}_{v.precision}" for name, v in picks if v.precision != "fp32"
-                    and v.infer_per_s is not None and (fp32_served.get(name) or 0) > v.infer_per_s]
+    lower = [(name, v, fp32_served.get(name)) for name, v in picks if v.precision != "fp32"]
+    slower_picks = [f"{name}_{v.precision}" for name, v, fp32 in lower
+                    if v.infer_per_s is not None and fp32 is not None and fp32 > v.infer_per_s]
+    # A pick or its FP32 not served: not compared, so not counted either way.
+    uncompared = [f"{name}_{v.precision}" for name, v, fp32 in lower if v.infer_per_s is None or fp32 is None]
     lines = [
         f"Corpus run {meta['date']} on {meta['machine']} (load average {meta['load']}), command: `{meta['command']}`",
         "",
@@ -614,7 +617,8 @@ def write_table(rows: list[ModelRow], out: Path, meta: dict[str, Any]) -> str:
               f"throughput: {served}; marked not worth serving: {unworthy}; tracebacks: {tracebacks}.",
               f"The build's pick to serve: {len(picks)} models, {sum(v.precision != 'fp32' for _, v in picks)} of "
               f"them a lower precision; picks served slower than FP32: {len(slower_picks)}"
-              + (f" ({', '.join(slower_picks)})." if slower_picks else ".")]
+              + (f" ({', '.join(slower_picks)})" if slower_picks else "")
+              + (f"; not compared (it or its FP32 not served): {', '.join(uncompared)}." if uncompared else ".")]
     for r in rows:
         for t in r.tracebacks:
             lines.append(f"- traceback in {r.name}: `{t}`")
@@ -624,7 +628,8 @@ def write_table(rows: list[ModelRow], out: Path, meta: dict[str, Any]) -> str:
     (out / "corpus.json").write_text(json.dumps({
         **meta, "counts": {"attempted": attempted, "built": built, "verified": verified, "served": served,
                            "not_worth_serving": unworthy, "tracebacks": tracebacks, "picks": len(picks),
-                           "picks_slower_than_fp32": slower_picks},
+                           "lower_precision_picks": len(lower), "picks_slower_than_fp32": len(slower_picks),
+                           "picks_slower_than_fp32_names": slower_picks, "picks_not_compared": uncompared},
         "models": [asdict(r) for r in rows]}, indent=2) + "\n", encoding="utf-8")
     return text
 

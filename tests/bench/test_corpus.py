@@ -173,13 +173,18 @@ def test_the_table_counts_the_builds_picks_that_served_slower_than_fp32(corpus: 
     safe = corpus.ModelRow(name="d", cls="c", flags=[])
     safe.variants = [corpus.VariantRow("fp32", "built", infer_per_s=100.0, pick=True),
                      corpus.VariantRow("int8", "built", infer_per_s=60.0)]
-    text = corpus.write_table([fast, slow, safe], tmp_path, {"date": "d", "machine": "x", "load": "0",
-                                                             "command": "c"})
+    unserved = corpus.ModelRow(name="e", cls="c", flags=[])
+    unserved.variants = [corpus.VariantRow("fp32", "built", infer_per_s=None),
+                         corpus.VariantRow("int8", "built", infer_per_s=60.0, pick=True)]
+    text = corpus.write_table([fast, slow, safe, unserved], tmp_path, {"date": "d", "machine": "x", "load": "0",
+                                                                       "command": "c"})
     assert "| int8 | built; **the pick** |" in text
-    assert "The build's pick to serve: 3 models, 2 of them a lower precision; picks served slower than FP32: 1 " \
-           "(b_int8)." in text
+    assert "The build's pick to serve: 4 models, 3 of them a lower precision; picks served slower than FP32: 1 " \
+           "(b_int8); not compared (it or its FP32 not served): e_int8." in text
     counts = json.loads((tmp_path / "corpus.json").read_text())["counts"]
-    assert counts["picks"] == 3 and counts["picks_slower_than_fp32"] == ["b_int8"]
+    assert counts["picks"] == 4 and counts["lower_precision_picks"] == 3
+    assert counts["picks_slower_than_fp32"] == 1 and counts["picks_slower_than_fp32_names"] == ["b_int8"]
+    assert counts["picks_not_compared"] == ["e_int8"]
 
 
 def test_the_pick_is_the_build_summarys(corpus: ModuleType) -> None:
