@@ -26,6 +26,7 @@ from builder.spec import (
 from builder.spec.enums import GuardSensitivity
 from builder.spec.flags import CALIBRATION_SAMPLES, BuildFlags, spec_from_flags
 from builder.steps.budget import DEFAULT_GUARD_BUDGET_S
+from client import cli_env  # noqa: F401  (the command's process-wide settings, before any grpc import)
 from common import progress
 from common.logs import active_log_file, close_log_file, configure_logging, default_log_file, native_stderr_to_log
 

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from client import cli_env  # noqa: F401  (first: the command's process-wide settings, before grpc is imported)
 from client.admin_key import KEY_ENV, request_headers
 from client.compression import ALGORITHMS
 from client.engine import DEFAULT_MAX_INFLIGHT, Distribution, LoadLevel, Measurement

@@ -39,6 +39,8 @@ CLIS = {"builder.__main__", "builder.cli", "client.__main__", "client.cli"}
 # verify sends with. Plumbing both packages use (progress, atomic files, logs, choices, datatypes) is in
 # common/, so no entry is here for it; add one only for a measurement or request module.
 CLIENT_API: dict[str, str] = {
+    "client.cli_env": "trtbuild makes the same process-wide settings as perfclient before grpc is imported (its "
+                      "CLI only: see test_only_the_clis_import_their_process_wide_settings)",
     "client.session": "tune and the bench measure through a session (its load levels and results)",
     "client.engine": "LoadLevel and Measurement: what a session is asked to run and what it returns",
     "client.power": "tune's energy figures read the same power meters a session uses",
@@ -356,3 +358,11 @@ def test_no_library_module_reads_the_clis_log_file_global() -> None:
                and any(_names_log_global(node) for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))))]
     assert readers == []
     assert "active_log_file" in modules()["builder.cli"].read_text(encoding="utf-8")  # the name the CLI does use
+
+
+def test_only_the_clis_import_their_process_wide_settings() -> None:
+    """client.cli_env sets environment a library must leave to its program (GRPC_VERBOSITY): only the CLIs
+    import it, and client/__init__ sets nothing."""
+    importers = {name for name, target, _, _ in edges() if target == "client.cli_env"}
+    assert importers == {"builder.cli", "client.cli"}
+    assert "environ" not in (ROOT / "client" / "__init__.py").read_text()

