@@ -83,8 +83,8 @@ def entropy_ranges(prepared: Path, feeds: Callable[[], Iterable[Feed]], *, op_ty
             yield [np.asarray(out).ravel() for out in session.run(names, dict(feed))]
         if count == 0 and not passes:
             raise CalibrationFailed("No data is collected.")  # ONNX Runtime's own words for an empty reader
-        if passes and count != passes[0]:  # feeds() must give the same samples each time: ours to keep
-            raise RuntimeError(f"the calibration samples changed between passes: {passes[0]}, then {count}")
+        if passes and count != passes[0]:  # feeds() must give as many samples each time: ours to keep
+            raise RuntimeError(f"the calibration gave {passes[0]} samples, then {count}")
         passes.append(count)
 
     lows: dict[str, Any] = {}

@@ -496,10 +496,17 @@ def _to_int8(fp32_path: Path, *, fp32_sha: str, calibration: Mapping[str, NDArra
     else:
         raise AssertionError(f"INT8 recipe {spec.recipe} reached the quantizer unresolved")
     cached = cache_dir / "calibration" / f"{key}.onnx"
+    # What the calibration had to say (values beyond its first pass's range), kept beside the cached graph so
+    # that a rebuild from the cache says it too.
+    noted = cached.with_suffix(".note.txt")
     if cached.is_file():
         log.debug("INT8: reusing calibration %s (inputs unchanged)", key[:12])
         onnx_files.copy_model(cached, out_path)
+        if noted.is_file():
+            settings["calibration_note"] = _said(noted.read_text().strip())
         return CalibrationResult(spec.recipe, spec.method, samples, key, True, _count_q(out_path), settings, spec)
+    note: str | None = None
+    warnings_after: list[str] = []  # logged once the tools' output is no longer redirected (_quiet)
     log.debug("INT8: calibrating on %d samples (%s, %s recipe)", samples, spec.method, spec.recipe)
     with progress.task(f"INT8 calibration: {samples} samples, {spec.method}, {spec.recipe}"), \
             tempfile.TemporaryDirectory(prefix="trtbuild-int8-") as tmp, _quiet() as sink:
@@ -509,7 +516,7 @@ def _to_int8(fp32_path: Path, *, fp32_sha: str, calibration: Mapping[str, NDArra
             # In the temporary folder: see to_fp16 (files ONNX Runtime's shape inference leaves behind).
             with contextlib.chdir(tmp):
                 if spec.recipe is not Int8Recipe.MODELOPT:
-                    _quantize_ort(fp32_path, calibration, spec, Path(tmp), tmp_out, runtime)
+                    note = _quantize_ort(fp32_path, calibration, spec, Path(tmp), tmp_out, runtime)
                 else:
                     _quantize_modelopt(fp32_path, calibration, spec, tmp_out)
         except Exception as exc:
@@ -537,16 +544,30 @@ def _to_int8(fp32_path: Path, *, fp32_sha: str, calibration: Mapping[str, NDArra
         del quantized
         if qdq == 0 and not spec.nodes_to_quantize:
             hint = " (ModelOpt skips GEMV-shaped and small MatMuls)" if spec.recipe is Int8Recipe.MODELOPT else ""
-            log.warning("INT8: %s quantized no node of %s%s; the int8 variant computes in FP32", spec.recipe,
-                        fp32_path.name, hint)
+            warnings_after.append(f"INT8: {spec.recipe} quantized no node of {fp32_path.name}{hint}; the int8 "
+                                  "variant computes in FP32")
         # With the data file ModelOpt writes beside a model over 2 GB.
         cached.parent.mkdir(parents=True, exist_ok=True)
+        if note is not None:
+            noted.write_text(note + "\n")
+        else:  # a note left by an earlier calibration of this key that did not reach the cache
+            noted.unlink(missing_ok=True)
         prepared = Path(tmp) / _ORT_PREPARED
         if prepared.is_file():  # before the Q/DQ graph: a reader finding that finds this too
             onnx_files.copy_model(prepared, float_graph(cache_dir, key))
         onnx_files.copy_model(tmp_out, cached)
         onnx_files.copy_model(tmp_out, out_path)
+    for line in warnings_after:
+        log.warning("%s", line)
+    if note is not None:
+        settings["calibration_note"] = _said(note)
     return CalibrationResult(spec.recipe, spec.method, samples, key, False, qdq, settings, spec)
+
+
+def _said(note: str) -> str:
+    """A calibration note, logged (on the terminal and in the build log) and returned for build.json."""
+    log.warning("INT8 calibration (ONNX Runtime): %s", note)
+    return note
 
 
 # What a quantized graph's quantized tensors are counted by: static Q/DQ's, dynamic quantization's.
@@ -666,11 +687,13 @@ class _WholeSamples:
 
 
 def _quantize_ort(fp32_path: Path, calibration: Mapping[str, NDArray[Any]], spec: CalibrationSpec,
-                  tmp: Path, out: Path, runtime: str) -> None:
+                  tmp: Path, out: Path, runtime: str) -> str | None:
     """Run ONNX Runtime's quantizer in a fresh interpreter: importing ModelOpt patches ORT's
     quantization classes in place (modelopt/onnx/quantization/ort_patching.py), after which
     quantize_static fails or changes behaviour in the same process. A subprocess (rather than a
-    multiprocessing spawn) also works from scripts that lack an `if __name__ == "__main__"` guard."""
+    multiprocessing spawn) also works from scripts that lack an `if __name__ == "__main__"` guard.
+    Returns what the subprocess noted of a calibration that succeeded, if anything."""
+    (tmp / _NOTES).unlink(missing_ok=True)
     samples = tmp / "calibration.npz"
     np.savez(samples, **calibration)
     job = tmp / "job.json"
@@ -696,8 +719,8 @@ def _quantize_ort(fp32_path: Path, calibration: Mapping[str, NDArray[Any]], spec
         raise QuantizerFailed(lines[-1] if lines else "the ONNX Runtime quantizer failed", proc.stdout + proc.stderr)
     if proc.returncode != 0:  # anything else is a bug (ours or the tool's): keep the child's traceback
         raise QuantizerCrashed(f"the quantizer subprocess exited with status {proc.returncode}:\n{proc.stderr}")
-    if (notes := tmp / _NOTES).exists():
-        log.warning("INT8 calibration (ONNX Runtime): %s", notes.read_text().strip())
+    notes = tmp / _NOTES
+    return notes.read_text().strip() if notes.is_file() else None
 
 
 # The quantizer subprocess exits with this status when the tool itself refused the model (TOOL_ERRORS).
@@ -806,8 +829,9 @@ def _ort_quantize_worker(job_path: str) -> None:
             if beyond:  # said by the parent (this process's stdout is ORT's progress; its stderr unread on success)
                 worst = sorted(beyond.items(), key=lambda item: -item[1][0] / max(item[1][1], 1))[:3]
                 Path(job["tmp"], _NOTES).write_text(
-                    f"{len(beyond)} calibrated tensors had values beyond the first calibration pass's range in "
-                    "the second (the graph's runs differ, e.g. random ops); counted in the histograms' edge bins: "
+                    f"{len(beyond)} calibrated tensor{'s' if len(beyond) != 1 else ''} had values beyond the first "
+                    "calibration pass's range in the second (the graph's runs differ: random ops, or kernels that "
+                    "are not repeatable); counted in the histograms' edge bins: "
                     + ", ".join(f"{name} {out / max(total, 1):.1%} of {total}" for name, (out, total) in worst))
         quantize_static(
             str(prepared),

@@ -3,12 +3,16 @@ with its full output; anything else keeps its traceback; ModelOpt's logging is l
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import logging
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -307,20 +311,48 @@ def test_calibration_data_with_no_finite_value_is_the_quantizers_failure_not_a_c
     assert "no finite range over the calibration samples" in str(caught.value)
 
 
-def test_what_the_quantizer_subprocess_noted_of_its_calibration_reaches_the_build_log(
+def test_what_the_quantizer_subprocess_noted_of_its_calibration_is_said_and_kept(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """The subprocess's own logging goes nowhere and its stderr is not read on success: what it has to say of a
-    calibration that succeeded (values beyond the first pass's range) comes back as a file, and is logged."""
+    calibration that succeeded (values beyond the first pass's range) comes back as a file. It is logged once
+    the tools' output is no longer redirected (so it reaches the terminal), kept in the variant's settings
+    (build.json), and said again when a rebuild reuses the cached calibration."""
+    model = mlp_onnx(tmp_path / "m.onnx")
+
     def quantizer(command: list[str], **_: object) -> subprocess.CompletedProcess[str]:
         job = json.loads(Path(command[-1]).read_text())
-        Path(job["out"]).write_bytes(b"")
-        (Path(job["tmp"]) / precision._NOTES).write_text("2 calibrated tensors had values beyond ...\n")
+        Path(job["out"]).write_bytes(model.read_bytes())
+        (Path(job["tmp"]) / precision._NOTES).write_text("1 calibrated tensor had values beyond ...\n")
         return subprocess.CompletedProcess(command, 0, "", "")
 
     monkeypatch.setattr(precision.subprocess, "run", quantizer)
+    monkeypatch.setattr(precision, "_quiet", lambda: _redirected_stderr(caplog))
     spec = CalibrationSpec(DataSpec("x.npz", 4), method=CalibrationMethod.ENTROPY, recipe=Int8Recipe.ONNXRUNTIME)
-    with caplog.at_level(logging.WARNING, logger=precision.__name__):
-        precision._quantize_ort(mlp_onnx(tmp_path / "m.onnx"), mlp_samples(4), spec, tmp_path,
-                                tmp_path / "int8.onnx", "onnxruntime")
-    assert [r.getMessage() for r in caplog.records] == [
-        "INT8 calibration (ONNX Runtime): 2 calibrated tensors had values beyond ..."]
+    said = "INT8 calibration (ONNX Runtime): 1 calibrated tensor had values beyond ..."
+    for cached in (False, True):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger=precision.__name__):
+            result = precision.to_int8(model, fp32_sha=sha256_file(model), calibration=mlp_samples(4),
+                                       data_digest="d", spec=spec, out_path=tmp_path / f"int8-{cached}.onnx",
+                                       cache_dir=tmp_path / "cache", log_file=None)
+        assert result.cached is cached
+        assert result.settings["calibration_note"] == "1 calibrated tensor had values beyond ..."
+        assert [getattr(r, "redirected", False) for r in caplog.records if r.getMessage() == said] == [False]
+
+
+@contextlib.contextmanager
+def _redirected_stderr(caplog: pytest.LogCaptureFixture) -> Iterator[io.StringIO]:
+    """Stands in for precision._quiet: marks what is logged while the tools' output is redirected."""
+    sink = io.StringIO()
+    factory = logging.getLogRecordFactory()
+
+    def record(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        made = factory(*args, **kwargs)
+        made.redirected = True
+        return made
+
+    logging.setLogRecordFactory(record)
+    try:
+        yield sink
+    finally:
+        logging.setLogRecordFactory(factory)
