@@ -162,8 +162,8 @@ def row_from_record(record: Mapping[str, Any], *, state: str) -> SummaryRow:
              else 1.0 if speed.get("throughput") is not None else None)
     rounds, fp32_rounds = _figures(speed.get("rounds")), _figures(speed.get("fp32_rounds"))
     clearly_faster = min(rounds) > max(fp32_rounds) if rounds and fp32_rounds else None
-    spread = (f"rounds {min(rounds):.4g}–{max(rounds):.4g} vs FP32's {min(fp32_rounds):.4g}–{max(fp32_rounds):.4g} "
-              "infer/s" if rounds and fp32_rounds else None)
+    spread = (f"rounds {_rate(min(rounds))}–{_rate(max(rounds))} vs FP32's {_rate(min(fp32_rounds))}–"
+              f"{_rate(max(fp32_rounds))} infer/s" if rounds and fp32_rounds else None)
     return SummaryRow(
         variant=str(record.get("name", "?")), precision=str(record.get("precision", "?")),
         runtime=record.get("runtime"), size_bytes=record.get("size_bytes"), accuracy=accuracy, within=within,
@@ -173,6 +173,10 @@ def row_from_record(record: Mapping[str, Any], *, state: str) -> SummaryRow:
         worth_serving=speed.get("worth_serving"), worth_reason=speed.get("reason"), clearly_faster=clearly_faster,
         spread=spread,
     )
+
+
+def _rate(value: float) -> str:
+    return f"{value:.0f}" if value >= 100 else f"{value:.3g}"
 
 
 def _figures(value: Any) -> list[float]:

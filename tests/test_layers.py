@@ -12,8 +12,13 @@ never add one to let new code through.
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -366,3 +371,31 @@ def test_only_the_clis_import_their_process_wide_settings() -> None:
     importers = {name for name, target, _, _ in edges() if target == "client.cli_env"}
     assert importers == {"builder.cli", "client.cli"}
     assert "environ" not in (ROOT / "client" / "__init__.py").read_text()
+
+
+_GRPC_ORDER = r"""
+import importlib, os, sys
+seen = []
+
+class Watch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "grpc" and not seen:
+            seen.append(os.environ.get("GRPC_VERBOSITY"))
+        return None
+
+sys.meta_path.insert(0, Watch())
+importlib.import_module(sys.argv[1])
+print(seen[0] if seen else "unimported", os.environ.get("GRPC_VERBOSITY"))
+"""
+
+
+@pytest.mark.parametrize("cli", ["client.cli", "client.__main__", "builder.cli"])
+def test_each_cli_sets_grpc_verbosity_before_grpc_is_imported(cli: str) -> None:
+    """Import order, not a rule a linter keeps: a new top-level import above client.cli_env that pulls in grpc
+    (builder.repository imports tritonclient.grpc) would let grpc-core's INFO lines through again."""
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"}
+    proc = subprocess.run([sys.executable, "-c", _GRPC_ORDER, cli], capture_output=True, text=True, env=env,
+                          timeout=120, cwd=ROOT, check=False)
+    assert proc.returncode == 0, proc.stderr
+    at_grpc_import, after = proc.stdout.strip().splitlines()[-1].split()
+    assert at_grpc_import in ("ERROR", "unimported") and after == "ERROR"
