@@ -693,7 +693,8 @@ def _quantize_ort(fp32_path: Path, calibration: Mapping[str, NDArray[Any]], spec
     quantize_static fails or changes behaviour in the same process. A subprocess (rather than a
     multiprocessing spawn) also works from scripts that lack an `if __name__ == "__main__"` guard.
     Returns what the subprocess noted of a calibration that succeeded, if anything."""
-    (tmp / _NOTES).unlink(missing_ok=True)
+    notes = tmp / _NOTES
+    notes.unlink(missing_ok=True)
     samples = tmp / "calibration.npz"
     np.savez(samples, **calibration)
     job = tmp / "job.json"
@@ -719,7 +720,6 @@ def _quantize_ort(fp32_path: Path, calibration: Mapping[str, NDArray[Any]], spec
         raise QuantizerFailed(lines[-1] if lines else "the ONNX Runtime quantizer failed", proc.stdout + proc.stderr)
     if proc.returncode != 0:  # anything else is a bug (ours or the tool's): keep the child's traceback
         raise QuantizerCrashed(f"the quantizer subprocess exited with status {proc.returncode}:\n{proc.stderr}")
-    notes = tmp / _NOTES
     return notes.read_text().strip() if notes.is_file() else None
 
 
