@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from numpy.typing import NDArray
 
 from builder.runtimes.base import feeds as sample_feeds
@@ -88,12 +89,28 @@ def opt_batch(shapes: ModelShapes) -> int:
     return shapes.batch.opt if shapes.batch is not None and shapes.batching else 1
 
 
-def opt_feed(inputs: tuple[TensorSpec, ...], shapes: ModelShapes,
-             value_ranges: Mapping[str, ValueRange]) -> tuple[dict[str, NDArray[Any]], int]:
-    """One run's feed at the opt shape (the opt batch for a batching model) and the inferences it makes."""
+def opt_feed(inputs: tuple[TensorSpec, ...], shapes: ModelShapes, value_ranges: Mapping[str, ValueRange],
+             real: Mapping[str, NDArray[Any]] | None = None) -> tuple[dict[str, NDArray[Any]], int]:
+    """One run's feed at the opt shape (the opt batch for a batching model) and the inferences it makes.
+
+    `real`: the held-out samples. Where every input's samples have the opt shape, the feed is made of them
+    (rows repeated up to the opt batch): a graph's speed can depend on its values (a detector's NMS, a model
+    that branches on an integer input such as a sample rate). Elsewhere the feed is synthetic, except integer
+    and bool inputs with no declared range, which take the real values where their shape is the opt shape
+    (0s and 1s would send such a model down a branch it never takes, or one that fails)."""
     batch = shapes.batch.opt if shapes.batch is not None else 1
-    found = samples.synthetic(inputs, shapes, batch, seed=5, level=Level.OPT, value_ranges=value_ranges,
+    count = batch if shapes.batching else 1
+    found = samples.synthetic(inputs, shapes, count, seed=5, level=Level.OPT, value_ranges=value_ranges,
                               integers=True)
+    given = real or {}
+    fits = {t.name for t in inputs if t.name in given and len(given[t.name])
+            and given[t.name].shape[1:] == found[t.name].shape[1:]}
+    for tensor in inputs:
+        dtype = np.dtype(tensor.dtype)
+        guessed = (np.issubdtype(dtype, np.integer) or dtype == np.bool_) and tensor.name not in value_ranges
+        if tensor.name in fits and (len(fits) == len(inputs) or guessed):
+            rows = given[tensor.name]
+            found[tensor.name] = np.ascontiguousarray(rows[np.arange(count) % len(rows)])
     if shapes.batching:
         return found, batch
     return next(sample_feeds(found, None)), 1

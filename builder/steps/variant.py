@@ -223,7 +223,8 @@ class MeasureSpeed:
         # A graph the meter cannot run fails as under the executor (ONNX Runtime both, by default).
         failed: tuple[type[Exception], ...] = (*model.executor.errors, DataError)
         try:
-            feed, batch = speed.opt_feed(model.signature.inputs, model.input_shapes, model.spec.input_ranges)
+            feed, batch = speed.opt_feed(model.signature.inputs, model.input_shapes, model.spec.input_ranges,
+                                         real=model.evaluation)
             return speed.measure(ctx.precision, ctx.artifact, model.fp32_path, feed, batch=batch,
                                  threads=model.spec.serving.ort_intra_op_threads,
                                  size=onnx_files.model_size(ctx.artifact),

@@ -112,3 +112,69 @@ def test_a_variant_faster_only_within_the_spread_is_not_the_one_to_serve(tmp_pat
     assert "1.10x" in lines["mlp_fp16"] and "| within noise" in lines["mlp_fp16"]
     assert "mlp_fp16 within noise of FP32: rounds 95–130 vs FP32's 96–104 infer/s" in out.getvalue().splitlines()
     assert "| yes " in lines["mlp_fp32"]
+
+
+def _branching_model(path: Path) -> Path:
+    """y = x where sr == 16000; any other sr takes a branch that cannot run (a reshape of 4 values to 3 rows),
+    as a voice-activity model's If over its sample rate fails on a rate it has no branch for."""
+    from onnx import TensorProto, helper, save
+
+    then = helper.make_graph([helper.make_node("Identity", ["x"], ["t"])], "then", [],
+                             [helper.make_tensor_value_info("t", TensorProto.FLOAT, None)])
+    bad = helper.make_tensor("three", TensorProto.INT64, [2], [3, -1])
+    other = helper.make_graph([helper.make_node("Reshape", ["x", "three"], ["e"])], "else", [],
+                              [helper.make_tensor_value_info("e", TensorProto.FLOAT, None)], initializer=[bad])
+    rate = helper.make_tensor("rate", TensorProto.INT64, [], [16000])
+    graph = helper.make_graph(
+        [helper.make_node("Equal", ["sr", "rate"], ["is16k"]),
+         helper.make_node("If", ["is16k"], ["y"], then_branch=then, else_branch=other)],
+        "branching", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4]),  # n: checked at run time
+                      helper.make_tensor_value_info("sr", TensorProto.INT64, [])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], initializer=[rate])
+    save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+def test_the_opt_feed_takes_an_integer_input_from_the_held_out_samples(tmp_path: Path) -> None:
+    """0s and 1s for an integer input with no declared range send a model down a branch it never takes (silero
+    VAD's If over its sample rate failed there, and no variant's speed was recorded); the held-out samples'
+    values are used where their shape is the opt shape."""
+    import numpy as np
+    import onnxruntime as ort
+
+    from builder.spec.model import TensorSpec
+    from builder.spec.shapes import ModelShapes, ShapeRange
+    from builder.steps.speed import opt_feed
+
+    path = _branching_model(tmp_path / "m.onnx")
+    inputs = (TensorSpec("x", "float32", (1, 4)), TensorSpec("sr", "int64", ()))
+    shapes = ModelShapes(False, {"x": ShapeRange.fixed((1, 4)), "sr": ShapeRange.fixed(())})
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    guessed, _ = opt_feed(inputs, shapes, {})
+    with pytest.raises(Exception, match=r"(?i)reshape"):
+        session.run(None, guessed)  # what the build measured before: the failing branch
+    held_out = {"x": np.arange(8, dtype=np.float32).reshape(2, 1, 4), "sr": np.array([16000, 16000])}
+    feed, batch = opt_feed(inputs, shapes, {}, real=held_out)
+    assert batch == 1 and int(feed["sr"]) == 16000
+    np.testing.assert_array_equal(feed["x"], held_out["x"][0])  # every input fits: the real sample whole
+    session.run(None, feed)
+
+    # Held-out floats at another shape: synthetic floats at the opt shape, the integer input still real.
+    wide = {"x": np.zeros((2, 1, 8), np.float32), "sr": np.array([16000, 16000])}
+    feed, _ = opt_feed(inputs, shapes, {}, real=wide)
+    assert feed["x"].shape == (1, 4) and feed["x"].any() and int(feed["sr"]) == 16000
+
+
+def test_a_batching_models_opt_feed_repeats_the_held_out_rows_up_to_the_opt_batch() -> None:
+    import numpy as np
+
+    from builder.spec.model import TensorSpec
+    from builder.spec.shapes import ModelShapes, ShapeRange
+    from builder.steps.speed import opt_feed
+
+    inputs = (TensorSpec("ids", "int64", (-1, 3)),)
+    shapes = ModelShapes(True, {"ids": ShapeRange((1, 3), (5, 3), (8, 3))})
+    rows = np.array([[7, 8, 9], [4, 5, 6]])
+    feed, batch = opt_feed(inputs, shapes, {}, real={"ids": rows})
+    assert batch == 5
+    np.testing.assert_array_equal(feed["ids"], rows[[0, 1, 0, 1, 0]])
