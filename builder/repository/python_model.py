@@ -615,6 +615,21 @@ def _graph_kind(path):
     return "fp32"
 
 
+CONVOLUTIONS = ("Conv", "ConvTranspose")  # where the NHWC layout pays (on tensor cores)
+
+
+def _convolutions(path):
+    """Whether the graph (subgraphs and local functions too) has a convolution. NHWC on a graph with none
+    is all cost: MiniLM FP16 on an H200 got 50 host-device copies added by it and ran 2.87 ms a batch of 8
+    against 2.21 ms in NCHW (bench/gpu/results/2026-11-29-h200-text-fp16.json)."""
+    import onnx
+
+    model = onnx.load(path, load_external_data=False)
+    function_nodes = [n for f in model.functions for n in f.node]
+    graphs = [model.graph, *_subgraphs(model.graph.node), *_subgraphs(function_nodes)]
+    return any(n.op_type in CONVOLUTIONS for n in [*function_nodes, *(n for g in graphs for n in g.node)])
+
+
 def _has_qdq(path):
     return _graph_kind(path) == "qdq"
 
@@ -622,14 +637,15 @@ def _has_qdq(path):
 GRAPH_KINDS = ("qdq", "fp16", "fp32")  # what _graph_kind answers, and the config parameter graph_kind holds
 
 
-def _resolve_auto(path, options, kind=None):
+def _resolve_auto(path, options, kind=None, convolutions=None):
     """`use_tf32` and `prefer_nhwc` left at auto, resolved for this graph as builder.runtimes.onnxruntime_cuda's
     CudaOptions.provider_options resolves them for the build's accuracy run (tests/builder/runtimes/
     test_graph_kind.py compares both). No TF32 for FP32 graphs (TF32 put the FP32 variant outside its accuracy
     gate); NHWC only where the convolutions run on tensor cores, FP16 or FP32 with TF32 (H200, batch 64: 1.2x
     and 1.26x; FP32 without TF32 0.95x at 9 % more J; the INT8 Q/DQ graph 0.52x). `kind`: the graph's kind as
     the build found it; None: read the graph here, which every instance does at every load (a graph with
-    200 MB of weights inside took 0.28 s to parse on a 2-core CPU)."""
+    200 MB of weights inside took 0.28 s to parse on a 2-core CPU). `convolutions`: whether the graph has any,
+    as the build found it (None: read the graph where it matters)."""
     options = dict(options)
     if options.get("use_tf32", "auto") == "auto":
         kind = kind or _graph_kind(path)
@@ -637,7 +653,9 @@ def _resolve_auto(path, options, kind=None):
     if options.get("prefer_nhwc", "auto") == "auto":
         kind = kind or _graph_kind(path)
         tensor_cores = kind == "fp16" or (kind == "fp32" and options["use_tf32"] != "0")
-        options["prefer_nhwc"] = "1" if tensor_cores else "0"
+        if tensor_cores and convolutions is None:
+            convolutions = _convolutions(path)
+        options["prefer_nhwc"] = "1" if tensor_cores and convolutions else "0"
     return options
 
 
@@ -668,7 +686,8 @@ def make_runner(path, params, max_batch):
                "cudnn_conv_algo_search": params.get("cudnn_conv_algo_search", "HEURISTIC"),
                "arena_extend_strategy": "kSameAsRequested"}
     options |= {k: params[k] for k in PROVIDER_PASSTHROUGH if params.get(k)}
-    options = _resolve_auto(path, options, _built_kind(params))
+    built = params.get("graph_convolutions")  # absent in a repository built before the parameter existed
+    options = _resolve_auto(path, options, _built_kind(params), {"1": True, "0": False}.get(built))
     if max_batch <= 0:  # no batch axis: one session, the shapes the clients send
         return CudaPlainRunner(path, provider_options=options)
     try:

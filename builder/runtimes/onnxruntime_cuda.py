@@ -52,8 +52,9 @@ class CudaLayout(Choice):
     EfficientNet-Lite0 at batch 64 with IO binding: NHWC ran FP16 1.20x and FP32 with TF32 1.26x as fast as
     NCHW at 15 % less energy per inference; FP32 without TF32 (FP32 math, `--cuda-tf32 auto`'s choice for
     FP32 graphs) 0.95x at 9 % more energy (8539 vs 8950 img/s, bench/gpu/results/2026-11-22-h200-inprocess-
-    tf32.json), the INT8 Q/DQ graph 0.52x. `auto` takes NHWC where the convolutions run on tensor cores (FP16
-    graphs, FP32 graphs with TF32 on) and NCHW for the rest."""
+    tf32.json), the INT8 Q/DQ graph 0.52x. `auto` takes NHWC where convolutions run on tensor cores (FP16
+    graphs, FP32 graphs with TF32 on, each with a Conv) and NCHW for the rest: on a graph with no convolution
+    (MiniLM FP16, H200) NHWC added 50 host-device copies and ran 0.77x as fast as NCHW."""
 
     AUTO = "auto"
     NHWC = "nhwc"
@@ -88,6 +89,19 @@ def _kind_of(path: str, inode: int, size: int, mtime_ns: int) -> str:
     return str(_RUNNER._graph_kind(path))
 
 
+def graph_convolutions(path: Path) -> bool:
+    """Whether the graph has a convolution (Conv, ConvTranspose; subgraphs and local functions too): NHWC pays
+    only there (see CudaLayout). The runner's own code decides, as for graph_kind; the build hands the answer
+    on as the config parameter `graph_convolutions`."""
+    stat = path.stat()
+    return _convolutions_of(str(path.resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=32)
+def _convolutions_of(path: str, inode: int, size: int, mtime_ns: int) -> bool:
+    return bool(_RUNNER._convolutions(path))
+
+
 @dataclass(frozen=True)
 class CudaOptions:
     device_id: int = 0
@@ -111,9 +125,10 @@ class CudaOptions:
         options = {"device_id": str(self.device_id), "cudnn_conv_algo_search": self.cudnn_conv_algo_search.value}
         kind = graph_kind(artifact) if artifact is not None else None
         tf32_off = self.tf32 is CudaTF32.OFF or (self.tf32 is CudaTF32.AUTO and kind == "fp32")
-        # NHWC pays where the convolutions run on tensor cores: FP16, or FP32 with TF32 (see CudaLayout).
+        # NHWC pays where convolutions run on tensor cores: FP16, or FP32 with TF32 (see CudaLayout).
         tensor_cores = kind == "fp16" or (kind == "fp32" and not tf32_off)
-        if self.layout is CudaLayout.NHWC or (self.layout is CudaLayout.AUTO and tensor_cores):
+        auto_nhwc = tensor_cores and artifact is not None and graph_convolutions(artifact)
+        if self.layout is CudaLayout.NHWC or (self.layout is CudaLayout.AUTO and auto_nhwc):
             options["prefer_nhwc"] = "1"
         if tf32_off:
             options["use_tf32"] = "0"
@@ -264,8 +279,11 @@ class OnnxRuntimeCUDA:
         return run_padded(session, samples, batch_size)
 
     def backend_config(self, target: CompileTarget, version_dir: Path) -> BackendConfig:
-        kind = graph_kind(version_dir / self.artifact) if self.serving_backend is ServingBackend.PYTHON else None
-        return cuda_backend_config(self.serving_backend, self.options, kind)
+        if self.serving_backend is not ServingBackend.PYTHON:
+            return cuda_backend_config(self.serving_backend, self.options)
+        artifact = version_dir / self.artifact
+        return cuda_backend_config(self.serving_backend, self.options, graph_kind(artifact),
+                                   graph_convolutions(artifact))
 
 
 # The python runner's instances per GPU where models.toml names none. One instance serializes each batch's Python
@@ -276,11 +294,12 @@ class OnnxRuntimeCUDA:
 GPU_RUNNER_INSTANCES = 4
 
 
-def cuda_backend_config(serving_backend: ServingBackend, o: CudaOptions, kind: str | None = None) -> BackendConfig:
+def cuda_backend_config(serving_backend: ServingBackend, o: CudaOptions, kind: str | None = None,
+                        convolutions: bool | None = None) -> BackendConfig:
     """A GPU instance group; the python runner gets provider cuda and its options, the native
     onnxruntime backend the CUDA provider's search mode and, with tensorrt_fp16, TensorRT in FP16.
     `kind`: the artifact's graph_kind, which the runner's `auto` options are resolved from (the runner reads the
-    graph itself where the parameter is absent)."""
+    graph itself where the parameter is absent); `convolutions`: whether it has any (NHWC's `auto` needs them)."""
     if serving_backend is ServingBackend.ONNXRUNTIME:
         accelerator: tuple[tuple[str, str], ...] = ()
         if o.tensorrt_fp16:
@@ -298,6 +317,8 @@ def cuda_backend_config(serving_backend: ServingBackend, o: CudaOptions, kind: s
                                      ("prefer_nhwc", o.runner_layout()),
                                      ("use_tf32", o.runner_tf32()),
                                      *((("graph_kind", kind),) if kind is not None else ()),
+                                     *((("graph_convolutions", "1" if convolutions else "0"),)
+                                       if convolutions is not None else ()),
                                      # Inputs a client sent through CUDA shared memory reach the runner
                                      # as device tensors (copied on the GPU into its bound buffers)
                                      # instead of being staged through host memory by the backend.

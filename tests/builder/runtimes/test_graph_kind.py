@@ -118,6 +118,16 @@ def _cases() -> dict[str, tuple[onnx.ModelProto, str]]:
                               [helper.make_opsetid("", 17)])
     cases["fp16 in a local function"] = (_model([helper.make_node("Half", ["x"], ["y"], domain="local")],
                                                 functions=[fn]), "fp16")
+    for dtype, name in ((F32, "fp32 conv"), (F16, "fp16 conv")):
+        x = helper.make_tensor_value_info("x", F32, ["batch", 1, 4, 4])
+        y = helper.make_tensor_value_info("y", F32, ["batch", 1, 4, 4])
+        cast_in = [helper.make_node("Cast", ["x"], ["xc"], to=dtype)]
+        weight = numpy_helper.from_array(np.ones((1, 1, 1, 1), np.float16 if dtype == F16 else np.float32), "k")
+        nodes = [*cast_in, helper.make_node("Conv", ["xc", "k"], ["yc"]),
+                 helper.make_node("Cast", ["yc"], ["y"], to=F32)]
+        graph = helper.make_graph(nodes, "g", [x], [y], initializer=[weight])
+        cases[name] = (helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8),
+                       "fp16" if dtype == F16 else "fp32")
     return cases
 
 
@@ -167,22 +177,25 @@ def test_the_accuracy_run_and_the_runner_resolve_auto_alike(tmp_path: Path, name
 
 def test_auto_takes_nhwc_only_where_convolutions_run_on_tensor_cores(tmp_path: Path) -> None:
     """H200, batch 64: NHWC ran FP16 1.20x and FP32 with TF32 1.26x, but FP32 without TF32 (auto's FP32 math)
-    0.95x at 9 % more J and the Q/DQ graph 0.52x: auto's (NHWC, TF32) per kind, and with TF32 asked for."""
+    0.95x at 9 % more J and the Q/DQ graph 0.52x: auto's (NHWC, TF32) per kind, and with TF32 asked for. A
+    graph with no convolution (MiniLM FP16: 0.77x in NHWC, 50 host-device copies added) stays NCHW."""
     got: dict[str, tuple[bool, bool]] = {}
-    for name in ("fp32", "fp16 initializer", "qdq"):
+    for name in ("fp32 conv", "fp16 conv", "qdq", "fp32", "fp16 initializer"):
         path = tmp_path / f"{len(got)}.onnx"
         onnx.save(CASES[name][0], str(path))
         got[name] = _effective(CudaOptions().provider_options(path))
         got[name + ", tf32 on"] = _effective(CudaOptions(tf32=CudaTF32.ON).provider_options(path))
-    assert got == {"fp32": (False, False), "fp32, tf32 on": (True, True),
-                   "fp16 initializer": (True, True), "fp16 initializer, tf32 on": (True, True),
-                   "qdq": (False, True), "qdq, tf32 on": (False, True)}
+    assert got == {"fp32 conv": (False, False), "fp32 conv, tf32 on": (True, True),
+                   "fp16 conv": (True, True), "fp16 conv, tf32 on": (True, True),
+                   "qdq": (False, True), "qdq, tf32 on": (False, True),
+                   "fp32": (False, False), "fp32, tf32 on": (False, True),
+                   "fp16 initializer": (False, True), "fp16 initializer, tf32 on": (False, True)}
 
 
 # The build hands its answer to the runner (config parameter graph_kind), so a model that loads does not parse
 # its graph again; a repository built before the parameter existed still loads, the runner reading the graph.
 
-KINDS = {"fp32": "fp32", "fp16 initializer": "fp16", "qdq": "qdq"}
+KINDS = {"fp32": "fp32", "fp16 initializer": "fp16", "qdq": "qdq", "fp16 conv": "fp16"}
 
 
 class Stop(Exception):
@@ -250,6 +263,7 @@ def test_the_runner_takes_the_kind_from_the_config_and_reads_no_graph(
         accuracy_run = options.provider_options(version / "model.onnx")
         with monkeypatch.context() as patch:
             patch.setattr(RUNNER, "_graph_kind", _no_analysis)
+            patch.setattr(RUNNER, "_convolutions", _no_analysis)
             served = _served(patch, version, config)
         assert _effective(served) == _effective(accuracy_run), (name, layout, tf32)
 
@@ -271,7 +285,7 @@ def _count_graph_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 def test_without_a_known_kind_in_the_config_the_runner_reads_the_graph(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, value: str | None) -> None:
     """None: a repository built before the parameter existed; int4: a value this runner does not know."""
-    version = _version(tmp_path, "fp16 initializer")
+    version = _version(tmp_path, "fp16 conv")
     config = _built_config(version, CudaOptions())
     del config["parameters"]["graph_kind"]
     if value is not None:
@@ -293,3 +307,21 @@ def test_the_build_reads_each_artifact_once(tmp_path: Path, monkeypatch: pytest.
     assert len(read) == 1
     onnx.save(CASES["qdq"][0], str(version / "model.onnx"))
     assert graph_kind(version / "model.onnx") == "qdq" and len(read) == 2
+
+
+@pytest.mark.parametrize("name", ["fp16 conv", "fp16 initializer"])
+def test_the_config_says_whether_the_graph_has_convolutions_and_an_older_one_is_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """The build writes graph_convolutions; a config from before it (none) has the runner read the graph, and
+    both give the accuracy run's layout: NHWC for the FP16 convolution, NCHW for the FP16 MatMul."""
+    version = _version(tmp_path, name)
+    config = _built_config(version, CudaOptions())
+    convs = name == "fp16 conv"
+    assert config["parameters"]["graph_convolutions"]["string_value"] == ("1" if convs else "0")
+    del config["parameters"]["graph_convolutions"]
+    read: list[str] = []
+    found = RUNNER._convolutions
+    monkeypatch.setattr(RUNNER, "_convolutions", lambda p: read.append(p) or found(p))
+    served = _served(monkeypatch, version, config)
+    assert read == [str(version / "model.onnx")]
+    assert _effective(served) == _effective(CudaOptions().provider_options(version / "model.onnx")) == (convs, True)
