@@ -74,12 +74,18 @@ def ort_throughput(path: Path, feed: Mapping[str, NDArray[Any]], threads: int = 
     return runs * batch / (time.perf_counter() - start)
 
 
+# Runs per round at least, however long they take: a round of one or two runs (PP-OCRv4 rec at 0.15 s) is one
+# or two samples of the machine's noise, and a pick was made on such rounds (builder/summary.PICK_MARGIN).
+MIN_ROUND_RUNS = 3
+
+
 def ort_rounds(paths: Sequence[Path], feed: Mapping[str, NDArray[Any]], *, batch: int = 1, threads: int = 0,
                rounds: int = 3, seconds: float = 0.15) -> list[list[float]]:
     """Inferences per second of one feed under each model, in `rounds` short rounds taken in turn (model 1,
     model 2, ..., then again), so that a change in the machine's load falls on all of them alike; each session
     opened once with `threads` intra-op threads (0: ONNX Runtime's default, as the served runner) and warmed
-    up by three runs first. `batch`: the inferences one run of the feed makes."""
+    up by three runs first. Each round lasts `seconds` and MIN_ROUND_RUNS runs at least. `batch`: the
+    inferences one run of the feed makes."""
     sessions = [ort_session(path, threads) for path in paths]
     for session in sessions:
         for _ in range(3):
@@ -88,7 +94,7 @@ def ort_rounds(paths: Sequence[Path], feed: Mapping[str, NDArray[Any]], *, batch
     for _ in range(rounds):
         for session, figures in zip(sessions, found, strict=True):
             runs, start = 0, time.perf_counter()
-            while time.perf_counter() - start < seconds or runs == 0:
+            while time.perf_counter() - start < seconds or runs < MIN_ROUND_RUNS:
                 session.run(None, dict(feed))
                 runs += 1
             figures.append(runs * batch / (time.perf_counter() - start))

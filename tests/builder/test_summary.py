@@ -14,6 +14,7 @@ from builder.cli import main
 from builder.spec import ModelSpec, Precision
 from builder.spec.model import DimRange
 from builder.summary import (
+    PICK_MARGIN,
     BuildSummary,
     FailedVariant,
     SummaryRow,
@@ -247,3 +248,31 @@ def test_within_noise_is_said_with_the_rounds_and_only_of_a_variant_within_its_t
     assert cells == {"m_fp32": "yes", "m_int8": "within noise", "m_int8b": ""}
     assert "m_int8 within noise of FP32: rounds 95–130 vs FP32's 96–104 infer/s" in text.splitlines()
     assert not any(line.startswith("m_int8b within noise") for line in text.splitlines())
+
+
+def test_a_lower_precision_faster_by_less_than_the_margin_is_not_the_pick() -> None:
+    """PP-OCRv4 rec's FP16 was 1.035x FP32 in-process, every round above FP32's, and served 0.70x FP32: a
+    pick needs PICK_MARGIN too. Beyond the spread but under the margin: FP32 is the pick and the row says why;
+    beyond both: the lower precision is."""
+    fp32 = {"name": "m_fp32", "precision": "fp32", "model": "m", "accuracy": {"max_rel": 0.0},
+            "tolerance": {"max_rel": 1e-4}, "speed": {"throughput": 70.0, "rounds": [66.9, 71.6, 70.0]}}
+
+    def fp16(ratio: float, rounds: list[float]) -> dict[str, object]:
+        return {"name": "m_fp16", "precision": "fp16", "model": "m", "accuracy": {"max_rel": 0.0},
+                "tolerance": {"max_rel": 1e-4},
+                "speed": {"throughput": 72.5, "rounds": rounds, "fp32_throughput": 70.0,
+                          "fp32_rounds": [66.9, 71.6, 70.0], "ratio": ratio, "worth_serving": True}}
+
+    rows = with_recommendation([row_from_record(fp32, state="rebuilt"),
+                                row_from_record(fp16(1.035, [72.9, 71.8, 72.5]), state="rebuilt")])
+    assert [r.variant for r in rows if r.serve] == ["m_fp32"]
+    assert rows[1].beyond_spread is True and rows[1].clearly_faster is False
+    text = _text(BuildSummary(rows=tuple(rows), repository=Path("repo")))
+    fp16_line = next(line for line in text.splitlines() if line.startswith("m_fp16 ") and " | " in line)
+    assert fp16_line.split("|")[6].strip() == f"under {PICK_MARGIN:.2f}x"
+    assert (f"m_fp16 1.03x FP32, under the {PICK_MARGIN:.2f}x a pick needs: rounds 71.8–72.9 vs FP32's 66.9–71.6 "
+            "infer/s") in text.splitlines()
+
+    rows = with_recommendation([row_from_record(fp32, state="rebuilt"),
+                                row_from_record(fp16(1.12, [78.0, 79.0, 80.0]), state="rebuilt")])
+    assert [r.variant for r in rows if r.serve] == ["m_fp16"]

@@ -178,3 +178,29 @@ def test_a_batching_models_opt_feed_repeats_the_held_out_rows_up_to_the_opt_batc
     feed, batch = opt_feed(inputs, shapes, {}, real={"ids": rows})
     assert batch == 5
     np.testing.assert_array_equal(feed["ids"], rows[[0, 1, 0, 1, 0]])
+
+
+def test_each_round_runs_the_model_a_few_times_however_slow(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A round of 0.15 s held one or two runs of a slow model; now MIN_ROUND_RUNS at least, counted here."""
+    from builder.runtimes import onnxruntime as runtime
+    from tests.helpers.tiny_models import mlp_onnx
+
+    runs: list[int] = []
+
+    class Counted:
+        def __init__(self, session: Any) -> None:
+            self.session = session
+
+        def run(self, *args: Any) -> Any:
+            runs.append(1)
+            return self.session.run(*args)
+
+    opened = runtime.ort_session
+    monkeypatch.setattr(runtime, "ort_session", lambda path, threads: Counted(opened(path, threads)))
+    path = mlp_onnx(tmp_path / "m.onnx")
+    import numpy as np
+
+    feed = {"x": np.zeros((1, 4, 32), np.float32)}
+    figures = runtime.ort_rounds([path], feed, rounds=2, seconds=0.0)
+    assert len(figures[0]) == 2 and all(f > 0 for f in figures[0])
+    assert len(runs) == 3 + 2 * runtime.MIN_ROUND_RUNS  # three warm-up runs, then each round's
