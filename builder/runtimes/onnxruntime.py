@@ -74,9 +74,11 @@ def ort_throughput(path: Path, feed: Mapping[str, NDArray[Any]], threads: int = 
     return runs * batch / (time.perf_counter() - start)
 
 
-# Runs per round at least, however long they take: a round of one or two runs (PP-OCRv4 rec at 0.15 s) is one
-# or two samples of the machine's noise, and a pick was made on such rounds (builder/summary.PICK_MARGIN).
+# Runs per round at least: a round of one or two runs (PP-OCRv4 rec at 0.15 s) is one or two samples of the
+# machine's noise, and a pick was made on such rounds (builder/summary.PICK_MARGIN). A model slower than that
+# stops a round after MAX_ROUND_SECONDS (one run at least), so the build's time stays bounded.
 MIN_ROUND_RUNS = 3
+MAX_ROUND_SECONDS = 1.0
 
 
 def ort_rounds(paths: Sequence[Path], feed: Mapping[str, NDArray[Any]], *, batch: int = 1, threads: int = 0,
@@ -84,8 +86,8 @@ def ort_rounds(paths: Sequence[Path], feed: Mapping[str, NDArray[Any]], *, batch
     """Inferences per second of one feed under each model, in `rounds` short rounds taken in turn (model 1,
     model 2, ..., then again), so that a change in the machine's load falls on all of them alike; each session
     opened once with `threads` intra-op threads (0: ONNX Runtime's default, as the served runner) and warmed
-    up by three runs first. Each round lasts `seconds` and MIN_ROUND_RUNS runs at least. `batch`: the
-    inferences one run of the feed makes."""
+    up by three runs first. Each round lasts `seconds`, and MIN_ROUND_RUNS runs where they fit in
+    MAX_ROUND_SECONDS. `batch`: the inferences one run of the feed makes."""
     sessions = [ort_session(path, threads) for path in paths]
     for session in sessions:
         for _ in range(3):
@@ -94,7 +96,8 @@ def ort_rounds(paths: Sequence[Path], feed: Mapping[str, NDArray[Any]], *, batch
     for _ in range(rounds):
         for session, figures in zip(sessions, found, strict=True):
             runs, start = 0, time.perf_counter()
-            while time.perf_counter() - start < seconds or runs < MIN_ROUND_RUNS:
+            while (elapsed := time.perf_counter() - start) < seconds or runs == 0 or (
+                    runs < MIN_ROUND_RUNS and elapsed < MAX_ROUND_SECONDS):
                 session.run(None, dict(feed))
                 runs += 1
             figures.append(runs * batch / (time.perf_counter() - start))

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import onnx
 from onnx import numpy_helper
 
@@ -21,7 +20,7 @@ from builder.runtimes.base import Outputs, ReferenceExecutor
 from builder.spec.dtypes import from_onnx
 from builder.spec.model import TensorSpec
 from builder.spec.shapes import Level, ModelShapes, ValueRange, format_shape
-from builder.steps.samples import synthetic
+from builder.steps.samples import integers_seen, synthetic
 
 if TYPE_CHECKING:
     from numpy.typing import NDArray
@@ -151,19 +150,12 @@ def check_runs_at_levels(path: Path, inputs: tuple[TensorSpec, ...], shapes: Mod
     `examples` hold for them (a sample rate of 16000, real token ids), else 0s and 1s: a control input
     such as a VAD's `sr` selects an If branch, and 0 or 1 would run a branch the user never feeds."""
     ranges = value_ranges or {}
-    rng = np.random.default_rng(7)
-    for level in Level:
+    for index, level in enumerate(Level):
         at = {name: r.at(level) for name, r in shapes.inputs.items()}
         batch = at[inputs[0].name][0] if shapes.batching else None
         feed = synthetic(inputs, shapes, batch or 1, seed=7, level=level, value_ranges=ranges, integers=True,
                          what=what)
-        for tensor in inputs:
-            seen = None if examples is None else examples.get(tensor.name)
-            if tensor.name in ranges or seen is None or not np.issubdtype(feed[tensor.name].dtype, np.integer):
-                continue
-            values = np.unique(np.asarray(seen))
-            if values.size:
-                feed[tensor.name] = rng.choice(values, size=feed[tensor.name].shape).astype(feed[tensor.name].dtype)
+        feed = integers_seen(feed, examples, ranges, seed=7 + index)
         try:
             executor.run(path, feed, batch)
         except executor.errors as exc:

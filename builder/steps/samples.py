@@ -164,6 +164,23 @@ def synthetic(inputs: tuple[TensorSpec, ...], shapes: ModelShapes, count: int, s
     return out
 
 
+def integers_seen(feed: Samples, examples: Mapping[str, NDArray[Any]] | None,
+                  value_ranges: Mapping[str, ValueRange] | None, seed: int) -> Samples:
+    """`feed` with each integer input that has no declared range drawn from the values the user's `examples`
+    hold for it (a sample rate of 16000, real token ids) instead of synthetic 0s and 1s: a control input such
+    as a VAD's `sr` selects an If branch, and 0 or 1 would run a branch the user never feeds."""
+    rng = np.random.default_rng(seed)
+    out = dict(feed)
+    for name, values in feed.items():
+        seen = None if examples is None else examples.get(name)
+        if name in (value_ranges or {}) or seen is None or not np.issubdtype(values.dtype, np.integer):
+            continue
+        unique = np.unique(np.asarray(seen))
+        if unique.size:
+            out[name] = rng.choice(unique, size=values.shape).astype(values.dtype)
+    return out
+
+
 def _values(rng: np.random.Generator, dtype: np.dtype[Any], shape: list[int], declared: ValueRange | None, *,
             integers: bool) -> NDArray[Any] | None:
     """One input's synthetic values; None where none would mean anything (an integer input, no range)."""

@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 # Set (to anything but "" or "0") to skip the measurement: build.json then records no speed.
 SKIP_ENV = "TRTBUILD_NO_SPEED"
 ROUNDS = 3
-ROUND_SECONDS = 0.15  # each round; with FP32's rounds beside, about 1 s per variant
+ROUND_SECONDS = 0.15  # each round (3 runs at least, up to 1 s: runtimes.onnxruntime); FP32's rounds beside
 
 # (models, feed, batch, threads, rounds, seconds) → each model's inferences per second per round; the build's
 # options choose it (ONNX Runtime's runtimes.onnxruntime.ort_rounds by default).
@@ -94,23 +94,22 @@ def opt_feed(inputs: tuple[TensorSpec, ...], shapes: ModelShapes, value_ranges: 
     """One run's feed at the opt shape (the opt batch for a batching model) and the inferences it makes.
 
     `real`: the held-out samples. Where every input's samples have the opt shape, the feed is made of them
-    (rows repeated up to the opt batch): a graph's speed can depend on its values (a detector's NMS, a model
-    that branches on an integer input such as a sample rate). Elsewhere the feed is synthetic, except integer
-    and bool inputs with no declared range, which take the real values where their shape is the opt shape
-    (0s and 1s would send such a model down a branch it never takes, or one that fails)."""
+    (rows repeated up to the opt batch): a graph's speed can depend on its values (a detector's NMS). Elsewhere
+    the feed is synthetic, its integer inputs with no declared range drawn from the values the samples hold
+    (0s and 1s would send a model that branches on an integer input, a VAD's sample rate, down a branch it
+    never takes, or one that fails: silero VAD's speed went unrecorded so)."""
     batch = shapes.batch.opt if shapes.batch is not None else 1
     count = batch if shapes.batching else 1
-    found = samples.synthetic(inputs, shapes, count, seed=5, level=Level.OPT, value_ranges=value_ranges,
-                              integers=True)
     given = real or {}
-    fits = {t.name for t in inputs if t.name in given and len(given[t.name])
-            and given[t.name].shape[1:] == found[t.name].shape[1:]}
-    for tensor in inputs:
-        dtype = np.dtype(tensor.dtype)
-        guessed = (np.issubdtype(dtype, np.integer) or dtype == np.bool_) and tensor.name not in value_ranges
-        if tensor.name in fits and (len(fits) == len(inputs) or guessed):
-            rows = given[tensor.name]
-            found[tensor.name] = np.ascontiguousarray(rows[np.arange(count) % len(rows)])
+    fits = all(t.name in given and len(given[t.name])
+               and given[t.name].shape[1:] == shapes.sample_range(t.name).at(Level.OPT) for t in inputs)
+    if fits:
+        found = {t.name: np.ascontiguousarray(given[t.name][np.arange(count) % len(given[t.name])])
+                 for t in inputs}
+    else:
+        found = samples.synthetic(inputs, shapes, count, seed=5, level=Level.OPT, value_ranges=value_ranges,
+                                  integers=True)
+        found = samples.integers_seen(found, real, value_ranges, seed=5)
     if shapes.batching:
         return found, batch
     return next(sample_feeds(found, None)), 1

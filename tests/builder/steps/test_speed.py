@@ -204,3 +204,29 @@ def test_each_round_runs_the_model_a_few_times_however_slow(tmp_path: Path, monk
     figures = runtime.ort_rounds([path], feed, rounds=2, seconds=0.0)
     assert len(figures[0]) == 2 and all(f > 0 for f in figures[0])
     assert len(runs) == 3 + 2 * runtime.MIN_ROUND_RUNS  # three warm-up runs, then each round's
+
+
+def test_a_slow_models_round_stops_after_its_time_limit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model slower than MAX_ROUND_SECONDS a run gets one run per round, not MIN_ROUND_RUNS: the build's time
+    stays bounded (a clock that advances 5 s per run stands in for the slow model)."""
+    import numpy as np
+
+    from builder.runtimes import onnxruntime as runtime
+    from tests.helpers.tiny_models import mlp_onnx
+
+    now = [0.0]
+
+    class Slow:
+        def __init__(self, session: Any) -> None:
+            self.session = session
+
+        def run(self, *args: Any) -> Any:
+            now[0] += 5.0
+            return self.session.run(*args)
+
+    opened = runtime.ort_session
+    monkeypatch.setattr(runtime, "ort_session", lambda path, threads: Slow(opened(path, threads)))
+    monkeypatch.setattr(runtime.time, "perf_counter", lambda: now[0])
+    path = mlp_onnx(tmp_path / "m.onnx")
+    figures = runtime.ort_rounds([path], {"x": np.zeros((1, 4, 32), np.float32)}, rounds=2, seconds=0.15)
+    assert figures == [[0.2, 0.2]]  # one run of 5 s per round
