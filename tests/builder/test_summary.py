@@ -270,9 +270,28 @@ def test_a_lower_precision_faster_by_less_than_the_margin_is_not_the_pick() -> N
     text = _text(BuildSummary(rows=tuple(rows), repository=Path("repo")))
     fp16_line = next(line for line in text.splitlines() if line.startswith("m_fp16 ") and " | " in line)
     assert fp16_line.split("|")[6].strip() == f"under {PICK_MARGIN:.2f}x"
-    assert (f"m_fp16 1.03x FP32, under the {PICK_MARGIN:.2f}x a pick needs: rounds 71.8–72.9 vs FP32's 66.9–71.6 "
+    assert (f"m_fp16 1.035x FP32, under the {PICK_MARGIN:.2f}x a pick needs: rounds 71.8–72.9 vs FP32's 66.9–71.6 "
             "infer/s") in text.splitlines()
 
     rows = with_recommendation([row_from_record(fp32, state="rebuilt"),
                                 row_from_record(fp16(1.12, [78.0, 79.0, 80.0]), state="rebuilt")])
     assert [r.variant for r in rows if r.serve] == ["m_fp16"]
+
+
+def test_a_less_accurate_precision_takes_the_pick_only_by_the_margin() -> None:
+    """FP16 and INT8 both clearly faster than FP32: INT8 is the pick only at PICK_MARGIN times FP16's ratio."""
+    fp32 = {"name": "m_fp32", "precision": "fp32", "model": "m", "accuracy": {"max_rel": 0.0},
+            "tolerance": {"max_rel": 1e-4}, "speed": {"throughput": 100.0, "rounds": [98.0, 100.0, 102.0]}}
+
+    def lower(precision: str, ratio: float) -> dict[str, object]:
+        rounds = [100 * ratio - 1, 100 * ratio, 100 * ratio + 1]
+        return {"name": f"m_{precision}", "precision": precision, "model": "m", "accuracy": {"max_rel": 0.0},
+                "tolerance": {"max_rel": 1e-4},
+                "speed": {"throughput": 100 * ratio, "rounds": rounds, "fp32_throughput": 100.0,
+                          "fp32_rounds": [98.0, 100.0, 102.0], "ratio": ratio, "worth_serving": True}}
+
+    for int8_ratio, pick in ((1.52, "m_fp16"), (1.70, "m_int8")):
+        records = (lower("int8", int8_ratio), fp32, lower("fp16", 1.50))  # any order
+        rows = with_recommendation([row_from_record(r, state="rebuilt") for r in records])
+        assert [r.variant for r in rows if r.serve] == [pick]
+        assert [r.variant for r in rows] == ["m_int8", "m_fp32", "m_fp16"]  # the rows keep their order
