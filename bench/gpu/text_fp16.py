@@ -1,10 +1,12 @@
-"""Why does MiniLM's FP16 variant serve slower than its FP32 on a GPU (H200 make demo, 2026-11-28: 1568 vs 5521
-infer/s at concurrency 32)? In-process, through the served runner itself (builder/repository/python_model.py's
+"""Why did MiniLM's FP16 variant serve slower than its FP32 on a GPU (H200 make demo, 2026-11-28: 1568 vs 5521
+infer/s at concurrency 32; the NHWC layout, see docs/results/gpu.md)? In-process, through the served runner
+itself (builder/repository/python_model.py's
 make_runner with the config's parameters), one variant after another:
 
 - time per run at one batch size repeated, and over a sequence of batch sizes as dynamic batching makes them
   (each size seen once before the timed pass);
-- the same with prefer_nhwc and use_tf32 forced off (what `auto` resolves to for an FP16 graph is on);
+- the same with prefer_nhwc forced to 1 (what `auto` resolved to for every FP16 graph before it asked for a
+  convolution) and forced to 0;
 - which execution provider ran each node (ONNX Runtime's profiler), and the node counts by op type.
 
     python bench/gpu/text_fp16.py --repository REPO [--model minilm_l6_v2] [--out DIR]
@@ -92,7 +94,7 @@ def main() -> None:
         graph = onnx.load(str(path), load_external_data=False).graph
         ops = collections.Counter(n.op_type for n in graph.node)
         doc["rows"].append({"precision": precision, "ops": dict(ops.most_common(12))})
-        for forced in ({}, {"prefer_nhwc": "0", "use_tf32": "0"}):
+        for forced in ({}, {"prefer_nhwc": "1"}, {"prefer_nhwc": "0"}):
             params = {"provider": "cuda", "graph_kind": precision} | forced
             runner = python_model.make_runner(str(path), params, 32)
             sess = runner.session

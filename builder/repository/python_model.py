@@ -615,13 +615,16 @@ def _graph_kind(path):
     return "fp32"
 
 
-CONVOLUTIONS = ("Conv", "ConvTranspose")  # where the NHWC layout pays (on tensor cores)
+# Where the NHWC layout pays (on tensor cores); FusedConv is ONNX Runtime's own (com.microsoft), as an
+# optimized graph a user brings may hold it. Any one of them turns NHWC's `auto` on: a graph that is mostly
+# attention with one patch-embedding Conv gets NHWC too (not measured).
+CONVOLUTIONS = ("Conv", "ConvTranspose", "FusedConv")
 
 
 def _convolutions(path):
     """Whether the graph (subgraphs and local functions too) has a convolution. NHWC on a graph with none
-    is all cost: MiniLM FP16 on an H200 got 50 host-device copies added by it and ran 2.87 ms a batch of 8
-    against 2.21 ms in NCHW (bench/gpu/results/2026-11-29-h200-text-fp16.json)."""
+    is all cost: served on an H200, MiniLM FP16 in NHWC ran 0.25x its rate in NCHW (ONNX Runtime added 50
+    host-device copies for it; bench/gpu/results/2026-11-29-h200-minilm-layout-served.txt)."""
     import onnx
 
     model = onnx.load(path, load_external_data=False)

@@ -54,7 +54,7 @@ class CudaLayout(Choice):
     FP32 graphs) 0.95x at 9 % more energy (8539 vs 8950 img/s, bench/gpu/results/2026-11-22-h200-inprocess-
     tf32.json), the INT8 Q/DQ graph 0.52x. `auto` takes NHWC where convolutions run on tensor cores (FP16
     graphs, FP32 graphs with TF32 on, each with a Conv) and NCHW for the rest: on a graph with no convolution
-    (MiniLM FP16, H200) NHWC added 50 host-device copies and ran 0.77x as fast as NCHW."""
+    (MiniLM FP16, H200) NHWC added 50 host-device copies and served 0.25x NCHW's rate."""
 
     AUTO = "auto"
     NHWC = "nhwc"

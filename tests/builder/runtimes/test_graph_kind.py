@@ -178,7 +178,7 @@ def test_the_accuracy_run_and_the_runner_resolve_auto_alike(tmp_path: Path, name
 def test_auto_takes_nhwc_only_where_convolutions_run_on_tensor_cores(tmp_path: Path) -> None:
     """H200, batch 64: NHWC ran FP16 1.20x and FP32 with TF32 1.26x, but FP32 without TF32 (auto's FP32 math)
     0.95x at 9 % more J and the Q/DQ graph 0.52x: auto's (NHWC, TF32) per kind, and with TF32 asked for. A
-    graph with no convolution (MiniLM FP16: 0.77x in NHWC, 50 host-device copies added) stays NCHW."""
+    graph with no convolution (MiniLM FP16: served 0.25x in NHWC, 50 host-device copies added) stays NCHW."""
     got: dict[str, tuple[bool, bool]] = {}
     for name in ("fp32 conv", "fp16 conv", "qdq", "fp32", "fp16 initializer"):
         path = tmp_path / f"{len(got)}.onnx"
