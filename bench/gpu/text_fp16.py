@@ -25,14 +25,17 @@ from typing import Any
 
 import numpy as np
 import onnxruntime as ort
+from numpy.typing import NDArray
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from builder.repository import python_model
+from builder.repository import python_model  # the runner copied into each model folder (untyped)
+
+RUNNER: Any = python_model
 
 BATCHES = (1, 3, 8, 13, 21, 32, 5, 17, 32, 8)
 
 
-def feed(session: ort.InferenceSession, batch: int, seq: int) -> dict[str, np.ndarray]:
+def feed(session: ort.InferenceSession, batch: int, seq: int) -> dict[str, NDArray[Any]]:
     rng = np.random.default_rng(0)
     out = {}
     for node in session.get_inputs():
@@ -44,7 +47,7 @@ def feed(session: ort.InferenceSession, batch: int, seq: int) -> dict[str, np.nd
     return out
 
 
-def timed(runner: Any, feeds: list[dict[str, np.ndarray]], repeat: int) -> list[float]:
+def timed(runner: Any, feeds: list[dict[str, NDArray[Any]]], repeat: int) -> list[float]:
     for f in feeds:  # every shape once before the timed pass
         runner.run(f)
     times = []
@@ -56,7 +59,7 @@ def timed(runner: Any, feeds: list[dict[str, np.ndarray]], repeat: int) -> list[
     return times
 
 
-def providers(path: Path, options: dict[str, str], sample: dict[str, np.ndarray], out: Path) -> dict[str, Any]:
+def providers(path: Path, options: dict[str, str], sample: dict[str, NDArray[Any]], out: Path) -> dict[str, Any]:
     so = ort.SessionOptions()
     so.enable_profiling = True
     so.profile_file_prefix = str(out / path.parent.parent.name)
@@ -65,8 +68,8 @@ def providers(path: Path, options: dict[str, str], sample: dict[str, np.ndarray]
     for _ in range(3):
         s.run(None, sample)
     events = json.loads(Path(s.end_profiling()).read_text())
-    by = collections.Counter()
-    cpu_ops = collections.Counter()
+    by: collections.Counter[str] = collections.Counter()
+    cpu_ops: collections.Counter[str] = collections.Counter()
     for e in events:
         args = e.get("args", {})
         if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time"):
@@ -96,7 +99,7 @@ def main() -> None:
         doc["rows"].append({"precision": precision, "ops": dict(ops.most_common(12))})
         for forced in ({}, {"prefer_nhwc": "1"}, {"prefer_nhwc": "0"}):
             params = {"provider": "cuda", "graph_kind": precision} | forced
-            runner = python_model.make_runner(str(path), params, 32)
+            runner = RUNNER.make_runner(str(path), params, 32)
             sess = runner.session
             one = [feed(sess, 8, args.seq)]
             mixed = [feed(sess, b, args.seq) for b in BATCHES]
