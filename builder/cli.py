@@ -57,7 +57,7 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--tolerance", action="append", default=[], metavar="PREC:METRIC=VALUE[,...]",
                        help="accuracy limits over models.toml's and the defaults, e.g. "
                             "fp16:cosine_min=0.998,int8:top1_agreement_min=0.9 (metrics: max_abs, max_rel, "
-                            "cosine_min, cosine_mean_min, top1_agreement_min; repeatable)")
+                            "cosine_min, cosine_mean_min, top1_agreement_min, detection_agreement_min; repeatable)")
         p.add_argument("--no-guard", action="store_true",
                        help="no accuracy guard: an FP16 or INT8 variant that misses its tolerance is not written "
                             "(default: search for the nodes to keep in higher precision, then check again)")
@@ -130,7 +130,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="values of synthetic samples for an integer input (repeatable)")
     build.add_argument("--no-batch", action="store_true",
                        help="serve with max_batch_size 0 and whole shapes (automatic when axis 0 cannot batch)")
-    build.add_argument("--task", default="generic", help="classification | embedding | generic")
+    build.add_argument("--task", default="generic",
+                       help="classification | detection | embedding | generic (detection: an output [batch, K, 6+] "
+                            "of x1, y1, x2, y2, score, class, matched as sets)")
     common_build(build)
 
     serve = sub.add_parser("serve", parents=[verbosity], help="run the bundled Triton server on the repository")

@@ -34,6 +34,7 @@ _LIMITS: tuple[tuple[str, str, str, bool], ...] = (
     ("cosine_min", "cosine_min", "cos_min", False),
     ("cosine_mean_min", "cosine_mean", "cos_mean", False),
     ("top1_agreement_min", "top1_agreement", "top1", False),
+    ("detection_agreement_min", "detection_agreement", "det", False),
 )
 
 
@@ -112,6 +113,9 @@ def accuracy_text(accuracy: Mapping[str, Any], tolerance: Mapping[str, Any]) -> 
     top1 = accuracy.get("top1_agreement")
     if tolerance.get("top1_agreement_min") is None and top1 is not None:
         parts.append(f"top1 {top1:.3f}")
+    detections = accuracy.get("detection_agreement")
+    if tolerance.get("detection_agreement_min") is None and detections is not None:
+        parts.append(f"det {detections:.3f}")
     return (", ".join(parts) or "-"), within
 
 

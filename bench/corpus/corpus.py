@@ -548,7 +548,8 @@ def _accuracy_text(acc: dict[str, Any] | None) -> str:
     if not acc:
         return "-"
     parts = []
-    for key, label in (("cosine_min", "cos_min"), ("max_rel", "max_rel"), ("top1_agreement", "top1")):
+    for key, label in (("detection_agreement", "det"), ("cosine_min", "cos_min"), ("max_rel", "max_rel"),
+                       ("top1_agreement", "top1")):
         value = acc.get(key)
         if isinstance(value, (int, float)):
             parts.append(f"{label} {value:.4g}")

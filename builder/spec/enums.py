@@ -13,6 +13,9 @@ class Precision(Choice):
 
 class Task(Choice):
     CLASSIFICATION = "classification"
+    # Detections as rows of x1, y1, x2, y2, score, class ([batch, K, 6+]: Ultralytics' end-to-end and NMS exports);
+    # their order and count are the model's, so they are matched as sets (steps/accuracy.detection_agreement).
+    DETECTION = "detection"
     EMBEDDING = "embedding"
     GENERIC = "generic"
 

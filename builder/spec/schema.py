@@ -236,6 +236,7 @@ class ToleranceTable(_Table):
     cosine_min: Similarity | None = None
     cosine_mean_min: Similarity | None = None
     top1_agreement_min: Similarity | None = None
+    detection_agreement_min: Similarity | None = None
 
 
 class TolerancesTable(_Table):

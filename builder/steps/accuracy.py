@@ -26,9 +26,13 @@ class Metrics:
     cosine_mean: float
     samples: int
     top1_agreement: float | None = None
+    detection_agreement: float | None = None  # detectors only (Task.DETECTION): see detection_agreement()
 
     def damage(self) -> float:
-        """One number for how far a variant is from FP32 (0 = identical)."""
+        """One number for how far a variant is from FP32 (0 = identical). A detector's: its detections that
+        do not agree (the element-wise cosine of rows that reorder means little there)."""
+        if self.detection_agreement is not None:
+            return 1.0 - self.detection_agreement
         value = 1.0 - self.cosine_mean
         if self.top1_agreement is not None:
             value += 1.0 - self.top1_agreement
@@ -36,8 +40,71 @@ class Metrics:
 
     def summary(self) -> str:
         top1 = "" if self.top1_agreement is None else f", top1_agreement={self.top1_agreement:.4g}"
+        det = "" if self.detection_agreement is None else f", detection_agreement={self.detection_agreement:.4g}"
         return (f"max_abs={self.max_abs:.4g}, max_rel={self.max_rel:.4g}, cosine_min={self.cosine_min:.4g}, "
-                f"cosine_mean={self.cosine_mean:.4g}{top1}")
+                f"cosine_mean={self.cosine_mean:.4g}{top1}{det}")
+
+
+# Detections (Task.DETECTION): rows x1, y1, x2, y2, score, class. A detection counts from this score; one on the
+# other side may score up to SCORE_SLACK less and still be its match (a box scoring 0.251 in FP32 and 0.249 in
+# FP16 is the same box); a match needs the same class and an IoU of MATCH_IOU.
+DETECTION_SCORE = 0.25
+SCORE_SLACK = 0.05
+MATCH_IOU = 0.5
+
+
+def _area(boxes: NDArray[Any]) -> NDArray[Any]:
+    return np.asarray(np.clip(boxes[..., 2] - boxes[..., 0], 0, None) * np.clip(boxes[..., 3] - boxes[..., 1], 0, None))
+
+
+def _iou(box: NDArray[Any], boxes: NDArray[Any]) -> NDArray[Any]:
+    x1, y1 = np.maximum(box[0], boxes[:, 0]), np.maximum(box[1], boxes[:, 1])
+    x2, y2 = np.minimum(box[2], boxes[:, 2]), np.minimum(box[3], boxes[:, 3])
+    inter = np.clip(x2 - x1, 0, None) * np.clip(y2 - y1, 0, None)
+    union = _area(box) + _area(boxes) - inter
+    return np.where(union > 0, inter / np.maximum(union, 1e-30), 0.0)
+
+
+def _matched(found: NDArray[Any], others: NDArray[Any]) -> int:
+    """How many of `found` (scoring DETECTION_SCORE or more) have a partner among `others` (scoring at least
+    DETECTION_SCORE - SCORE_SLACK), each partner used once, the highest-scoring detections matched first."""
+    mine = found[found[:, 4] >= DETECTION_SCORE]
+    pool = others[others[:, 4] >= DETECTION_SCORE - SCORE_SLACK]
+    free = np.ones(len(pool), dtype=bool)
+    count = 0
+    for row in mine[np.argsort(-mine[:, 4], kind="stable")]:
+        candidates = free & (pool[:, 5] == row[5])
+        if not candidates.any():
+            continue
+        overlap = np.where(candidates, _iou(row, pool), -1.0)
+        best = int(np.argmax(overlap))
+        if overlap[best] >= MATCH_IOU:
+            free[best] = False
+            count += 1
+    return count
+
+
+def detection_agreement(reference: NDArray[Any], candidate: NDArray[Any]) -> float:
+    """Per sample, the share of detections (either side's, scoring DETECTION_SCORE or more) that have a match on
+    the other side; the mean over samples. 1.0 where neither side detects anything."""
+    shares = []
+    for ref, cand in zip(reference, candidate, strict=True):
+        a = np.asarray(ref, dtype=np.float64).reshape(-1, ref.shape[-1])
+        b = np.asarray(cand, dtype=np.float64).reshape(-1, cand.shape[-1])
+        total = int(np.sum(a[:, 4] >= DETECTION_SCORE) + np.sum(b[:, 4] >= DETECTION_SCORE))
+        shares.append(1.0 if total == 0 else (_matched(a, b) + _matched(b, a)) / total)
+    return float(np.mean(shares)) if shares else 1.0
+
+
+def _detections(outputs: Mapping[str, NDArray[Any]]) -> str:
+    """The output holding the detections: the first of rank 3 (samples, K, 6 or more) whose rows are
+    x1, y1, x2, y2, score, class."""
+    for name, value in outputs.items():
+        if value.ndim == 3 and value.shape[-1] >= 6:
+            return name
+    shapes = ", ".join(f"{n} {list(v.shape)}" for n, v in outputs.items())
+    raise AccuracyError(f"task detection: no output of shape [batch, K, 6+] (x1, y1, x2, y2, score, class) among "
+                        f"{shapes}; expected a detector with its NMS (or NMS-free top-K) in the graph")
 
 
 def compare(reference: Mapping[str, NDArray[Any]], candidate: Mapping[str, NDArray[Any]], task: Task) -> Metrics:
@@ -70,6 +137,10 @@ def compare(reference: Mapping[str, NDArray[Any]], candidate: Mapping[str, NDArr
         ref_top = np.argmax(reference[first].reshape(len(reference[first]), -1), axis=1)
         cand_top = np.argmax(candidate[first].reshape(len(candidate[first]), -1), axis=1)
         top1 = float(np.mean(ref_top == cand_top))
+    detections = None
+    if task is Task.DETECTION:
+        name = _detections(reference)
+        detections = detection_agreement(reference[name], candidate[name])
     return Metrics(
         max_abs=max_abs,
         max_rel=max_abs / max_ref if max_ref > 0 else 0.0,
@@ -77,6 +148,7 @@ def compare(reference: Mapping[str, NDArray[Any]], candidate: Mapping[str, NDArr
         cosine_mean=float(np.mean(cos)),
         samples=len(next(iter(reference.values()))),
         top1_agreement=top1,
+        detection_agreement=detections,
     )
 
 
@@ -87,6 +159,7 @@ def combine(parts: list[Metrics]) -> Metrics:
         return parts[0]
     total = sum(p.samples for p in parts)
     top1 = [p for p in parts if p.top1_agreement is not None]
+    detections = [p for p in parts if p.detection_agreement is not None]
     return Metrics(
         max_abs=max(p.max_abs for p in parts),
         max_rel=max(p.max_rel for p in parts),
@@ -95,6 +168,9 @@ def combine(parts: list[Metrics]) -> Metrics:
         samples=total,
         top1_agreement=(sum(p.top1_agreement * p.samples for p in top1 if p.top1_agreement is not None)
                         / sum(p.samples for p in top1)) if len(top1) == len(parts) else None,
+        detection_agreement=(sum(p.detection_agreement * p.samples for p in detections
+                                 if p.detection_agreement is not None)
+                             / sum(p.samples for p in detections)) if len(detections) == len(parts) else None,
     )
 
 
@@ -123,6 +199,8 @@ def first_violation(metrics: Metrics, tolerance: Tolerance) -> Violation | None:
         ("cosine_min", metrics.cosine_min, "cosine_min", tolerance.cosine_min, False),
         ("cosine_mean", metrics.cosine_mean, "cosine_mean_min", tolerance.cosine_mean_min, False),
         ("top1_agreement", metrics.top1_agreement, "top1_agreement_min", tolerance.top1_agreement_min, False),
+        ("detection_agreement", metrics.detection_agreement, "detection_agreement_min",
+         tolerance.detection_agreement_min, False),
     ]
     for metric, value, key, limit, upper in limits:
         if limit is None:

@@ -122,7 +122,8 @@ batch = { min = 1, opt = 2, max = 4 }
                            "tolerances, serving, opset"),
         ("batch2 = 1", "model[0].batch2: unknown key; did you mean batch?"),
         ('name = "x"', None),  # a duplicate key is TOML's error, below
-        ('task = "detection"', 'model[0].task: expected one of classification, embedding, generic, got "detection"'),
+        ('task = "segmentation"',
+         'model[0].task: expected one of classification, detection, embedding, generic, got "segmentation"'),
         ('inputs = [{ name = "x", dtype = "float32", shape = [-1, "seq"] }]',
          "model[0].inputs[0].shape: input 'x': dynamic dim 'seq' has no range; "
          "add dims.seq = [min, opt, max] or shapes.x"),

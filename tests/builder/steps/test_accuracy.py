@@ -49,3 +49,62 @@ def test_outputs_whose_length_the_data_decides_are_compared_padded_where_the_len
     assert same.max_abs == 0.0 and same.cosine_min == pytest.approx(1.0)
     with pytest.raises(AccuracyError, match="output 'audio': shape"):
         compare(reference, {"audio": np.ones((3, 4))}, Task.EMBEDDING)  # another sample count
+
+
+# Detectors (Task.DETECTION): rows x1, y1, x2, y2, score, class, their order and count the model's.
+
+def _dets(*rows: tuple[float, ...], k: int = 6) -> np.ndarray:
+    """One sample's [K, 6] detections, padded with zero-score rows as a top-K output is."""
+    out = np.zeros((k, 6), np.float32)
+    if rows:
+        out[: len(rows)] = rows
+    return out
+
+
+def test_detections_that_reorder_agree_though_their_cosine_does_not() -> None:
+    """Two boxes whose scores swap order in FP16 (0.801 vs 0.799): the rows swap, the element-wise cosine drops,
+    and every detection still has its match."""
+    a, b = (10, 10, 50, 50, 0.801, 3), (100, 100, 160, 140, 0.799, 7)
+    ref = np.stack([_dets(a, b)])
+    cand = np.stack([_dets((b[0] + 0.4, *b[1:4], 0.802, 7), (a[0], a[1] - 0.3, *a[2:4], 0.798, 3))])
+    metrics = compare({"det": ref}, {"det": cand}, Task.DETECTION)
+    assert metrics.detection_agreement == 1.0
+    assert metrics.cosine_min < 0.9  # what the default tolerance of another task would have judged by
+    check(metrics, Tolerance(detection_agreement_min=0.97), "m_fp16")
+
+
+def test_a_missed_box_a_changed_class_and_a_score_at_the_threshold() -> None:
+    a, b = (10, 10, 50, 50, 0.9, 3), (100, 100, 160, 140, 0.6, 7)
+    ref = np.stack([_dets(a, b)])
+    # b missed: 2 of 3 detections (a on both sides) have a match.
+    assert compare({"d": ref}, {"d": np.stack([_dets(a)])}, Task.DETECTION).detection_agreement == pytest.approx(2 / 3)
+    # b's class changed: no match for either b.
+    moved = np.stack([_dets(a, (*b[:5], 8))])
+    assert compare({"d": ref}, {"d": moved}, Task.DETECTION).detection_agreement == pytest.approx(0.5)
+    # A box scoring 0.26 in FP32 and 0.24 in the variant is the same box: it counts once and has its match.
+    edge = np.stack([_dets((*a[:4], 0.26, 3))]), np.stack([_dets((*a[:4], 0.24, 3))])
+    assert compare({"d": edge[0]}, {"d": edge[1]}, Task.DETECTION).detection_agreement == 1.0
+    # Nothing detected on either side: full agreement, not a division by zero.
+    empty = np.stack([_dets()])
+    assert compare({"d": empty}, {"d": empty}, Task.DETECTION).detection_agreement == 1.0
+
+
+def test_a_detector_without_a_detection_output_is_one_line() -> None:
+    with pytest.raises(AccuracyError, match=r"task detection: no output of shape \[batch, K, 6\+\].*logits \[2, 10\]"):
+        compare({"logits": np.zeros((2, 10))}, {"logits": np.zeros((2, 10))}, Task.DETECTION)
+
+
+def test_a_detectors_default_tolerances_bound_detection_agreement() -> None:
+    from pathlib import Path
+
+    from builder.spec import DimRange, ModelSpec, Precision
+
+    spec = ModelSpec(name="det", onnx=Path("det.onnx"), batch=DimRange(1, 1, 1), precisions=(Precision.FP16,),
+                     task=Task.DETECTION)
+    assert spec.tolerance(Precision.FP16) == Tolerance(detection_agreement_min=0.97)
+    assert spec.tolerance(Precision.INT8) == Tolerance(detection_agreement_min=0.9)
+    ref = np.stack([_dets((10, 10, 50, 50, 0.9, 3), (100, 100, 160, 140, 0.6, 7))])
+    missed = compare({"d": ref}, {"d": np.stack([_dets((10, 10, 50, 50, 0.9, 3))])}, Task.DETECTION)
+    with pytest.raises(AccuracyError, match=r"detection_agreement = 0\.666667 is below the limit "
+                                            r"detection_agreement_min = 0\.97"):
+        check(missed, spec.tolerance(Precision.FP16), "det_fp16")
