@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from builder.repository.model_folder import load_shapes  # the shapes tune sends, from each build.json
@@ -324,12 +325,15 @@ def table(summary: BuildSummary, *, color: bool, limits: bool | None = None) -> 
     for row in summary.rows:
         runtime = [row.runtime or "-"] if with_runtime else []
         if row.failed:
-            t.add_row(row.variant, row.precision, *runtime, "-", row.reason, "-", "-", "-", "-", "FAILED",
+            # Cells are rich markup: a reason's "[batch, K, 6+]" would vanish as a tag unless escaped.
+            t.add_row(row.variant, row.precision, *runtime, "-", escape(row.reason or ""), "-", "-", "-", "-",
+                      "FAILED",
                       style="red" if color else None)
             continue
         accuracy = row.accuracy + ("  (out of tolerance)" if row.within is False else "")
-        t.add_row(row.variant, row.precision, *runtime, _size(row.size_bytes), accuracy, row.kept,
-                  _ratio(row.speed_ratio), _serve(row), _seconds(row.seconds), row.state,
+        t.add_row(escape(row.variant), row.precision, *runtime, _size(row.size_bytes), escape(accuracy),
+                  escape(row.kept),
+                  _ratio(row.speed_ratio), _serve(row), _seconds(row.seconds), escape(row.state),
                   style="dim" if color and row.state == "unchanged" else None)
     return t
 

@@ -295,3 +295,16 @@ def test_a_less_accurate_precision_takes_the_pick_only_by_the_margin() -> None:
         rows = with_recommendation([row_from_record(r, state="rebuilt") for r in records])
         assert [r.variant for r in rows if r.serve] == [pick]
         assert [r.variant for r in rows] == ["m_int8", "m_fp32", "m_fp16"]  # the rows keep their order
+
+
+def test_a_reason_with_square_brackets_is_shown_whole() -> None:
+    """rich reads "[batch, K, 6+]" as a markup tag: the build's one line had it, the table lost it."""
+    reason = "task detection: no output of shape [batch, K, 6+] (x1, y1, x2, y2, score, class) among y [16, 4]"
+    rows = (failed_row(FailedVariant("m_fp16", "fp16", reason)),
+            SummaryRow("m_fp32", "fp32", "onnxruntime", 1000, "cos_min [1] ≥ 0.999", True, "[a]", 1.0, "[b]"))
+    for color in (False, True):
+        stream = io.StringIO()
+        render(BuildSummary(rows, Path("repo")), stream, color=color)
+        plain = re.sub(r"\x1b\[[0-9;]*m", "", stream.getvalue())
+        assert "[batch," in plain, plain  # the tag rich would have eaten (a narrow cell may wrap the rest)
+        assert "cos_min [1]" in plain and "[a]" in plain and "[b]" in plain, plain
