@@ -326,7 +326,7 @@ def table(summary: BuildSummary, *, color: bool, limits: bool | None = None) -> 
         runtime = [row.runtime or "-"] if with_runtime else []
         if row.failed:
             # Cells are rich markup: a reason's "[batch, K, 6+]" would vanish as a tag unless escaped.
-            t.add_row(row.variant, row.precision, *runtime, "-", escape(row.reason or ""), "-", "-", "-", "-",
+            t.add_row(escape(row.variant), row.precision, *runtime, "-", escape(row.reason or ""), "-", "-", "-", "-",
                       "FAILED",
                       style="red" if color else None)
             continue

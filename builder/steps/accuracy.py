@@ -30,9 +30,10 @@ class Metrics:
 
     def damage(self) -> float:
         """One number for how far a variant is from FP32 (0 = identical). A detector's: its detections that
-        do not agree (the element-wise cosine of rows that reorder means little there)."""
+        do not agree (the element-wise cosine of rows that reorder means little there), with the cosine as a
+        small tie-breaker (agreement moves in steps, and most single-node changes leave it where it was)."""
         if self.detection_agreement is not None:
-            return 1.0 - self.detection_agreement
+            return 1.0 - self.detection_agreement + 1e-3 * (1.0 - self.cosine_mean)
         value = 1.0 - self.cosine_mean
         if self.top1_agreement is not None:
             value += 1.0 - self.top1_agreement
@@ -45,12 +46,15 @@ class Metrics:
                 f"cosine_mean={self.cosine_mean:.4g}{top1}{det}")
 
 
-# Detections (Task.DETECTION): rows x1, y1, x2, y2, score, class. A detection counts from this score; one on the
-# other side may score up to SCORE_SLACK less and still be its match (a box scoring 0.251 in FP32 and 0.249 in
-# FP16 is the same box); a match needs the same class and an IoU of MATCH_IOU.
+# Detections (Task.DETECTION): rows x1, y1, x2, y2, score, class. A detection counts from this score; its match on
+# the other side needs a score of DETECTION_SCORE - SCORE_SLACK or more (a box scoring 0.251 in FP32 and 0.249 in
+# FP16 is the same box), the same class and an IoU of MATCH_IOU.
 DETECTION_SCORE = 0.25
 SCORE_SLACK = 0.05
 MATCH_IOU = 0.5
+# Columns a detection row may have: 6 (x1, y1, x2, y2, score, class), more where a model appends keypoints or mask
+# coefficients. A raw head ([batch, 84, 8400]: boxes and class scores per anchor, before NMS) is not detections.
+MAX_DETECTION_COLUMNS = 64
 
 
 def _area(boxes: NDArray[Any]) -> NDArray[Any]:
@@ -73,7 +77,7 @@ def _matched(found: NDArray[Any], others: NDArray[Any]) -> int:
     free = np.ones(len(pool), dtype=bool)
     count = 0
     for row in mine[np.argsort(-mine[:, 4], kind="stable")]:
-        candidates = free & (pool[:, 5] == row[5])
+        candidates = free & (np.rint(pool[:, 5]) == np.rint(row[5]))  # a class id, whatever float carries it
         if not candidates.any():
             continue
         overlap = np.where(candidates, _iou(row, pool), -1.0)
@@ -85,22 +89,40 @@ def _matched(found: NDArray[Any], others: NDArray[Any]) -> int:
 
 
 def detection_agreement(reference: NDArray[Any], candidate: NDArray[Any]) -> float:
-    """Per sample, the share of detections (either side's, scoring DETECTION_SCORE or more) that have a match on
-    the other side; the mean over samples. 1.0 where neither side detects anything."""
-    shares = []
+    """The share of detections (either side's, scoring DETECTION_SCORE or more) that have a match on the other
+    side, pooled over the samples (a sample with nothing detected adds nothing, rather than a perfect score).
+    1.0 where neither side detects anything on any sample: reference_detections() says whether it did."""
+    matched = total = 0
     for ref, cand in zip(reference, candidate, strict=True):
         a = np.asarray(ref, dtype=np.float64).reshape(-1, ref.shape[-1])
         b = np.asarray(cand, dtype=np.float64).reshape(-1, cand.shape[-1])
-        total = int(np.sum(a[:, 4] >= DETECTION_SCORE) + np.sum(b[:, 4] >= DETECTION_SCORE))
-        shares.append(1.0 if total == 0 else (_matched(a, b) + _matched(b, a)) / total)
-    return float(np.mean(shares)) if shares else 1.0
+        total += int(np.sum(a[:, 4] >= DETECTION_SCORE) + np.sum(b[:, 4] >= DETECTION_SCORE))
+        matched += _matched(a, b) + _matched(b, a)
+    return matched / total if total else 1.0
 
 
-def _detections(outputs: Mapping[str, NDArray[Any]]) -> str:
-    """The output holding the detections: the first of rank 3 (samples, K, 6 or more) whose rows are
+def reference_detections(reference: NDArray[Any]) -> int:
+    """How many detections the reference makes (scoring DETECTION_SCORE or more) over all samples."""
+    rows = np.asarray(reference, dtype=np.float64).reshape(-1, reference.shape[-1])
+    return int(np.sum(rows[:, 4] >= DETECTION_SCORE))
+
+
+def _check_boxes(name: str, reference: NDArray[Any]) -> None:
+    """Rows that are not x1, y1, x2, y2, score, class (xywh boxes, another column order) would give an
+    agreement of nonsense: most scored boxes with x2 < x1 or y2 < y1 say so, in one line."""
+    rows = np.asarray(reference, dtype=np.float64).reshape(-1, reference.shape[-1])
+    scored = rows[rows[:, 4] >= DETECTION_SCORE]
+    if len(scored) and np.mean((scored[:, 2] < scored[:, 0]) | (scored[:, 3] < scored[:, 1])) > 0.5:
+        raise AccuracyError(f"task detection: output {name!r}: most scored rows have x2 < x1 or y2 < y1; expected "
+                            "rows of x1, y1, x2, y2, score, class (not x, y, w, h or another order)")
+
+
+def detection_output(outputs: Mapping[str, NDArray[Any]]) -> str:
+    """The output holding the detections: the first of rank 3 or more (samples, [1,] K, 6 to
+    MAX_DETECTION_COLUMNS; a model without a batch axis stacks as [samples, 1, K, 6]) whose rows are
     x1, y1, x2, y2, score, class."""
     for name, value in outputs.items():
-        if value.ndim == 3 and value.shape[-1] >= 6:
+        if value.ndim >= 3 and 6 <= value.shape[-1] <= MAX_DETECTION_COLUMNS and value.shape[-2] >= value.shape[-1]:
             return name
     shapes = ", ".join(f"{n} {list(v.shape)}" for n, v in outputs.items())
     raise AccuracyError(f"task detection: no output of shape [batch, K, 6+] (x1, y1, x2, y2, score, class) among "
@@ -139,7 +161,8 @@ def compare(reference: Mapping[str, NDArray[Any]], candidate: Mapping[str, NDArr
         top1 = float(np.mean(ref_top == cand_top))
     detections = None
     if task is Task.DETECTION:
-        name = _detections(reference)
+        name = detection_output(reference)
+        _check_boxes(name, reference[name])
         detections = detection_agreement(reference[name], candidate[name])
     return Metrics(
         max_abs=max_abs,

@@ -59,7 +59,10 @@ def precision_settings(spec: ModelSpec, prec: Precision, int8: Mapping[str, Any]
     (another ranking can keep other nodes in higher precision), and, for INT8, the calibration settings (the
     data itself is in the inputs every variant shares: FP16 measures its ranges on it too) and the recipe
     `int8` the graph and runtime decide (int8_key)."""
-    settings: dict[str, Any] = {"tolerance": asdict(spec.tolerance(prec))}
+    tolerance = asdict(spec.tolerance(prec))
+    if tolerance.get("detection_agreement_min") is None:  # added later: keys of builds without it stay as they were
+        del tolerance["detection_agreement_min"]
+    settings: dict[str, Any] = {"tolerance": tolerance}
     if prec is not Precision.FP32:
         settings["guard"] = spec.guard
         if spec.guard:

@@ -107,7 +107,7 @@ class Fp16Attempt:
 class NodeSensitivity:
     node: str
     op_type: str
-    damage: float | None  # 1 - mean cosine (+ top-1 disagreement) with only this node in FP16; None: refused
+    damage: float | None  # Metrics.damage() with only this node in FP16; None: refused
 
 
 @dataclass

@@ -11,7 +11,8 @@ in higher precision.
      Where its search finds no mix, ModelOpt's recipe ranks by the exhaustive figure too (escalated).
    - exhaustive: quantize each quantizable node *alone* (same recipe, same calibration data) and
      measure how far that variant moves from FP32 on the held-out inputs (damage = 1 - mean cosine,
-     plus the top-1 disagreement for classifiers): one full quantization per node, and one per candidate.
+     plus the top-1 disagreement for classifiers; 1 - detection agreement for detectors): one full
+     quantization per node, and one per candidate.
 2. Search: exclude the most sensitive nodes from quantization, k = 1, 2, 4, ... (up to half of the nodes)
    until the variant meets its tolerance, then bisect down to the smallest such k. One pass, where no such
    k does: the smallest passing k beyond half, then pruned back node by node to at most half. Every
@@ -317,7 +318,7 @@ def make_quantizer(fp32_path: Path, fp32_sha: str, calibration: Mapping[str, NDA
 @dataclass(frozen=True)
 class Sensitivity:
     node: str
-    damage: float  # 1 - mean cosine (+ top-1 disagreement) with only this node quantized
+    damage: float  # Metrics.damage() with only this node quantized (1 - mean cosine, + top-1 disagreement, ...)
 
 
 @dataclass(frozen=True)

@@ -11,13 +11,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from builder.errors import DataError
+from builder.errors import AccuracyError, DataError
 from builder.repository import onnx_files
 from builder.runtimes.base import ReferenceExecutor
-from builder.spec.enums import Precision
+from builder.spec.enums import Precision, Task
 from builder.spec.model import ModelSpec
 from builder.spec.shapes import Level, ModelShapes, for_model
-from builder.steps import cleanup, onnx_model, samples, speed
+from builder.steps import accuracy, cleanup, onnx_model, samples, speed
 from builder.steps.cleanup import SlimReport
 from builder.steps.context import EVAL_BATCH, BuildContext, LevelSamples, ModelContext
 
@@ -73,6 +73,8 @@ def reference(job: BuildContext, source: Source, *, work: Path, calibration_dige
     # Outputs as the executor returns them: a declared shape the graph contradicts is one warning line.
     for note in onnx_model.output_shape_notes(declared, outputs, batching=shapes.batching):
         log.warning("%s: %s", spec.name, note)
+    if spec.task is Task.DETECTION:
+        _say_what_detection_checks(spec.name, outputs)
     model = ModelContext(
         spec=spec, fp32_path=fp32_path, fp32_sha=onnx_files.sha256_model(fp32_path),
         signature=onnx_model.returned_outputs(declared, outputs, batching=shapes.batching),
@@ -85,6 +87,21 @@ def reference(job: BuildContext, source: Source, *, work: Path, calibration_dige
         speed_meter=None if speed.skipped() else job.speed_meter, log_file=job.log_file,
     )
     return model, slim_report
+
+
+def _say_what_detection_checks(name: str, outputs: Mapping[str, Any]) -> None:
+    """A detector's gate counts the detections FP32 makes on the evaluation samples: with none (random inputs,
+    images without the objects) it checks nothing, and the build says so (it still builds)."""
+    try:
+        found = accuracy.reference_detections(outputs[accuracy.detection_output(outputs)])
+    except AccuracyError:
+        return  # the variants' gate says what is missing, in one line each
+    if found == 0:
+        log.warning("%s: the FP32 model detects nothing (score %.2f or more) on the evaluation samples, so the "
+                    "detection agreement of its variants checks nothing; give images with the objects "
+                    "(--eval-data FILE.npz or [model.evaluation])", name, accuracy.DETECTION_SCORE)
+    else:
+        log.info("%s: the FP32 model makes %d detections on the evaluation samples", name, found)
 
 
 def source_onnx(spec: ModelSpec, out: Path) -> None:

@@ -76,7 +76,8 @@ class SensitivityRecord:
 
 FIGURES = {
     GuardSensitivity.ONE_PASS: "error added: relative L2 error of the node's output minus its inputs' (one pass)",
-    GuardSensitivity.EXHAUSTIVE: "damage with the node alone converted: 1 - mean cosine (+ top-1 disagreement)",
+    GuardSensitivity.EXHAUSTIVE: "damage with the node alone converted: 1 - mean cosine (+ top-1 disagreement; a "
+                                   "detector: 1 - detection agreement)",
 }
 
 

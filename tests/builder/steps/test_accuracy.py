@@ -108,3 +108,79 @@ def test_a_detectors_default_tolerances_bound_detection_agreement() -> None:
     with pytest.raises(AccuracyError, match=r"detection_agreement = 0\.666667 is below the limit "
                                             r"detection_agreement_min = 0\.97"):
         check(missed, spec.tolerance(Precision.FP16), "det_fp16")
+
+
+def test_a_match_needs_the_iou_each_partner_once_and_the_class_id_whatever_float_carries_it() -> None:
+    box = (0, 0, 10, 10, 0.9, 3)
+    shifted = lambda dx, score=0.9, cls=3.0: (dx, 0, 10 + dx, 10, score, cls)  # noqa: E731 - IoU (10-dx)/(10+dx)
+    one = lambda *rows: np.stack([_dets(*rows)])  # noqa: E731
+    assert compare({"d": one(box)}, {"d": one(shifted(2))}, Task.DETECTION).detection_agreement == 1.0  # IoU 0.67
+    assert compare({"d": one(box)}, {"d": one(shifted(4))}, Task.DETECTION).detection_agreement == 0.0  # IoU 0.43
+    # Two FP32 boxes on one object, one variant box: it is the partner of one of them only.
+    assert compare({"d": one(box, box)}, {"d": one(box)}, Task.DETECTION).detection_agreement == pytest.approx(2 / 3)
+    # A class id carried in a float that moved in its last bits (3.0000002): the same class.
+    assert compare({"d": one(box)}, {"d": one(shifted(0, cls=3.0000002))},
+                   Task.DETECTION).detection_agreement == 1.0
+
+
+def test_samples_with_nothing_detected_add_nothing_rather_than_a_perfect_score() -> None:
+    """15 samples without detections and one whose only box the variant lost: 0 of 1, not 15/16."""
+    empty, lost = _dets(), _dets((0, 0, 10, 10, 0.9, 1))
+    ref = np.stack([empty] * 15 + [lost])
+    cand = np.stack([empty] * 16)
+    assert compare({"d": ref}, {"d": cand}, Task.DETECTION).detection_agreement == 0.0
+
+
+def test_a_detector_without_a_batch_axis_stacks_its_outputs_as_rank_4() -> None:
+    """A static-batch export ([1, 300, 6]) is a model without a batch axis: its samples stack to [S, 1, K, 6]."""
+    a, b = (10, 10, 50, 50, 0.801, 3), (100, 100, 160, 140, 0.799, 7)
+    ref = np.stack([_dets(a, b)[None]])
+    cand = np.stack([_dets(b, a)[None]])
+    assert ref.shape == (1, 1, 6, 6)
+    assert compare({"d": ref}, {"d": cand}, Task.DETECTION).detection_agreement == 1.0
+
+
+def test_rows_that_are_not_detections_are_one_line() -> None:
+    """A raw head (boxes and class scores per anchor, before NMS) is not taken for detections; xywh rows are
+    refused rather than scored as nonsense."""
+    head = np.zeros((1, 84, 8400), np.float32)
+    with pytest.raises(AccuracyError, match=r"no output of shape \[batch, K, 6\+\].*d \[1, 84, 8400\]"):
+        compare({"d": head}, {"d": head}, Task.DETECTION)
+    xywh = np.stack([_dets((40, 40, 20, 20, 0.9, 1), (90, 30, 10, 12, 0.8, 2))])
+    with pytest.raises(AccuracyError, match="most scored rows have x2 < x1 or y2 < y1"):
+        compare({"d": xywh}, {"d": xywh}, Task.DETECTION)
+
+
+def test_a_detectors_damage_ranks_by_agreement_then_cosine() -> None:
+    base = Metrics(max_abs=0.0, max_rel=0.0, cosine_min=0.9, cosine_mean=0.95, samples=4, detection_agreement=1.0)
+    worse_cosine = Metrics(max_abs=0.0, max_rel=0.0, cosine_min=0.5, cosine_mean=0.6, samples=4,
+                           detection_agreement=1.0)
+    missed = Metrics(max_abs=0.0, max_rel=0.0, cosine_min=0.99, cosine_mean=0.99, samples=4, detection_agreement=0.9)
+    assert base.damage() < worse_cosine.damage() < missed.damage()
+
+
+def test_a_models_build_key_stays_as_it_was_without_a_detection_limit() -> None:
+    """The tolerance's new limit, unset (every model but a detector), leaves the precision settings, so the
+    build key, as before it existed: no repository rebuilds for it."""
+    from pathlib import Path
+
+    from builder.spec import DimRange, ModelSpec, Precision
+    from builder.steps.build_key import precision_settings
+
+    spec = ModelSpec(name="m", onnx=Path("m.onnx"), batch=DimRange(1, 1, 1), precisions=(Precision.FP16,))
+    assert precision_settings(spec, Precision.FP16)["tolerance"] == {
+        "max_abs": None, "max_rel": None, "cosine_min": 0.999, "cosine_mean_min": None, "top1_agreement_min": None}
+    detector = ModelSpec(name="m", onnx=Path("m.onnx"), batch=DimRange(1, 1, 1), precisions=(Precision.FP16,),
+                         task=Task.DETECTION)
+    assert precision_settings(detector, Precision.FP16)["tolerance"]["detection_agreement_min"] == 0.97
+
+
+def test_a_detector_that_detects_nothing_on_its_evaluation_samples_is_said(caplog: pytest.LogCaptureFixture) -> None:
+    from builder.steps.prepare import _say_what_detection_checks
+
+    with caplog.at_level("INFO", logger="builder.pipeline"):
+        _say_what_detection_checks("det", {"d": np.stack([_dets()] * 3)})
+        _say_what_detection_checks("det2", {"d": np.stack([_dets((0, 0, 5, 5, 0.9, 1))])})
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(line.startswith("det: the FP32 model detects nothing (score 0.25 or more)") for line in lines), lines
+    assert "det2: the FP32 model makes 1 detections on the evaluation samples" in lines
