@@ -22,7 +22,7 @@ CASES = [
     pytest.param(["--precision", "fp32,bf16"], 'precisions = ["fp32", "bf16"]',
                  [("--precision", "precisions[1]")], id="unknown precision"),
     pytest.param(["--precision", ","], "precisions = []", [("--precision", "precisions")], id="no precision"),
-    pytest.param(["--task", "detection"], 'task = "detection"', [("--task", "task")], id="unknown task"),
+    pytest.param(["--task", "segmentation"], 'task = "segmentation"', [("--task", "task")], id="unknown task"),
     pytest.param(["--name", "my model"], 'name = "my model"', [("--name", "name")], id="bad name"),
     pytest.param(["--max-batch", "0"], "batch = [1, 1, 0]", [("--max-batch", "batch.max")], id="batch 0"),
     pytest.param(["--tolerance", "fp16:cosine_min=1.5"], "[model.tolerances.fp16]\ncosine_min = 1.5",
@@ -138,8 +138,8 @@ def test_a_value_the_graph_refuses_is_the_same_line_from_flags_and_models_toml(
 
 def test_every_error_of_the_flags_is_reported_at_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (flag_code, flag_lines, _), (toml_code, toml_lines, _) = _both(
-        tmp_path, ["--precision", "fp32,bf16", "--task", "detection", "--max-batch", "0"],
-        'precisions = ["fp32", "bf16"]\ntask = "detection"\nbatch = [1, 1, 0]', capsys)
+        tmp_path, ["--precision", "fp32,bf16", "--task", "segmentation", "--max-batch", "0"],
+        'precisions = ["fp32", "bf16"]\ntask = "segmentation"\nbatch = [1, 1, 0]', capsys)
     assert flag_code == toml_code == 1
     # The schema's order, each line naming its flag; the text after the name is models.toml's.
     assert [line.split(": ")[2] for line in flag_lines] == ["--task", "--max-batch", "--precision"]
