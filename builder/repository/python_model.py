@@ -587,15 +587,28 @@ def _elem_types(t):
         yield from _elem_types(t.map_type.value_type)
 
 
-def _graph_kind(path):
-    """'qdq' (INT8), 'fp16' or 'fp32'. Subgraphs and local functions count; the weights are not loaded.
-    builder.runtimes.onnxruntime_cuda.graph_kind calls this one for the build's accuracy run."""
+# Where the NHWC layout pays (on tensor cores); FusedConv is ONNX Runtime's own (com.microsoft), as an
+# optimized graph a user brings may hold it. Any one of them turns NHWC's `auto` on: a graph that is mostly
+# attention with one patch-embedding Conv gets NHWC too (not measured).
+CONVOLUTIONS = ("Conv", "ConvTranspose", "FusedConv")
+
+
+def _graph_facts(path):
+    """(kind, convolutions) from one parse of the graph (subgraphs and local functions count; the weights are
+    not loaded). kind: 'qdq' (INT8), 'fp16' or 'fp32'. convolutions: whether any node is one; NHWC on a graph
+    with none is all cost (served on an H200, MiniLM FP16 in NHWC ran 0.25x its rate in NCHW: ONNX Runtime added
+    50 host-device copies for it; bench/gpu/results/2026-11-29-h200-minilm-layout-served.txt).
+    builder.runtimes.onnxruntime_cuda calls this one for the build's accuracy run and the config."""
     import onnx
 
     model = onnx.load(path, load_external_data=False)
     function_nodes = [n for f in model.functions for n in f.node]
     graphs = [model.graph, *_subgraphs(model.graph.node), *_subgraphs(function_nodes)]
     nodes = [n for g in graphs for n in g.node] + function_nodes
+    return _kind(onnx, graphs, nodes), any(n.op_type in CONVOLUTIONS for n in nodes)
+
+
+def _kind(onnx, graphs, nodes):
     if any(node.op_type in ("QuantizeLinear", "DequantizeLinear") for node in nodes):
         return "qdq"
     fp16 = onnx.TensorProto.FLOAT16
@@ -615,22 +628,9 @@ def _graph_kind(path):
     return "fp32"
 
 
-# Where the NHWC layout pays (on tensor cores); FusedConv is ONNX Runtime's own (com.microsoft), as an
-# optimized graph a user brings may hold it. Any one of them turns NHWC's `auto` on: a graph that is mostly
-# attention with one patch-embedding Conv gets NHWC too (not measured).
-CONVOLUTIONS = ("Conv", "ConvTranspose", "FusedConv")
-
-
-def _convolutions(path):
-    """Whether the graph (subgraphs and local functions too) has a convolution. NHWC on a graph with none
-    is all cost: served on an H200, MiniLM FP16 in NHWC ran 0.25x its rate in NCHW (ONNX Runtime added 50
-    host-device copies for it; bench/gpu/results/2026-11-29-h200-minilm-layout-served.txt)."""
-    import onnx
-
-    model = onnx.load(path, load_external_data=False)
-    function_nodes = [n for f in model.functions for n in f.node]
-    graphs = [model.graph, *_subgraphs(model.graph.node), *_subgraphs(function_nodes)]
-    return any(n.op_type in CONVOLUTIONS for n in [*function_nodes, *(n for g in graphs for n in g.node)])
+def _graph_kind(path):
+    """'qdq' (INT8), 'fp16' or 'fp32' (see _graph_facts)."""
+    return _graph_facts(path)[0]
 
 
 def _has_qdq(path):
@@ -650,14 +650,21 @@ def _resolve_auto(path, options, kind=None, convolutions=None):
     200 MB of weights inside took 0.28 s to parse on a 2-core CPU). `convolutions`: whether the graph has any,
     as the build found it (None: read the graph where it matters)."""
     options = dict(options)
+    read = []  # the graph's facts, parsed once where a fact the config lacks is needed
+
+    def facts():
+        if not read:
+            read.append(_graph_facts(path))
+        return read[0]
+
     if options.get("use_tf32", "auto") == "auto":
-        kind = kind or _graph_kind(path)
+        kind = kind or facts()[0]
         options["use_tf32"] = "0" if kind == "fp32" else "1"
     if options.get("prefer_nhwc", "auto") == "auto":
-        kind = kind or _graph_kind(path)
+        kind = kind or facts()[0]
         tensor_cores = kind == "fp16" or (kind == "fp32" and options["use_tf32"] != "0")
         if tensor_cores and convolutions is None:
-            convolutions = _convolutions(path)
+            convolutions = facts()[1]
         options["prefer_nhwc"] = "1" if tensor_cores and convolutions else "0"
     return options
 

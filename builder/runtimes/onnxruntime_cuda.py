@@ -79,27 +79,26 @@ def graph_kind(path: Path) -> str:
     answer to the runner as the config parameter `graph_kind`. One analysis per file: the accuracy run, the
     config and build.json all ask about the same artifact (a graph with 200 MB of weights inside took 0.28 s to
     parse on a 2-core CPU; the weights of a model over 2 GB live outside it and are not read)."""
-    stat = path.stat()
-    return _kind_of(str(path.resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=32)
-def _kind_of(path: str, inode: int, size: int, mtime_ns: int) -> str:
-    """graph_kind's answer for one version of one file (a rewritten file is another key)."""
-    return str(_RUNNER._graph_kind(path))
+    return _facts(path)[0]
 
 
 def graph_convolutions(path: Path) -> bool:
-    """Whether the graph has a convolution (Conv, ConvTranspose; subgraphs and local functions too): NHWC pays
-    only there (see CudaLayout). The runner's own code decides, as for graph_kind; the build hands the answer
+    """Whether the graph has a convolution (Conv, ConvTranspose, FusedConv; subgraphs and local functions too):
+    NHWC pays only there (see CudaLayout). From the same one analysis as graph_kind; the build hands the answer
     on as the config parameter `graph_convolutions`."""
+    return _facts(path)[1]
+
+
+def _facts(path: Path) -> tuple[str, bool]:
     stat = path.stat()
-    return _convolutions_of(str(path.resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns)
+    return _facts_of(str(path.resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns)
 
 
 @functools.lru_cache(maxsize=32)
-def _convolutions_of(path: str, inode: int, size: int, mtime_ns: int) -> bool:
-    return bool(_RUNNER._convolutions(path))
+def _facts_of(path: str, inode: int, size: int, mtime_ns: int) -> tuple[str, bool]:
+    """The runner's graph analysis for one version of one file (a rewritten file is another key)."""
+    kind, convolutions = _RUNNER._graph_facts(path)
+    return str(kind), bool(convolutions)
 
 
 @dataclass(frozen=True)

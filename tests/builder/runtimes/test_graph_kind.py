@@ -240,7 +240,7 @@ def _served(monkeypatch: pytest.MonkeyPatch, version: Path, config: dict[str, An
     return seen[0]
 
 
-def _no_analysis(path: str) -> str:
+def _no_analysis(path: str) -> tuple[str, bool]:
     raise AssertionError(f"the runner read the graph {path}")
 
 
@@ -262,22 +262,22 @@ def test_the_runner_takes_the_kind_from_the_config_and_reads_no_graph(
         config = _built_config(version, options)
         accuracy_run = options.provider_options(version / "model.onnx")
         with monkeypatch.context() as patch:
-            patch.setattr(RUNNER, "_graph_kind", _no_analysis)
-            patch.setattr(RUNNER, "_convolutions", _no_analysis)
+            patch.setattr(RUNNER, "_graph_facts", _no_analysis)
             served = _served(patch, version, config)
         assert _effective(served) == _effective(accuracy_run), (name, layout, tf32)
 
 
 def _count_graph_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The paths the runner's graph analysis reads from now on, in order."""
+    """The paths the runner's graph analysis (kind and convolutions, one parse) reads from now on, in order."""
     read: list[str] = []
-    analysis = RUNNER._graph_kind
+    analysis = RUNNER._graph_facts
 
-    def counted(path: str) -> str:
+    def counted(path: str) -> tuple[str, bool]:
         read.append(path)
-        return str(analysis(path))
+        kind, convolutions = analysis(path)
+        return str(kind), bool(convolutions)
 
-    monkeypatch.setattr(RUNNER, "_graph_kind", counted)
+    monkeypatch.setattr(RUNNER, "_graph_facts", counted)
     return read
 
 
@@ -319,9 +319,12 @@ def test_the_config_says_whether_the_graph_has_convolutions_and_an_older_one_is_
     convs = name == "fp16 conv"
     assert config["parameters"]["graph_convolutions"]["string_value"] == ("1" if convs else "0")
     del config["parameters"]["graph_convolutions"]
-    read: list[str] = []
-    found = RUNNER._convolutions
-    monkeypatch.setattr(RUNNER, "_convolutions", lambda p: read.append(p) or found(p))
+    read = _count_graph_reads(monkeypatch)
     served = _served(monkeypatch, version, config)
     assert read == [str(version / "model.onnx")]
     assert _effective(served) == _effective(CudaOptions().provider_options(version / "model.onnx")) == (convs, True)
+    # Neither parameter (a repository built before both): kind and convolutions from one parse.
+    del config["parameters"]["graph_kind"]
+    read.clear()
+    assert _effective(_served(monkeypatch, version, config)) == (convs, True)
+    assert read == [str(version / "model.onnx")]
