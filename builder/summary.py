@@ -20,6 +20,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from builder.repository.model_folder import load_shapes  # the shapes tune sends, from each build.json
+from builder.spec.enums import Precision
 from builder.spec.names import variant_name
 from builder.steps.model_result import ModelResult, ModelStatus  # the records alone: no ONNX, ORT or ModelOpt
 
@@ -161,7 +162,7 @@ def guard_text(guard: Mapping[str, Any] | None, fp16_guard: Mapping[str, Any] | 
 # PP-OCRv4 rec's FP16 at 1.035x in-process (every round above FP32's), and served it ran 0.70x FP32. Every other
 # lower-precision pick there was 1.5x or more in-process and faster served too.
 PICK_MARGIN = 1.10
-_ACCURACY_RANK = {"fp32": 0, "fp16": 1, "int8": 2}
+_ACCURACY_RANK = {p.value: rank for rank, p in enumerate(Precision)}  # the enum lists the most accurate first
 
 
 def row_from_record(record: Mapping[str, Any], *, state: str) -> SummaryRow:
