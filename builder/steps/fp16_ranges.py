@@ -3,7 +3,8 @@
 Autocast's ReferenceRunner runs its feeds through Polygraphy, which keeps every tensor of every feed until the
 last feed has run: FP16 conversion of a 1x3x800x608 layout model peaked at 5.9 GB with 4 feeds. Autocast reads
 only each tensor's absmax, min, max and shape (its TensorStats), so `streaming()` swaps in a runner that keeps
-those and drops each feed's tensors before the next feed runs: the peak is one feed's tensors.
+those and drops each feed's tensors before the next feed runs, fetching them a bounded group at a time
+(builder.steps.fetch_groups): the peak is one group of one feed's tensors.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import numpy as np
 import onnxruntime as ort
 from numpy.typing import NDArray
 
-from builder.steps import onnx_model
+from builder.steps import fetch_groups, onnx_model
 
 log = logging.getLogger(__name__)
 
@@ -99,22 +100,38 @@ def _streaming_runner(base: type) -> type:
             files = sorted(folder.glob("*.npz"))
             data_loader = [np.load(f) for f in files]
             self._validate_inputs(data_loader)  # ModelOpt's own check and message
+            for archive in data_loader:
+                archive.close()
             options = ort.SessionOptions()
             options.log_severity_level = 3
             options.enable_cpu_mem_arena = False  # its high-water mark would be every tensor of the graph at once
-            session = ort.InferenceSession(exposed_outputs(self.model).SerializeToString(), sess_options=options,
-                                           providers=["CPUExecutionProvider"])
-            names = [o.name for o in session.get_outputs()]
+            exposed = exposed_outputs(self.model)
+            names = [o.name for o in exposed.graph.output]
+
+            def each_feed() -> Iterator[dict[str, NDArray[Any]]]:
+                for file in files:
+                    with np.load(file) as archive:
+                        yield {k: archive[k] for k in archive.files}
+
+            def open_session(model: Any) -> Any:
+                return ort.InferenceSession(model.SerializeToString(), sess_options=options,
+                                            providers=["CPUExecutionProvider"])
+
+            # A bounded group of tensors per session (a 1280x1280 detector's are 1 GB per feed), every feed
+            # through one group's session; feeds are read from their files again per group.
+            cut = fetch_groups.groups(names, fetch_groups.largest_bytes(exposed, each_feed()),
+                                      order=fetch_groups.graph_order(exposed))
             ranges = Ranges()
-            for archive in data_loader:
-                with archive:
-                    feed = {k: archive[k] for k in archive.files}
+            for feed in each_feed():
                 for name, value in feed.items():
                     ranges.add(name, value)
-                for name, value in zip(names, session.run(names, feed), strict=True):
-                    if isinstance(value, np.ndarray):
-                        ranges.add(name, value)
-                del feed
+            for group, session in fetch_groups.group_sessions(exposed, cut, open_session):
+                for feed in each_feed():
+                    for name, value in fetch_groups.run_group(session, feed, group).items():
+                        if isinstance(value, np.ndarray) and name not in feed:
+                            ranges.add(name, value)
+                del session
+            del exposed
             log.debug("autocast reference ranges: %d tensors over %d feeds, one feed at a time", len(ranges.shape),
                       len(files))
             return ranges.stats(TensorStats)

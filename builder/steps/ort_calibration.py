@@ -11,8 +11,9 @@ The first keeps each tensor's min and max only. The second counts each sample's 
 the range the one-shot calibration would have given the tensor (-T, T with T the largest magnitude over all
 samples, in the tensor's dtype), the bins ONNX Runtime's HistogramCollector would make for it. Over fixed edges
 a histogram's counts are the sum of its parts' (NaN is in no bin, in either), so the histograms, and so the
-entropy thresholds, are the same. Only one sample's activations are held at a time; the price is one more
-inference pass. (Where the samples' shapes differ, so that the one-shot cannot stack them, this still works; a
+entropy thresholds, are the same. Only one sample's activations are held at a time, fetched a bounded group of
+tensors per run (builder.steps.fetch_groups); the price is one more inference pass, and a prefix of the graph
+run again per group. (Where the samples' shapes differ, so that the one-shot cannot stack them, this still works; a
 graph with random ops, whose second pass differs from its first, has its values beyond the first pass's range
 counted in the edge bins, and the quantizer worker says how many.)
 """
@@ -26,8 +27,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 from numpy.typing import NDArray
+
+from builder.steps import fetch_groups
 
 log = logging.getLogger(__name__)
 
@@ -66,41 +70,53 @@ def entropy_ranges(prepared: Path, feeds: Callable[[], Iterable[Feed]], *, op_ty
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.enable_cpu_mem_arena = False
-    session = calibrator.infer_session = ort.InferenceSession(calibrator.augmented_model_path, sess_options=options,
-                                                              providers=calibrator.execution_providers)
-    names = [o.name for o in session.get_outputs() if o.name in calibrator.tensors_to_calibrate]
-    if not names:  # (and run([]) would return every output)
+    augmented = onnx.load(calibrator.augmented_model_path, load_external_data=False)
+    names = [o.name for o in augmented.graph.output if o.name in calibrator.tensors_to_calibrate]
+    if not names:
         kinds = f"of the op types {', '.join(op_types)}" if op_types else "of a type ONNX Runtime quantizes"
         raise CalibrationFailed(f"no tensor to calibrate: the graph has no node {kinds}")
+    # The calibrated tensors a bounded group at a time, each group a session of its own (builder.steps.fetch_groups:
+    # at 1x3x1280x1280 a detector's are 1 GB per sample), every sample through one group's session.
+    cut = fetch_groups.groups(names, fetch_groups.largest_bytes(augmented, feeds()),
+                              order=fetch_groups.graph_order(augmented))
+
+    def open_session(model: onnx.ModelProto) -> ort.InferenceSession:
+        if not external:
+            return ort.InferenceSession(model.SerializeToString(), sess_options=options,
+                                        providers=calibrator.execution_providers)
+        path = workdir / "calibration_group.onnx"  # beside the augmented graph: its weights' paths hold
+        onnx.save(model, str(path))
+        return ort.InferenceSession(str(path), sess_options=options, providers=calibrator.execution_providers)
 
     passes: list[int] = []
 
-    def outputs() -> Iterable[list[NDArray[Any]]]:
-        count = 0
-        for feed in feeds():
-            count += 1
-            # Flattened as the one-shot calibration flattens each tensor's stack of samples.
-            yield [np.asarray(out).ravel() for out in session.run(names, dict(feed))]
-        if count == 0 and not passes:
-            raise CalibrationFailed("No data is collected.")  # ONNX Runtime's own words for an empty reader
-        if passes and count != passes[0]:  # feeds() must give as many samples each time: ours to keep
-            raise RuntimeError(f"the calibration gave {passes[0]} samples, then {count}")
-        passes.append(count)
+    def outputs() -> Iterable[tuple[str, NDArray[Any]]]:
+        for group, session in fetch_groups.group_sessions(augmented, cut, open_session):
+            count = 0
+            for feed in feeds():
+                count += 1
+                # Flattened as the one-shot calibration flattens each tensor's stack of samples.
+                for name, value in fetch_groups.run_group(session, feed, group).items():
+                    yield name, np.asarray(value).ravel()
+            if count == 0:
+                raise CalibrationFailed("No data is collected.")  # ONNX Runtime's own words for an empty reader
+            if passes and count != passes[0]:  # feeds() must give as many samples each time: ours to keep
+                raise RuntimeError(f"the calibration gave {passes[0]} samples, then {count}")
+            passes.append(count)
 
     lows: dict[str, Any] = {}
     highs: dict[str, Any] = {}
     dtypes: dict[str, Any] = {}
-    for outs in outputs():
-        for name, values in zip(names, outs, strict=True):
-            dtypes.setdefault(name, values.dtype)
-            if values.size == 0:
-                continue
-            with np.errstate(invalid="ignore"), warnings.catch_warnings():
-                warnings.simplefilter("ignore", RuntimeWarning)  # a sample all NaN: its min is NaN, skipped below
-                low, high = np.nanmin(values), np.nanmax(values)
-            # fmin/fmax skip NaN as nanmin/nanmax over all samples do.
-            lows[name] = low if name not in lows else np.fmin(lows[name], low)
-            highs[name] = high if name not in highs else np.fmax(highs[name], high)
+    for name, values in outputs():
+        dtypes.setdefault(name, values.dtype)
+        if values.size == 0:
+            continue
+        with np.errstate(invalid="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # a sample all NaN: its min is NaN, skipped below
+            low, high = np.nanmin(values), np.nanmax(values)
+        # fmin/fmax skip NaN as nanmin/nanmax over all samples do.
+        lows[name] = low if name not in lows else np.fmin(lows[name], low)
+        highs[name] = high if name not in highs else np.fmax(highs[name], high)
 
     ranges: dict[str, tuple[Any, Any, Any]] = {}
     hists: dict[str, NDArray[np.int64]] = {}
@@ -117,22 +133,21 @@ def entropy_ranges(prepared: Path, feeds: Callable[[], Iterable[Feed]], *, op_ty
         hists[name], edges[name] = np.histogram(np.empty(0, dtype=low.dtype), calibrator.num_bins,
                                                 range=(-threshold, threshold))  # type: ignore[arg-type]
     outside: dict[str, int] = {}
-    for outs in outputs():
-        for name, values in zip(names, outs, strict=True):
-            # Over fixed edges a histogram's counts are the sum of its parts' (NaN is in no bin, as in the
-            # one-shot's): what ONNX Runtime's collector adds when a sample lies within the range it has.
-            threshold = ranges[name][2]
-            counts = np.histogram(values, calibrator.num_bins, range=(-threshold, threshold))[0]
-            missing = values.size - int(counts.sum())
-            if missing and missing > int(np.count_nonzero(np.isnan(values))):
-                # Values beyond the first pass's range: the second pass differs from the first (random ops).
-                # Counted in the edge bins (np.histogram's own edges: a zero range is widened to ±0.5).
-                below = int(np.count_nonzero(values < edges[name][0]))
-                above = int(np.count_nonzero(values > edges[name][-1]))
-                counts[0] += below
-                counts[-1] += above
-                outside[name] = outside.get(name, 0) + below + above
-            hists[name] += counts
+    for name, values in outputs():
+        # Over fixed edges a histogram's counts are the sum of its parts' (NaN is in no bin, as in the
+        # one-shot's): what ONNX Runtime's collector adds when a sample lies within the range it has.
+        threshold = ranges[name][2]
+        counts = np.histogram(values, calibrator.num_bins, range=(-threshold, threshold))[0]
+        missing = values.size - int(counts.sum())
+        if missing and missing > int(np.count_nonzero(np.isnan(values))):
+            # Values beyond the first pass's range: the second pass differs from the first (random ops).
+            # Counted in the edge bins (np.histogram's own edges: a zero range is widened to ±0.5).
+            below = int(np.count_nonzero(values < edges[name][0]))
+            above = int(np.count_nonzero(values > edges[name][-1]))
+            counts[0] += below
+            counts[-1] += above
+            outside[name] = outside.get(name, 0) + below + above
+        hists[name] += counts
     if beyond is not None:
         beyond.update({name: (count, int(hists[name].sum())) for name, count in outside.items()})
 
@@ -140,7 +155,7 @@ def entropy_ranges(prepared: Path, feeds: Callable[[], Iterable[Feed]], *, op_ty
                                    num_bins=calibrator.num_bins, num_quantized_bins=calibrator.num_quantized_bins,
                                    percentile=calibrator.percentile, scenario=calibrator.scenario)
     collector.histogram_dict = {name: (hists[name], edges[name], *ranges[name]) for name in names}
-    log.debug("entropy calibration streamed: %d tensors", len(names))
+    log.debug("entropy calibration streamed: %d tensors in %d groups", len(names), len(cut))
     return TensorsData(CalibrationMethod.Entropy, collector.compute_collection_result())
 
 

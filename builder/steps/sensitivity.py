@@ -12,9 +12,10 @@ Cast the conversion put in front of the node: that rounding belongs to the node,
 it from the conversion removes. It is a first-order figure (errors of several nodes interact), which is why
 the guards' search still checks every candidate with a real conversion and the real tolerance.
 
-Memory: the samples stream through both graphs a batch at a time and only running sums are kept, so the
-cost is one batch of activations of each graph, whatever the number of samples. The exposed graphs are
-written beside their sources without loading weights stored outside the file, which they keep referring to.
+Memory: the samples stream through both graphs a batch at a time and only running sums are kept, and the
+tensors are exposed a bounded group at a time (builder.steps.fetch_groups), so the cost is one group of one
+batch's activations of each graph, whatever the number of samples and the graph's size. The exposed graphs
+are written beside their sources without loading weights stored outside the file, which they keep referring to.
 
 `onnxruntime.quantization.qdq_loss_debug` pairs float and Q/DQ activations by tensor name; this pairs them by
 node name and output index instead and looks through the Casts autocast adds as well as through Q/DQ pairs,
@@ -38,6 +39,7 @@ from numpy.typing import NDArray
 from builder.runtimes.base import feeds as sample_feeds
 from builder.runtimes.onnxruntime import ort_session
 from builder.spec.enums import GuardSensitivity
+from builder.steps import fetch_groups
 from common import progress
 
 log = logging.getLogger(__name__)
@@ -47,10 +49,6 @@ _INSERTED = frozenset({"Cast", "QuantizeLinear", "DequantizeLinear"})
 # Held-out samples the pass uses at most, and the batch they run in (bounds one batch's activations).
 MAX_SAMPLES = 32
 MAX_BATCH = 8
-# The exposed tensors one run of both graphs returns at most, in bytes (the FP32 graph's sizes, counted twice): a
-# model whose activations exceed it runs in several groups of outputs, each a run of both graphs (layout_cdla at
-# 800x608: about 1 GB per graph, which set its build's peak).
-GROUP_BYTES = 512 << 20
 # Elements per slice of the float64 error sums.
 _SLICE = 1 << 22
 # A relative error at least this large is recorded as this (an FP16 overflow gives inf).
@@ -164,49 +162,24 @@ def node_tensors(fp32: onnx.ModelProto, candidate: onnx.ModelProto, nodes: Seque
     return found
 
 
-def _exposed(path: Path, model: onnx.ModelProto, names: set[str]) -> Path:
-    """`model` with `names` added as graph outputs, written beside `path` (weights stored outside the file
-    stay there: the copy refers to them by the same relative location)."""
-    present = {o.name for o in model.graph.output} | {i.name for i in model.graph.input}
-    exposed = onnx.ModelProto()
-    exposed.CopyFrom(model)
-    for name in sorted(names - present):
-        exposed.graph.output.append(onnx.ValueInfoProto(name=name))
+def _group_session(path: Path, model: onnx.ModelProto, names: Sequence[str]) -> Any:
+    """A session of `model` (loaded from `path`) exposing `names` only, or None where they are all its inputs.
+    The graph is written beside `path` without weights stored outside the file, which it keeps referring to."""
+    inputs = {i.name for i in model.graph.input}
+    exposed = [n for n in dict.fromkeys(names) if n not in inputs]
+    if not exposed:
+        return None
     out = path.with_name(f".{path.stem}.sensitivity.{os.getpid()}.onnx")
-    onnx.save(exposed, str(out))
-    return out
+    try:
+        with fetch_groups.outputs_only(model, exposed):
+            onnx.save(model, str(out))
+        return ort_session(out, arena=False)
+    finally:
+        out.unlink(missing_ok=True)
 
 
-def _run(session: Any, feed: Mapping[str, NDArray[Any]], names: Sequence[str]) -> dict[str, NDArray[Any]]:
-    """The named tensors of one run: graph outputs from the session, the feed's own inputs as given."""
-    fetch = list(dict.fromkeys(n for n in names if n not in feed))
-    values = dict(zip(fetch, session.run(fetch, dict(feed)), strict=True)) if fetch else {}
-    return {n: feed[n] if n in feed else values[n] for n in names}
-
-
-def _sizes(session: Any, feed: Mapping[str, NDArray[Any]], names: Sequence[str]) -> dict[str, int]:
-    """Bytes of each named FP32 tensor on one feed, from one run of the FP32 graph that keeps only the sizes (it
-    holds one graph's tensors at once: half of what a run of both held)."""
-    sizes = {n: int(np.asarray(feed[n]).nbytes) for n in names if n in feed}
-    pending = list(dict.fromkeys(n for n in names if n not in feed))
-    for name, value in zip(pending, session.run(pending, dict(feed)) if pending else [], strict=True):
-        sizes[name] = int(np.asarray(value).nbytes)
-    return sizes
-
-
-def _groups(pairs: Sequence[_Pair], sizes: Mapping[str, int]) -> list[list[_Pair]]:
-    """The pairs in the order given, cut into groups whose two graphs' tensors stay within GROUP_BYTES together (a
-    tensor larger than that is a group of its own). Each pair's sums do not depend on the grouping."""
-    groups: list[list[_Pair]] = [[]]
-    held = 0
-    for pair in pairs:
-        size = 2 * sizes.get(pair.fp32, 0)
-        if groups[-1] and held + size > GROUP_BYTES:
-            groups.append([])
-            held = 0
-        groups[-1].append(pair)
-        held += size
-    return groups if groups[-1] else []
+def _made(model: onnx.ModelProto) -> set[str]:
+    return {name for node in model.graph.node for name in node.output if name}
 
 
 class _Errors:
@@ -255,35 +228,37 @@ def one_pass(fp32_path: Path, candidate_path: Path, nodes: Sequence[str], evalua
     used = {k: v[: min(count, MAX_SAMPLES)] for k, v in evaluation.items()}
     batch = None if batch_size is None else min(batch_size, MAX_BATCH)
     errors = _Errors()
-    exposed = [_exposed(fp32_path, fp32, {p.fp32 for p in wanted}),
-               _exposed(candidate_path, candidate, {p.candidate for p in wanted})]
-    del fp32, candidate
-    try:
-        # ONNX Runtime itself, not the reference executor: batches stream through two sessions and only running
-        # sums of the exposed tensors are kept (an executor's run() returns every sample's outputs at once).
-        sessions = [ort_session(path, arena=False) for path in exposed]
-        outputs = [{o.name for o in s.get_outputs()} for s in sessions]
-        feeds = list(sample_feeds(used, batch))
-        first = feeds[0] if feeds else {}
-        # Pairs whose two tensors are a feed's input or a graph output, as the runs return them.
-        returned = [p for p in wanted if (p.fp32 in outputs[0] or p.fp32 in first)
-                    and (p.candidate in outputs[1] or p.candidate in first)]
-        groups = _groups(returned, _sizes(sessions[0], first, [p.fp32 for p in returned])) if feeds else []
-        description = (f"{what}: sensitivity, one pass over {len(feeds)} held-out batches"
-                       + (f" in {len(groups)} groups of tensors" if len(groups) > 1 else ""))
-        with progress.task(description, total=len(feeds) * len(groups)) as bar:
+    feeds = list(sample_feeds(used, batch))
+    first = feeds[0] if feeds else {}
+    made = (_made(fp32), _made(candidate))
+    # Pairs whose two tensors are a feed's input or made by a node of the main graph.
+    returned = [p for p in wanted if (p.fp32 in made[0] or p.fp32 in first)
+                and (p.candidate in made[1] or p.candidate in first)]
+    by_fp32: dict[str, list[_Pair]] = {}
+    for pair in returned:
+        by_fp32.setdefault(pair.fp32, []).append(pair)
+    # The tensors a bounded group at a time, each group a session of each graph exposing that group only
+    # (builder.steps.fetch_groups); sizes by shape inference at the feeds' shapes, the FP32 graph's counted twice.
+    cut = fetch_groups.groups(list(by_fp32), fetch_groups.largest_bytes(fp32, feeds),
+                              budget=fetch_groups.GROUP_BYTES // 2, order=fetch_groups.graph_order(fp32))
+    groups = [[p for name in group for p in by_fp32[name]] for group in cut] if feeds else []
+    description = (f"{what}: sensitivity, one pass over {len(feeds)} held-out batches"
+                   + (f" in {len(groups)} groups of tensors" if len(groups) > 1 else ""))
+    # ONNX Runtime itself, not the reference executor: batches stream through the sessions and only running sums
+    # of the exposed tensors are kept (an executor's run() returns every sample's outputs at once).
+    with progress.task(description, total=len(feeds) * len(groups)) as bar:
+        for group in groups:
+            names = ([p.fp32 for p in group], [p.candidate for p in group])
+            sessions = (_group_session(fp32_path, fp32, names[0]), _group_session(candidate_path, candidate, names[1]))
             for feed in feeds:
-                for group in groups:
-                    values = [_run(session, feed, names) for session, names in
-                              zip(sessions, ([p.fp32 for p in group], [p.candidate for p in group]), strict=True)]
-                    for pair in group:
-                        errors.add(pair, np.asarray(values[0][pair.fp32]), np.asarray(values[1][pair.candidate]))
-                    del values
-                    bar.advance()
-        del sessions
-    finally:
-        for path in exposed:
-            path.unlink(missing_ok=True)
+                values = [fetch_groups.run_group(session, feed, group_names)
+                          for session, group_names in zip(sessions, names, strict=True)]
+                for pair in group:
+                    errors.add(pair, np.asarray(values[0][pair.fp32]), np.asarray(values[1][pair.candidate]))
+                del values
+                bar.advance()
+            del sessions
+    del fp32, candidate
     scores: dict[str, float] = {}
     for name in nodes:
         tensors = pairs.get(name)

@@ -118,3 +118,30 @@ def test_the_fp16_graph_is_the_same_with_either_runner(tmp_path: Path, monkeypat
     kept = [sum(n.op_type == "Cast" for n in m.graph.node) for m in (streamed, theirs)]
     assert kept[0] == kept[1] and kept[0] > 2  # some nodes were kept in FP32 by their range, the same ones
     assert streamed.graph == theirs.graph
+
+
+def test_the_ranges_fetched_a_group_at_a_time_equal_modelopts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every tensor a group (and a session) of its own: ONNX Runtime holds every output of a graph until a run
+    ends, so a detector at 1280x1280 held 1 GB per feed with all of them exposed."""
+    from modelopt.onnx.autocast.referencerunner import ReferenceRunner
+
+    from builder.steps import fetch_groups
+
+    model = onnx.load(str(cnn_onnx(tmp_path / "cnn.onnx")))
+    samples = cnn_samples(6)
+    feeds = [{k: v[i:i + 2] for k, v in samples.items()} for i in range(0, 6, 2)]
+    folder = str(_feed_folder(tmp_path, feeds))
+    theirs = ReferenceRunner(model).run(folder)
+    exposed: list[int] = []
+    original = fetch_groups.group_sessions
+
+    def counted(*args: Any) -> Any:
+        for group, session in original(*args):
+            exposed.append(len(session.get_outputs()))
+            yield group, session
+
+    monkeypatch.setattr(fetch_groups, "GROUP_BYTES", 1)
+    monkeypatch.setattr(fetch_groups, "group_sessions", counted)
+    ours = _streamed(model, folder, monkeypatch)
+    assert exposed and max(exposed) == 1 and len(exposed) > 3
+    _same(ours, theirs)

@@ -28,11 +28,14 @@ import onnx
 from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 from onnxruntime.quantization.calibrate import CalibrationCacheEncoder, create_calibrator
 from onnxruntime.quantization.registry import QDQRegistry, QLinearOpsRegistry
+from builder.steps import fetch_groups
 from builder.steps.ort_calibration import CalibrationFailed, entropy_ranges, save_ranges
 
 model, samples, work = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
 one_shot_too = sys.argv[4] == "1"
 drift = sys.argv[5] == "1"  # the second pass sees other values than the first (as a graph with random ops does)
+if sys.argv[6] == "1":
+    fetch_groups.GROUP_BYTES = 1  # every tensor a group (and a session) of its own
 with np.load(samples) as archive:
     xs = archive["x"]
 
@@ -51,7 +54,7 @@ def as_json(tensors):
 calls = []
 def feeds():
     calls.append(1)
-    scale = 3.0 if drift and len(calls) == 2 else 1.0
+    scale = 3.0 if drift and len(calls) == 3 else 1.0  # calls: the shapes, then the two passes (one group)
     return ({"x": feed["x"] * scale} for feed in iter(Reader().get_next, None))
 (work / "streamed").mkdir()
 try:
@@ -126,13 +129,14 @@ def _samples(dtype: Any) -> Any:
     return xs.astype(dtype)
 
 
-def _run(tmp_path: Path, xs: Any, one_shot: bool = True, drift: bool = False, **model: Any) -> dict[str, Any]:
+def _run(tmp_path: Path, xs: Any, one_shot: bool = True, drift: bool = False, grouped: bool = False,
+         **model: Any) -> dict[str, Any]:
     _model(tmp_path / "m.onnx", dtype=xs.dtype, **model)
     np.savez(tmp_path / "samples.npz", x=xs)
     work = tmp_path / "work"
     work.mkdir()
     proc = subprocess.run([sys.executable, "-c", _COMPARE, str(tmp_path / "m.onnx"), str(tmp_path / "samples.npz"),
-                           str(work), "1" if one_shot else "0", "1" if drift else "0"],
+                           str(work), "1" if one_shot else "0", "1" if drift else "0", "1" if grouped else "0"],
                           capture_output=True, text=True, timeout=300, check=False,
                           cwd=Path(__file__).resolve().parents[3])
     assert proc.returncode == 0, proc.stderr
@@ -143,7 +147,7 @@ def _run(tmp_path: Path, xs: Any, one_shot: bool = True, drift: bool = False, **
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_streamed_entropy_ranges_and_graph_equal_onnxruntimes_one_shot(tmp_path: Path, dtype: Any) -> None:
     result = _run(tmp_path, _samples(dtype))
-    assert result.get("passes") == 2, result
+    assert result.get("passes") == 3, result  # the samples' shapes read (no run), then two passes
     assert "t" not in result["tensors"]  # Tanh's output: no op ONNX Runtime quantizes reads or writes it
     assert {"x", "c1", "r1", "c2", "y"} <= set(result["tensors"])
     assert result["same_ranges"], result
@@ -151,9 +155,17 @@ def test_streamed_entropy_ranges_and_graph_equal_onnxruntimes_one_shot(tmp_path:
     assert result["same_graph"]  # through the JSON cache too: FP16 ranges keep their dtype
 
 
+def test_calibrated_tensors_fetched_a_group_at_a_time_give_the_same_ranges_and_graph(tmp_path: Path) -> None:
+    """One tensor per group, each group a session exposing it alone (ONNX Runtime holds every output of a graph
+    until a run ends): the ranges and the Q/DQ graph are the one-shot's still."""
+    result = _run(tmp_path, _samples(np.float32), grouped=True)
+    assert result["passes"] == 1 + 2 * 5  # the shapes, then two passes per tensor: x, c1, r1, c2, y
+    assert result["same_ranges"] and result["same_graph"], result
+
+
 def test_outputs_that_are_sequences_are_not_read(tmp_path: Path) -> None:
     result = _run(tmp_path, _samples(np.float32), sequence_output=True)
-    assert result["passes"] == 2
+    assert result["passes"] == 3
     assert {"x", "c1", "r1", "c2", "y"} <= set(result["tensors"])
     assert result["same_ranges"] and result["same_graph"], result
 

@@ -1,0 +1,188 @@
+"""Intermediate tensors fetched from ONNX Runtime a bounded group at a time.
+
+Calibration, autocast's reference ranges and the guards' one-pass sensitivity read every intermediate tensor of
+a graph, each exposed as a graph output. ONNX Runtime holds every graph output of a run until the run ends, and
+asking a session for fewer of its outputs does not change that: isbnx_det (a 10 MB detector) at 2x3x1280x1280
+peaks at 454 MB run as given and at 3.1 GB with every tensor exposed, even when one output is asked for. Its
+build peaked at 4.4 GB for a 2.1 GB goal. Here the tensors are cut, in graph order, into groups whose bytes stay
+within a budget, and each group gets a session of its own that exposes that group only: a run then computes only
+what the group needs (the early groups cost a prefix of the graph), and the peak is one group's tensors plus
+what the graph holds anyway. The loops run group by group, every feed through one group's session, so each
+session is made once.
+
+Sizes come from ONNX shape inference with the feed's own shapes (no run): a tensor whose shape stays unknown
+(data-dependent: after NonZero, TopK with a computed k) counts as unknown, and at most UNKNOWN_PER_GROUP of
+those share a group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import onnx
+from numpy.typing import NDArray
+
+log = logging.getLogger(__name__)
+
+# What one run may return, in bytes. Against issue 23's goal (4x the model plus 2 GB) with the process's own
+# ~0.7 GB of libraries: half a gigabyte leaves room for the session and the caller's copies.
+GROUP_BYTES = 512 << 20
+UNKNOWN_PER_GROUP = 16
+# Initializers with more elements than this are given to shape inference by their shape alone: their values
+# matter only to shape computations (a Reshape's target), which are small.
+_VALUES_KEPT = 1024
+
+
+def _shape_only(model: onnx.ModelProto) -> onnx.ModelProto:
+    """`model` without its weights' values (each large initializer becomes an input of its type and shape), so
+    shape inference copies kilobytes, not the weights."""
+    light = onnx.ModelProto()
+    light.ir_version = model.ir_version
+    light.opset_import.extend(model.opset_import)
+    light.functions.extend(model.functions)
+    graph = light.graph
+    graph.node.extend(model.graph.node)
+    graph.input.extend(model.graph.input)
+    # Outputs by name alone: a declared shape ("N" for the batch, as a calibrator's augmented graph declares its
+    # added outputs) would be kept over the one inferred at the feed's shapes.
+    for value in model.graph.output:
+        graph.output.add().name = value.name
+    declared = {i.name for i in model.graph.input}
+    for init in model.graph.initializer:
+        if int(np.prod(init.dims, dtype=np.int64)) <= _VALUES_KEPT and init.data_location != onnx.TensorProto.EXTERNAL:
+            graph.initializer.append(init)
+        elif init.name not in declared:
+            graph.input.append(onnx.helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
+    return light
+
+
+def _with_shapes(model: onnx.ModelProto, feed: Mapping[str, NDArray[Any]]) -> onnx.ModelProto:
+    for value in model.graph.input:
+        if value.name not in feed:
+            continue
+        shape = np.shape(feed[value.name])
+        dims = value.type.tensor_type.shape.dim
+        if len(dims) != len(shape):
+            continue  # the runtime will say what is wrong with the feed
+        for dim, size in zip(dims, shape, strict=True):
+            dim.Clear()
+            dim.dim_value = int(size)
+    return model
+
+
+def tensor_bytes(model: onnx.ModelProto, feed: Mapping[str, NDArray[Any]]) -> dict[str, int]:
+    """Bytes of each main-graph tensor of `model` when it runs on `feed`, from shape inference at the feed's
+    shapes; a tensor whose shape or type is not known is left out (shape inference failing leaves out all)."""
+    light = _with_shapes(_shape_only(model), feed)
+    try:
+        inferred = onnx.shape_inference.infer_shapes(light, data_prop=True)
+    except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError, RuntimeError) as exc:
+        # A graph ONNX cannot infer (a contrib op it does not know gives no error, only no shape): every
+        # tensor is then of unknown size, grouped by count.
+        log.debug("tensor sizes by shape inference failed (%s); grouping by count", exc)
+        return {}
+    sizes: dict[str, int] = {}
+    for value in (*inferred.graph.value_info, *inferred.graph.output, *inferred.graph.input):
+        tensor = value.type.tensor_type
+        if not tensor.elem_type or not tensor.HasField("shape"):
+            continue
+        dims = tensor.shape.dim
+        if not all(d.HasField("dim_value") and d.dim_value >= 0 for d in dims):
+            continue
+        itemsize = onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type).itemsize
+        sizes[value.name] = int(np.prod([d.dim_value for d in dims], dtype=np.int64)) * itemsize
+    return sizes
+
+
+def graph_order(model: onnx.ModelProto) -> dict[str, int]:
+    """Each main-graph tensor's position: the index of the node that makes it (inputs and initializers -1)."""
+    order = {name: -1 for name in (*(i.name for i in model.graph.input), *(i.name for i in model.graph.initializer))}
+    for index, node in enumerate(model.graph.node):
+        for name in node.output:
+            if name:
+                order.setdefault(name, index)
+    return order
+
+
+def groups(names: Sequence[str], sizes: Mapping[str, int], *, budget: int | None = None,
+           order: Mapping[str, int] | None = None) -> list[list[str]]:
+    """`names` (each once), in graph order where `order` is given, cut into groups of at most `budget` bytes
+    (GROUP_BYTES when None) and UNKNOWN_PER_GROUP tensors of unknown size (a tensor larger than the budget is a
+    group of its own)."""
+    budget = GROUP_BYTES if budget is None else budget
+    unique = list(dict.fromkeys(names))
+    if order is not None:
+        last = len(order)
+        unique.sort(key=lambda n: order.get(n, last))
+    cut: list[list[str]] = []
+    held = unknown = 0
+    for name in unique:
+        size = sizes.get(name)
+        grows = size if size is not None else 0
+        if cut and cut[-1] and (held + grows > budget or (size is None and unknown >= UNKNOWN_PER_GROUP)):
+            cut.append([])
+            held = unknown = 0
+        if not cut:
+            cut.append([])
+        cut[-1].append(name)
+        held += grows
+        unknown += size is None
+    return cut
+
+
+@contextlib.contextmanager
+def outputs_only(model: onnx.ModelProto, names: Sequence[str]) -> Iterator[onnx.ModelProto]:
+    """`model` itself with `names` as its only graph outputs, for the duration (no copy of the weights)."""
+    kept = list(model.graph.output)
+    del model.graph.output[:]
+    for name in names:
+        model.graph.output.add().name = name
+    try:
+        yield model
+    finally:
+        del model.graph.output[:]
+        model.graph.output.extend(kept)
+
+
+def group_sessions(model: onnx.ModelProto, cut: Sequence[Sequence[str]],
+                   open_session: Callable[[onnx.ModelProto], Any]) -> Iterator[tuple[Sequence[str], Any]]:
+    """(group, a session of `model` exposing that group's tensors) for each group of `cut`, one at a time: the
+    caller lets go of a session before asking for the next. The graph's own inputs in a group are fetched from
+    the feed (see run_group), so a group of inputs alone gets no session (None)."""
+    inputs = {i.name for i in model.graph.input}
+    for group in cut:
+        wanted = [n for n in group if n not in inputs]
+        if not wanted:
+            yield group, None
+            continue
+        with outputs_only(model, wanted):
+            session = open_session(model)
+        yield group, session
+        del session
+
+
+def run_group(session: Any, feed: Mapping[str, NDArray[Any]], group: Sequence[str]) -> dict[str, Any]:
+    """Each tensor of `group` on `feed`: one run of the group's session; a name that is one of the feed's inputs
+    is the feed's own array (a session returns no input)."""
+    wanted = [n for n in group if n not in feed]
+    values = dict(zip(wanted, session.run(wanted, dict(feed)), strict=True)) if wanted else {}
+    return {name: feed[name] if name in feed else values[name] for name in group}
+
+
+def largest_bytes(model: onnx.ModelProto, feeds: Iterable[Mapping[str, NDArray[Any]]]) -> dict[str, int]:
+    """tensor_bytes over every distinct set of input shapes among `feeds`, the largest per tensor (a tensor
+    unknown at any of them stays unknown)."""
+    seen: set[tuple[tuple[str, tuple[int, ...]], ...]] = set()
+    largest: dict[str, int] | None = None
+    for feed in feeds:
+        shapes = tuple(sorted((k, tuple(np.shape(v))) for k, v in feed.items()))
+        if shapes in seen:
+            continue
+        seen.add(shapes)
+        sizes = tensor_bytes(model, feed)
+        largest = sizes if largest is None else {n: max(b, sizes[n]) for n, b in largest.items() if n in sizes}
+    return largest or {}

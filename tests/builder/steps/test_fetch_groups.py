@@ -1,0 +1,101 @@
+"""Intermediate tensors fetched a bounded group at a time: sizes from shape inference match what a run returns,
+groups keep to their budget and to graph order, and each group's session exposes that group alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+
+from builder.steps import fetch_groups
+from tests.helpers.tiny_models import cnn_onnx, cnn_samples
+
+
+def _all_exposed(model: onnx.ModelProto) -> onnx.ModelProto:
+    exposed = onnx.ModelProto()
+    exposed.CopyFrom(model)
+    present = {o.name for o in exposed.graph.output}
+    for node in exposed.graph.node:
+        for name in node.output:
+            if name and name not in present:
+                exposed.graph.output.add().name = name
+    return exposed
+
+
+def _session(model: onnx.ModelProto) -> Any:
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def test_sizes_by_shape_inference_are_the_bytes_a_run_returns(tmp_path: Path) -> None:
+    model = _all_exposed(onnx.load(str(cnn_onnx(tmp_path / "cnn.onnx"))))
+    feed = {k: v[:3] for k, v in cnn_samples(3).items()}
+    session = _session(model)
+    names = [o.name for o in session.get_outputs()]
+    actual = {n: np.asarray(v).nbytes for n, v in zip(names, session.run(names, feed), strict=True)}
+    sizes = fetch_groups.tensor_bytes(model, feed)
+    assert actual and {n: sizes.get(n) for n in actual} == actual
+    # At another batch the sizes follow the feed, not the shapes the graph declares.
+    bigger = fetch_groups.tensor_bytes(model, {k: np.concatenate([v] * 4) for k, v in feed.items()})
+    assert all(bigger[n] == 4 * b for n, b in actual.items())
+
+
+def test_a_data_dependent_shape_is_unknown_not_guessed() -> None:
+    graph = helper.make_graph(
+        [helper.make_node("NonZero", ["x"], ["nz"]), helper.make_node("Relu", ["x"], ["r"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n"])],
+        [helper.make_tensor_value_info("nz", TensorProto.INT64, None),
+         helper.make_tensor_value_info("r", TensorProto.FLOAT, None)])
+    sizes = fetch_groups.tensor_bytes(helper.make_model(graph), {"x": np.ones(5, np.float32)})
+    assert sizes["r"] == 20 and "nz" not in sizes
+
+
+def test_groups_keep_the_budget_the_graph_order_and_the_unknown_count() -> None:
+    order = {f"t{i}": i for i in range(40)}
+    sizes = {f"t{i}": 100 for i in range(20)}  # t20..t39: unknown size
+    names = list(reversed(order))  # asked in any order
+    cut = fetch_groups.groups(names, sizes, budget=250, order=order)
+    assert [n for group in cut for n in group] == sorted(order, key=order.__getitem__)  # each once, graph order
+    assert all(sum(sizes.get(n, 0) for n in group) <= 250 for group in cut)
+    assert all(sum(n not in sizes for n in group) <= fetch_groups.UNKNOWN_PER_GROUP for group in cut)
+    # A tensor larger than the budget is a group of its own, never dropped.
+    assert fetch_groups.groups(["a", "b"], {"a": 10, "b": 1000}, budget=100) == [["a"], ["b"]]
+    assert fetch_groups.groups([], {}, budget=100) == []
+
+
+def test_each_group_session_exposes_its_group_only_and_the_model_is_left_as_it_was(tmp_path: Path) -> None:
+    model = _all_exposed(onnx.load(str(cnn_onnx(tmp_path / "cnn.onnx"))))
+    before = model.SerializeToString()
+    feed = {k: v[:2] for k, v in cnn_samples(2).items()}
+    whole = _session(model)
+    names = [o.name for o in whole.get_outputs()]
+    expected = dict(zip(names, whole.run(names, feed), strict=True))
+    inputs = list(feed)
+    cut = fetch_groups.groups([*inputs, *names], fetch_groups.tensor_bytes(model, feed), budget=1,
+                              order=fetch_groups.graph_order(model))
+    seen: dict[str, Any] = {}
+    for group, session in fetch_groups.group_sessions(model, cut, _session):
+        if session is not None:
+            assert sorted(o.name for o in session.get_outputs()) == sorted(n for n in group if n not in inputs)
+        seen.update(fetch_groups.run_group(session, feed, group))
+    assert set(seen) == {*inputs, *names}
+    for name, value in expected.items():
+        np.testing.assert_array_equal(seen[name], value)
+    assert model.SerializeToString() == before
+
+
+def test_initializer_values_stay_out_of_shape_inference_except_small_ones() -> None:
+    weight = numpy_helper.from_array(np.ones((64, 64), np.float32), "w")
+    shape = numpy_helper.from_array(np.array([-1, 64], np.int64), "shape")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node("Reshape", ["y", "shape"], ["z"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 64])],
+        [helper.make_tensor_value_info("z", TensorProto.FLOAT, None)], [weight, shape])
+    model = helper.make_model(graph)
+    light = fetch_groups._shape_only(model)
+    assert [t.name for t in light.graph.initializer] == ["shape"]  # a Reshape target keeps its values
+    assert fetch_groups.tensor_bytes(model, {"x": np.ones((3, 64), np.float32)}) == {
+        "x": 3 * 64 * 4, "y": 3 * 64 * 4, "z": 3 * 64 * 4, "w": 64 * 64 * 4}
