@@ -6,11 +6,13 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import onnx
 from onnx import numpy_helper
 
@@ -229,6 +231,21 @@ def dedupe_initializers(model: onnx.ModelProto) -> int:
     graph.input.extend(kept_inputs)
     log.debug("removed %d duplicate initializers (%.1f MB)", len(rename), saved / 1e6)
     return saved
+
+
+def shared_constant_growth(model: onnx.ModelProto) -> int:
+    """Bytes that copying each shared initializer once per consumer would add to `model` (what ModelOpt's
+    duplicate_shared_constants does before FP16 conversion and INT8 quantization): an initializer read by n
+    inputs of main-graph nodes, n > 1, counted n - 1 times. From the dims, so weights outside the file need not
+    be loaded."""
+    uses: Counter[str] = Counter(name for node in model.graph.node for name in node.input if name)
+    growth = 0
+    for tensor in model.graph.initializer:
+        count = uses.get(tensor.name, 0)
+        if count > 1:
+            itemsize = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+            growth += (count - 1) * int(np.prod(tensor.dims, dtype=np.int64)) * itemsize
+    return growth
 
 
 def refresh_value_info(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -16,6 +16,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import warnings
@@ -38,7 +39,15 @@ from builder.runtimes.onnxruntime import ORT_ERRORS
 from builder.spec.enums import CalibrationMethod, Int8Recipe
 from builder.spec.model import CalibrationSpec
 from builder.spec.settings import default_cache_dir
-from builder.steps import calibration_order, fp16_ranges, int8_recipe, onnx_model, ort_calibration, qdq_mix
+from builder.steps import (
+    calibration_order,
+    fp16_ranges,
+    int8_recipe,
+    onnx_model,
+    ort_calibration,
+    qdq_mix,
+    resources,
+)
 from builder.steps.int8_recipe import CPU_RUNTIME
 from common import progress
 
@@ -263,6 +272,46 @@ def autocast_feeds(sets: Sequence[Mapping[str, NDArray[Any]]], batch_size: int |
     return chosen
 
 
+# ModelOpt copies each shared initializer once per consumer before FP16 conversion and INT8 quantization. Where
+# that would add more than this, or more than the model's own size, the constants stay shared: captcha_crnn's
+# unrolled LSTM (two 6.5 MB weights, 20 readers each) went from 19 MB to 270 MB, and the conversions then copied
+# that graph several times (peaks of 2.2 GB for FP16 and 3.2 GB for INT8). Autocast's converter tracks each
+# initializer's consumers by itself (one copy per precision they need); the quantizer then puts one Q/DQ on a
+# shared weight. Every other corpus model adds far less, so its graphs are as before.
+DUPLICATION_LIMIT = 64 << 20
+_sanitizer_lock = threading.Lock()
+
+
+def duplicates_shared_constants(fp32_path: Path) -> bool:
+    """Whether ModelOpt may copy `fp32_path`'s shared constants per consumer (see DUPLICATION_LIMIT)."""
+    model = onnx.load(str(fp32_path), load_external_data=False)
+    growth = onnx_model.shared_constant_growth(model)
+    own = sum(int(np.prod(t.dims, dtype=np.int64)) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+              for t in model.graph.initializer)
+    if growth <= max(DUPLICATION_LIMIT, own):
+        return True
+    log.debug("%s: shared constants stay shared (copying them per consumer would add %.0f MB to %.0f MB)",
+              fp32_path.name, growth / 1e6, own / 1e6)
+    return False
+
+
+@contextlib.contextmanager
+def _shared_constants_kept(keep: bool) -> Iterator[None]:
+    """Autocast without its sanitizer's per-consumer copies of shared constants, for the duration, when `keep`."""
+    if not keep:
+        yield
+        return
+    from modelopt.onnx.autocast.graphsanitizer import GraphSanitizer
+
+    with _sanitizer_lock:
+        original = GraphSanitizer.duplicate_shared_constants
+        GraphSanitizer.duplicate_shared_constants = lambda self: None
+        try:
+            yield
+        finally:
+            GraphSanitizer.duplicate_shared_constants = original
+
+
 def to_fp16(fp32_path: Path, out_path: Path, *, feeds: Sequence[Mapping[str, NDArray[Any]]], what: str,
             settings: Fp16Settings = Fp16Settings(), log_file: Path | None) -> dict[str, object]:
     """FP16 compute with FP32 inputs and outputs, so clients and configs stay unchanged.
@@ -285,7 +334,8 @@ def to_fp16(fp32_path: Path, out_path: Path, *, feeds: Sequence[Mapping[str, NDA
         for index, feed in enumerate(feeds):
             np.savez(feed_dir / f"{index:05d}.npz", **feed)
         try:
-            with contextlib.chdir(tmp), fp16_ranges.streaming():
+            keep_shared = not duplicates_shared_constants(fp32_path)
+            with contextlib.chdir(tmp), fp16_ranges.streaming(), _shared_constants_kept(keep_shared):
                 model = convert_to_mixed_precision(
                     str(fp32_path), low_precision_type="fp16", keep_io_types=True, calibration_data=str(feed_dir),
                     nodes_to_exclude=[f"^{re.escape(n)}$" for n in settings.nodes_to_exclude] or None,
@@ -615,6 +665,7 @@ def _quantize_modelopt(fp32_path: Path, calibration: Mapping[str, NDArray[Any]],
         # Weights kept beside the model (over 2 GB): ModelOpt writes its result the same way (it decides
         # by itself only from the size of what it loaded).
         use_external_data_format=onnx_files.has_external_data(fp32_path),
+        enable_shared_constants_duplication=duplicates_shared_constants(fp32_path),
         log_level="WARNING",
     )
 
@@ -706,6 +757,7 @@ def _quantize_ort(fp32_path: Path, calibration: Mapping[str, NDArray[Any]], spec
                                "nodes_to_quantize": list(spec.nodes_to_quantize),
                                "external": onnx_files.has_external_data(fp32_path),
                                "whole": _whole_samples(fp32_path, calibration)}))
+    resources.release_free_memory()  # the subprocess runs beside this process: only what is in use stays
     try:
         proc = subprocess.run([sys.executable, "-m", "builder.steps.precision", str(job)], capture_output=True,
                               text=True, timeout=QUANTIZER_TIMEOUT_S)

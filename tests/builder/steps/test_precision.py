@@ -356,3 +356,74 @@ def _redirected_stderr(caplog: pytest.LogCaptureFixture) -> Iterator[io.StringIO
         yield sink
     finally:
         logging.setLogRecordFactory(factory)
+
+
+def _shared_weight_chain(path: Path) -> Path:
+    """x @ W, Relu, @ W, Relu, @ W: one 64x64 weight read three times (an unrolled recurrence's shape)."""
+    rng = np.random.default_rng(0)
+    weight = numpy_helper.from_array((rng.normal(size=(64, 64)) / 8).astype(np.float32), "w")
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m0"], name="mm0"), helper.make_node("Relu", ["m0"], ["r0"]),
+             helper.make_node("MatMul", ["r0", "w"], ["m1"], name="mm1"), helper.make_node("Relu", ["m1"], ["r1"]),
+             helper.make_node("MatMul", ["r1", "w"], ["y"], name="mm2")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 64])], [weight])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(path))
+    return path
+
+
+def _graph_facts(path: Path) -> tuple[list[str], list[bytes], Any]:
+    from onnxruntime import InferenceSession
+
+    model = onnx.load(str(path))
+    x = np.random.default_rng(1).normal(size=(4, 64)).astype(np.float32)
+    out = InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    return (sorted(n.op_type for n in model.graph.node),
+            sorted(numpy_helper.to_array(t).tobytes() for t in model.graph.initializer), out)
+
+
+def test_shared_constants_that_would_outgrow_the_model_stay_shared_and_give_the_same_graphs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ModelOpt copies a shared initializer per consumer before converting (captcha_crnn: 19 MB became 270 MB, and
+    the conversions peaked at 2.2 and 3.2 GB). Past DUPLICATION_LIMIT and the model's own size the copies are not
+    made, and FP16 and INT8 come out as the same graphs."""
+    import modelopt.onnx.quantization  # noqa: F401 (its package exports a function of the module's name)
+    import modelopt.onnx.utils as modelopt_utils
+
+    modelopt_quantize = sys.modules["modelopt.onnx.quantization.quantize"]
+
+    model = _shared_weight_chain(tmp_path / "chain.onnx")
+    assert onnx_model_growth(model) == 2 * 64 * 64 * 4
+    copies: list[str] = []
+
+    def spy(real: Any) -> Any:
+        def duplicate(onnx_model: Any, *args: Any, **kwargs: Any) -> Any:
+            copies.append("made")
+            return real(onnx_model, *args, **kwargs)
+        return duplicate
+
+    monkeypatch.setattr(modelopt_utils, "duplicate_shared_constants", spy(modelopt_utils.duplicate_shared_constants))
+    monkeypatch.setattr(modelopt_quantize, "duplicate_shared_constants",
+                        spy(modelopt_quantize.duplicate_shared_constants))
+    feeds = [{"x": np.random.default_rng(i).normal(size=(4, 64)).astype(np.float32)} for i in range(4)]
+    spec = CalibrationSpec(DataSpec("unused.npz", 16), method=CalibrationMethod.MAX, recipe=Int8Recipe.MODELOPT)
+    facts = {}
+    for limit in (1 << 40, 0):  # copies allowed, then past the limit (the model is 16 KB, copies add 32 KB)
+        monkeypatch.setattr(precision, "DUPLICATION_LIMIT", limit)
+        copies.clear()
+        assert precision.duplicates_shared_constants(model) is (limit > 0)
+        fp16, int8 = tmp_path / f"fp16-{limit}.onnx", tmp_path / f"int8-{limit}.onnx"
+        precision.to_fp16(model, fp16, feeds=feeds, what="chain", log_file=None)
+        calibration = {"x": np.concatenate([f["x"] for f in feeds])}
+        precision.to_int8(model, fp32_sha=sha256_file(model), calibration=calibration, data_digest="d", spec=spec,
+                          out_path=int8, cache_dir=tmp_path / f"cache-{limit}", log_file=None)
+        assert len(copies) == (2 if limit else 0)  # autocast's sanitizer and the quantizer, or neither
+        facts[limit] = (_graph_facts(fp16), _graph_facts(int8))
+    for allowed, kept in zip(facts[1 << 40], facts[0], strict=True):
+        assert allowed[:2] == kept[:2]
+        np.testing.assert_array_equal(allowed[2], kept[2])
+
+
+def onnx_model_growth(path: Path) -> int:
+    from builder.steps import onnx_model
+
+    return onnx_model.shared_constant_growth(onnx.load(str(path)))
