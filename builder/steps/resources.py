@@ -10,12 +10,30 @@ the child and says something of its own only where it is larger. A figure the pl
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import resource
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+
+
+def release_free_memory() -> None:
+    """Give the heap memory this process has freed back to the system (glibc's malloc_trim), where the C library
+    has it. Why: glibc keeps freed blocks for reuse, so after an FP16 conversion the build held 1.2 GB it no
+    longer used while the quantizer subprocess ran beside it; the machine's peak is the two together."""
+    if not sys.platform.startswith("linux"):
+        return
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        trim = getattr(libc, "malloc_trim", None)
+    except OSError:
+        return
+    if trim is not None:  # musl has none
+        trim(0)
 
 
 def _mib(maxrss: int) -> float:
