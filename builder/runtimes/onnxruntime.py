@@ -33,11 +33,14 @@ def _ort_errors() -> tuple[type[Exception], ...]:
 ORT_ERRORS = _ort_errors()
 
 
-def ort_session(path: Path, intra_op_threads: int = 0, *, arena: bool = True) -> ort.InferenceSession:
+def ort_session(path: Path, intra_op_threads: int = 0, *, arena: bool = True,
+                optimize: bool = True) -> ort.InferenceSession:
     """A CPU session; `arena` False: memory goes back as each run frees it (the arena keeps its high-water mark for
-    the session's life, which a session returning every tensor of a graph makes a graph's worth)."""
+    the session's life, which a session returning every tensor of a graph makes a graph's worth); `optimize` False:
+    no graph optimizations (each node computed as the graph says, whatever tensors are exposed)."""
     options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize
+                                        else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
     options.enable_cpu_mem_arena = arena
     if intra_op_threads:
         options.intra_op_num_threads = intra_op_threads

@@ -105,6 +105,9 @@ def _streaming_runner(base: type) -> type:
             options = ort.SessionOptions()
             options.log_severity_level = 3
             options.enable_cpu_mem_arena = False  # its high-water mark would be every tensor of the graph at once
+            # No graph optimizations: a tensor's values must not depend on which others share its group (a fused
+            # MatMul + Add rounds differently).
+            options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
             exposed = exposed_outputs(self.model)
             names = [o.name for o in exposed.graph.output]
 
@@ -117,7 +120,7 @@ def _streaming_runner(base: type) -> type:
                 return ort.InferenceSession(model.SerializeToString(), sess_options=options,
                                             providers=["CPUExecutionProvider"])
 
-            # A bounded group of tensors per session (a 1280x1280 detector's are 1 GB per feed), every feed
+            # A bounded group of tensors per pruned graph (a 1280x1280 detector's are 1 GB per feed), every feed
             # through one group's session; feeds are read from their files again per group.
             cut = fetch_groups.groups(names, fetch_groups.largest_bytes(exposed, each_feed()),
                                       order=fetch_groups.graph_order(exposed))

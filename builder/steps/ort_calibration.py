@@ -13,9 +13,10 @@ samples, in the tensor's dtype), the bins ONNX Runtime's HistogramCollector woul
 a histogram's counts are the sum of its parts' (NaN is in no bin, in either), so the histograms, and so the
 entropy thresholds, are the same. Only one sample's activations are held at a time, fetched a bounded group of
 tensors per run (builder.steps.fetch_groups); the price is one more inference pass, and a prefix of the graph
-run again per group. (Where the samples' shapes differ, so that the one-shot cannot stack them, this still works; a
-graph with random ops, whose second pass differs from its first, has its values beyond the first pass's range
-counted in the edge bins, and the quantizer worker says how many.)
+run again per group (most models have one group: the budget is 512 MB per sample). (Where the samples' shapes
+differ, so that the one-shot cannot stack them, this still works; a graph with random ops, whose second pass
+differs from its first, has its values beyond the first pass's range counted in the edge bins, and the quantizer
+worker says how many.)
 """
 
 from __future__ import annotations
@@ -75,18 +76,23 @@ def entropy_ranges(prepared: Path, feeds: Callable[[], Iterable[Feed]], *, op_ty
     if not names:
         kinds = f"of the op types {', '.join(op_types)}" if op_types else "of a type ONNX Runtime quantizes"
         raise CalibrationFailed(f"no tensor to calibrate: the graph has no node {kinds}")
-    # The calibrated tensors a bounded group at a time, each group a session of its own (builder.steps.fetch_groups:
+    # The calibrated tensors a bounded group at a time, each group a pruned graph (builder.steps.fetch_groups:
     # at 1x3x1280x1280 a detector's are 1 GB per sample), every sample through one group's session.
-    cut = fetch_groups.groups(names, fetch_groups.largest_bytes(augmented, feeds()),
+    folder = Path(calibrator.augmented_model_path).parent
+    cut = fetch_groups.groups(names, fetch_groups.largest_bytes(augmented, feeds(), folder),
                               order=fetch_groups.graph_order(augmented))
+    log.debug("entropy calibration: %d tensors in %d groups", len(names), len(cut))
 
     def open_session(model: onnx.ModelProto) -> ort.InferenceSession:
         if not external:
             return ort.InferenceSession(model.SerializeToString(), sess_options=options,
                                         providers=calibrator.execution_providers)
-        path = workdir / "calibration_group.onnx"  # beside the augmented graph: its weights' paths hold
-        onnx.save(model, str(path))
-        return ort.InferenceSession(str(path), sess_options=options, providers=calibrator.execution_providers)
+        path = folder / "calibration_group.onnx"  # beside the augmented graph: its weights' paths hold
+        try:
+            onnx.save(model, str(path))
+            return ort.InferenceSession(str(path), sess_options=options, providers=calibrator.execution_providers)
+        finally:
+            path.unlink(missing_ok=True)
 
     passes: list[int] = []
 
@@ -98,6 +104,7 @@ def entropy_ranges(prepared: Path, feeds: Callable[[], Iterable[Feed]], *, op_ty
                 # Flattened as the one-shot calibration flattens each tensor's stack of samples.
                 for name, value in fetch_groups.run_group(session, feed, group).items():
                     yield name, np.asarray(value).ravel()
+            del session  # before the next group's is made: one session at a time
             if count == 0:
                 raise CalibrationFailed("No data is collected.")  # ONNX Runtime's own words for an empty reader
             if passes and count != passes[0]:  # feeds() must give as many samples each time: ours to keep
@@ -155,7 +162,7 @@ def entropy_ranges(prepared: Path, feeds: Callable[[], Iterable[Feed]], *, op_ty
                                    num_bins=calibrator.num_bins, num_quantized_bins=calibrator.num_quantized_bins,
                                    percentile=calibrator.percentile, scenario=calibrator.scenario)
     collector.histogram_dict = {name: (hists[name], edges[name], *ranges[name]) for name in names}
-    log.debug("entropy calibration streamed: %d tensors in %d groups", len(names), len(cut))
+    log.debug("entropy calibration streamed: %d tensors", len(names))
     return TensorsData(CalibrationMethod.Entropy, collector.compute_collection_result())
 
 

@@ -162,20 +162,18 @@ def node_tensors(fp32: onnx.ModelProto, candidate: onnx.ModelProto, nodes: Seque
     return found
 
 
-def _group_session(path: Path, model: onnx.ModelProto, names: Sequence[str]) -> Any:
-    """A session of `model` (loaded from `path`) exposing `names` only, or None where they are all its inputs.
-    The graph is written beside `path` without weights stored outside the file, which it keeps referring to."""
-    inputs = {i.name for i in model.graph.input}
-    exposed = [n for n in dict.fromkeys(names) if n not in inputs]
-    if not exposed:
-        return None
-    out = path.with_name(f".{path.stem}.sensitivity.{os.getpid()}.onnx")
-    try:
-        with fetch_groups.outputs_only(model, exposed):
+def _opener(path: Path) -> Any:
+    """Sessions of group graphs of the model at `path`, each written beside it (weights stored outside the file
+    stay there: the group graph refers to them by the same relative location) and removed once loaded; no graph
+    optimizations, so a tensor's values do not depend on the tensors exposed with it."""
+    def open_session(model: onnx.ModelProto) -> Any:
+        out = path.with_name(f".{path.stem}.sensitivity.{os.getpid()}.onnx")
+        try:
             onnx.save(model, str(out))
-        return ort_session(out, arena=False)
-    finally:
-        out.unlink(missing_ok=True)
+            return ort_session(out, arena=False, optimize=False)
+        finally:
+            out.unlink(missing_ok=True)
+    return open_session
 
 
 def _made(model: onnx.ModelProto) -> set[str]:
@@ -237,27 +235,29 @@ def one_pass(fp32_path: Path, candidate_path: Path, nodes: Sequence[str], evalua
     by_fp32: dict[str, list[_Pair]] = {}
     for pair in returned:
         by_fp32.setdefault(pair.fp32, []).append(pair)
-    # The tensors a bounded group at a time, each group a session of each graph exposing that group only
+    # The tensors a bounded group at a time, each group a session of each graph pruned to that group
     # (builder.steps.fetch_groups); sizes by shape inference at the feeds' shapes, the FP32 graph's counted twice.
-    cut = fetch_groups.groups(list(by_fp32), fetch_groups.largest_bytes(fp32, feeds),
+    cut = fetch_groups.groups(list(by_fp32), fetch_groups.largest_bytes(fp32, feeds, fp32_path.parent),
                               budget=fetch_groups.GROUP_BYTES // 2, order=fetch_groups.graph_order(fp32))
     groups = [[p for name in group for p in by_fp32[name]] for group in cut] if feeds else []
+    names = [([p.fp32 for p in group], [p.candidate for p in group]) for group in groups]
     description = (f"{what}: sensitivity, one pass over {len(feeds)} held-out batches"
                    + (f" in {len(groups)} groups of tensors" if len(groups) > 1 else ""))
     # ONNX Runtime itself, not the reference executor: batches stream through the sessions and only running sums
     # of the exposed tensors are kept (an executor's run() returns every sample's outputs at once).
     with progress.task(description, total=len(feeds) * len(groups)) as bar:
-        for group in groups:
-            names = ([p.fp32 for p in group], [p.candidate for p in group])
-            sessions = (_group_session(fp32_path, fp32, names[0]), _group_session(candidate_path, candidate, names[1]))
+        pairs_of_sessions = zip(fetch_groups.group_sessions(fp32, [n[0] for n in names], _opener(fp32_path)),
+                                fetch_groups.group_sessions(candidate, [n[1] for n in names], _opener(candidate_path)),
+                                groups, strict=True)
+        for (fp32_names, fp32_session), (candidate_names, candidate_session), group in pairs_of_sessions:
             for feed in feeds:
-                values = [fetch_groups.run_group(session, feed, group_names)
-                          for session, group_names in zip(sessions, names, strict=True)]
+                reference = fetch_groups.run_group(fp32_session, feed, fp32_names)
+                converted = fetch_groups.run_group(candidate_session, feed, candidate_names)
                 for pair in group:
-                    errors.add(pair, np.asarray(values[0][pair.fp32]), np.asarray(values[1][pair.candidate]))
-                del values
+                    errors.add(pair, np.asarray(reference[pair.fp32]), np.asarray(converted[pair.candidate]))
+                del reference, converted
                 bar.advance()
-            del sessions
+            del fp32_session, candidate_session
     del fp32, candidate
     scores: dict[str, float] = {}
     for name in nodes:

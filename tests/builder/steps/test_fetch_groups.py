@@ -99,3 +99,58 @@ def test_initializer_values_stay_out_of_shape_inference_except_small_ones() -> N
     assert [t.name for t in light.graph.initializer] == ["shape"]  # a Reshape target keeps its values
     assert fetch_groups.tensor_bytes(model, {"x": np.ones((3, 64), np.float32)}) == {
         "x": 3 * 64 * 4, "y": 3 * 64 * 4, "z": 3 * 64 * 4, "w": 64 * 64 * 4}
+
+
+def test_a_group_graph_holds_only_what_its_tensors_depend_on() -> None:
+    """ONNX Runtime runs every node of a graph, asked for or not: a group before a node that cannot run (here a
+    Reshape to an impossible shape) must not contain it, and an early group costs only a prefix."""
+    bad = numpy_helper.from_array(np.array([7, 7], np.int64), "bad")
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["a"]), helper.make_node("Neg", ["a"], ["b"]),
+         helper.make_node("Reshape", ["b", "bad"], ["c"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("c", TensorProto.FLOAT, None)], [bad])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    first = fetch_groups.pruned(model, ["a"])
+    assert [n.op_type for n in first.graph.node] == ["Relu"] and not first.graph.initializer
+    assert [o.name for o in first.graph.output] == ["a"] and [i.name for i in first.graph.input] == ["x"]
+    feed = {"x": np.array([[-1, 2, -3], [4, -5, 6]], np.float32)}
+    values = {}
+    for group, session in fetch_groups.group_sessions(model, [["x", "a"], ["b"]], _session):
+        values.update(fetch_groups.run_group(session, feed, group))
+    np.testing.assert_array_equal(values["b"], -np.maximum(feed["x"], 0))
+    assert len(fetch_groups.pruned(model, ["c"]).graph.node) == 3
+
+
+def test_an_if_branch_keeps_what_it_reads_from_outside() -> None:
+    then = helper.make_graph([helper.make_node("Neg", ["a"], ["t"])], "then", [],
+                             [helper.make_tensor_value_info("t", TensorProto.FLOAT, [2])])
+    other = helper.make_graph([helper.make_node("Identity", ["a"], ["e"])], "else", [],
+                              [helper.make_tensor_value_info("e", TensorProto.FLOAT, [2])])
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["a"]), helper.make_node("Abs", ["x"], ["unused"]),
+         helper.make_node("If", ["flag"], ["y"], then_branch=then, else_branch=other)], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2]),
+         helper.make_tensor_value_info("flag", TensorProto.BOOL, [])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    kept = fetch_groups.pruned(model, ["y"])
+    assert [n.op_type for n in kept.graph.node] == ["Relu", "If"]
+    out = _session(kept).run(["y"], {"x": np.array([-1, 2], np.float32), "flag": np.array(True)})[0]
+    np.testing.assert_array_equal(out, [0, -2])
+
+
+def test_sizes_for_an_input_declared_without_a_shape_and_small_weights_stored_outside(tmp_path: Path) -> None:
+    shape = numpy_helper.from_array(np.array([-1, 4], np.int64), "shape")
+    weight = numpy_helper.from_array(np.ones((4, 4), np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node("Reshape", ["x", "shape"], ["r"]), helper.make_node("MatMul", ["r", "w"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [shape, weight])
+    path = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path),
+              save_as_external_data=True, all_tensors_to_one_file=True, location="m.data", size_threshold=0)
+    model = onnx.load(str(path), load_external_data=False)
+    feed = {"x": np.ones((2, 8), np.float32)}
+    assert fetch_groups.tensor_bytes(model, feed, path.parent)["y"] == 4 * 4 * 4  # [4, 4] float32
+    assert "y" not in fetch_groups.tensor_bytes(model, feed)  # the Reshape's target unread: unknown, not guessed

@@ -70,8 +70,8 @@ def test_one_pass_in_groups_of_tensors_gives_the_same_scores_as_one_run(tmp_path
     assert max(runs) == 1 and len(runs) > 2 * 4  # one tensor per run, both graphs, 4 batches of 8
     # Each session exposes its group only: ONNX Runtime holds every output of a graph until a run ends.
     assert exposed and max(exposed) == 1
-    # The same to float rounding: a session exposing fewer tensors may fuse more nodes (MatMul and Add into one).
-    assert grouped == pytest.approx(whole, rel=1e-5, abs=1e-12)
+    # The same figures: group sessions run unoptimized, so no tensor's values depend on its group.
+    assert grouped == pytest.approx(whole, rel=1e-9, abs=1e-12)
 
 
 def test_one_pass_ranks_the_subtraction_fp16_cannot_hold_first(tmp_path: Path) -> None:
