@@ -7,6 +7,7 @@ runs it on a CPU. Calibration is the slow part, so its result is cached by every
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import io
 import json
@@ -284,15 +285,25 @@ _sanitizer_lock = threading.Lock()
 
 def duplicates_shared_constants(fp32_path: Path) -> bool:
     """Whether ModelOpt may copy `fp32_path`'s shared constants per consumer (see DUPLICATION_LIMIT)."""
-    model = onnx.load(str(fp32_path), load_external_data=False)
-    growth = onnx_model.shared_constant_growth(model)
-    own = sum(int(np.prod(t.dims, dtype=np.int64)) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
-              for t in model.graph.initializer)
+    stat = fp32_path.stat()
+    growth, own = _constant_bytes(str(fp32_path.resolve()), stat.st_mtime_ns, stat.st_size)
     if growth <= max(DUPLICATION_LIMIT, own):
         return True
     log.debug("%s: shared constants stay shared (copying them per consumer would add %.0f MB to %.0f MB)",
               fp32_path.name, growth / 1e6, own / 1e6)
     return False
+
+
+@functools.lru_cache(maxsize=16)
+def _constant_bytes(path: str, mtime_ns: int, size: int) -> tuple[int, int]:
+    """(what per-consumer copies would add, the initializers' own bytes) of the graph at `path`, as it was at
+    `mtime_ns` and `size` (the guard quantizes one graph many times: it is read once)."""
+    model = onnx.load(path, load_external_data=False)
+    own = 0
+    for tensor in model.graph.initializer:
+        itemsize = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+        own += int(np.prod(tensor.dims, dtype=np.int64)) * itemsize
+    return onnx_model.shared_constant_growth(model), own
 
 
 @contextlib.contextmanager
@@ -646,28 +657,117 @@ def _quantize_modelopt(fp32_path: Path, calibration: Mapping[str, NDArray[Any]],
     whole = _whole_samples(fp32_path, calibration)
     if spec.method is CalibrationMethod.ENTROPY:
         calibration = entropy_order(fp32_path, calibration, whole=whole)
-    quantize(
-        str(fp32_path),
-        quantize_mode="int8",
-        calibration_data=None if whole else dict(calibration),
-        # A model that does not batch (max_batch_size 0): ModelOpt would split the arrays by the input's
-        # first dim, so it gets each sample whole from a reader instead.
-        calibration_data_reader=_WholeSamples(calibration) if whole else None,
-        calibration_method=spec.method,
-        calibration_eps=["cpu"],
-        # FP32 between Q/DQ pairs: the FP16 default loses accuracy badly under ONNX Runtime
-        # on CPU (measured: 6 % top-1 agreement vs 88 %), and TensorRT fuses either.
-        high_precision_dtype="fp32",
-        op_types_to_quantize=list(spec.op_types_to_quantize) or None,
-        nodes_to_exclude=list(spec.nodes_to_exclude) or None,
-        nodes_to_quantize=list(spec.nodes_to_quantize) or None,
-        output_path=str(out),
-        # Weights kept beside the model (over 2 GB): ModelOpt writes its result the same way (it decides
-        # by itself only from the size of what it loaded).
-        use_external_data_format=onnx_files.has_external_data(fp32_path),
-        enable_shared_constants_duplication=duplicates_shared_constants(fp32_path),
-        log_level="WARNING",
-    )
+    def run(duplicate: bool) -> None:
+        quantize(
+            str(fp32_path),
+            quantize_mode="int8",
+            calibration_data=None if whole else dict(calibration),
+            # A model that does not batch (max_batch_size 0): ModelOpt would split the arrays by the input's
+            # first dim, so it gets each sample whole from a reader instead.
+            calibration_data_reader=_WholeSamples(calibration) if whole else None,
+            calibration_method=spec.method,
+            calibration_eps=["cpu"],
+            # FP32 between Q/DQ pairs: the FP16 default loses accuracy badly under ONNX Runtime
+            # on CPU (measured: 6 % top-1 agreement vs 88 %), and TensorRT fuses either.
+            high_precision_dtype="fp32",
+            op_types_to_quantize=list(spec.op_types_to_quantize) or None,
+            nodes_to_exclude=list(spec.nodes_to_exclude) or None,
+            nodes_to_quantize=list(spec.nodes_to_quantize) or None,
+            output_path=str(out),
+            # Weights kept beside the model (over 2 GB): ModelOpt writes its result the same way (it decides
+            # by itself only from the size of what it loaded).
+            use_external_data_format=onnx_files.has_external_data(fp32_path),
+            enable_shared_constants_duplication=duplicate,
+            log_level="WARNING",
+        )
+
+    duplicate = duplicates_shared_constants(fp32_path)
+    run(duplicate)
+    if duplicate:
+        return
+    if leak := shared_weight_leak(out, spec.nodes_to_exclude):
+        # ONNX Runtime's quantizer points every reader of a shared weight at its quantized copy, so a node left
+        # unquantized (by the guard, or by ModelOpt's own rules) would read INT8-rounded weights: the copies
+        # are made after all for this model.
+        log.debug("%s: %s; quantizing again with ModelOpt's per-consumer copies", fp32_path.name, leak)
+        run(True)
+        return
+    split_shared_qdq(out)
+
+
+def split_shared_qdq(path: Path) -> int:
+    """Give each reader of a shared weight's QuantizeLinear -> DequantizeLinear pair a pair of its own (reading the
+    same weight, scale and zero point), in place: the Q/DQ structure ModelOpt writes when it copies shared
+    constants per consumer (one pair per weight input, as TensorRT and ONNX Runtime's fusions expect), without the
+    copies. The pairs added."""
+    model = onnx.load(str(path), load_external_data=False)
+    graph = model.graph
+    constants = {t.name for t in graph.initializer}
+    made_by = {o: n for n in graph.node for o in n.output}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    added: list[onnx.NodeProto] = []
+    for dq in [n for n in graph.node if n.op_type == "DequantizeLinear"]:
+        q = made_by.get(dq.input[0])
+        users = readers.get(dq.output[0], [])
+        if q is None or q.op_type != "QuantizeLinear" or q.input[0] not in constants or len(users) < 2:
+            continue
+        if any(o.name == dq.output[0] for o in graph.output):
+            continue
+        for k, user in enumerate(users[1:], start=1):
+            q_copy, dq_copy = onnx.NodeProto(), onnx.NodeProto()
+            q_copy.CopyFrom(q)
+            dq_copy.CopyFrom(dq)
+            q_copy.name, q_copy.output[0] = f"{q.name}_{k}", f"{q.output[0]}_{k}"
+            dq_copy.name, dq_copy.output[0] = f"{dq.name}_{k}", f"{dq.output[0]}_{k}"
+            dq_copy.input[0] = q_copy.output[0]
+            for index, name in enumerate(user.input):
+                if name == dq.output[0]:
+                    user.input[index] = dq_copy.output[0]
+            added.extend((q_copy, dq_copy))
+    if not added:
+        return 0
+    nodes = [*added, *graph.node]  # they read initializers only: first is a topological place
+    del graph.node[:]
+    graph.node.extend(nodes)
+    if any(t.data_location == onnx.TensorProto.EXTERNAL for t in graph.initializer):
+        onnx.save(model, str(path))  # the weights stay in the file ModelOpt wrote beside it, referred to as before
+    else:
+        onnx_files.save(model, path)
+    return len(added) // 2
+
+
+def shared_weight_leak(path: Path, excluded: Sequence[str] = ()) -> str | None:
+    """A node of the Q/DQ graph at `path` that reads a dequantized weight which other nodes read too, while it is
+    not itself quantized (an activation input not from a DequantizeLinear) or is one of `excluded`; None when
+    there is none."""
+    graph = onnx.load(str(path), load_external_data=False).graph
+    constants = {t.name for t in graph.initializer}
+    # A weight's DequantizeLinear reads it stored in INT8, or through a QuantizeLinear of the float weight (the
+    # form ModelOpt writes): keyed by the weight's initializer.
+    quantized_weight = {n.output[0]: n.input[0] for n in graph.node
+                        if n.op_type == "QuantizeLinear" and n.input and n.input[0] in constants}
+    dq_of_weight = {n.output[0]: quantized_weight.get(n.input[0], n.input[0]) for n in graph.node
+                    if n.op_type == "DequantizeLinear" and n.input
+                    and (n.input[0] in constants or n.input[0] in quantized_weight)}
+    dq_outputs = {n.output[0] for n in graph.node if n.op_type == "DequantizeLinear"}
+    readers: Counter[str] = Counter()
+    for node in graph.node:
+        for name in {dq_of_weight[i] for i in node.input if i in dq_of_weight}:
+            readers[name] += 1
+    skip = {"QuantizeLinear", "DequantizeLinear"}
+    excluded_set = set(excluded)
+    for node in graph.node:
+        weights = {dq_of_weight[i] for i in node.input if i in dq_of_weight}
+        shared = [w for w in weights if readers[w] > 1]
+        if not shared or node.op_type in skip:
+            continue
+        float_inputs = [i for i in node.input if i and i not in constants and i not in dq_of_weight]
+        if node.name in excluded_set or any(i not in dq_outputs for i in float_inputs):
+            return f"node {node.name!r} reads the shared quantized weight {shared[0]!r} but is not quantized"
+    return None
 
 
 class PlacementUnknown(Exception):

@@ -11,7 +11,6 @@ the child and says something of its own only where it is larger. A figure the pl
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import resource
 import sys
 import time
@@ -26,10 +25,8 @@ def release_free_memory() -> None:
     longer used while the quantizer subprocess ran beside it; the machine's peak is the two together."""
     if not sys.platform.startswith("linux"):
         return
-    name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name) if name else None
-        trim = getattr(libc, "malloc_trim", None)
+        trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # the process's own symbols: its C library's
     except OSError:
         return
     if trim is not None:  # musl has none

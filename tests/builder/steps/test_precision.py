@@ -365,8 +365,9 @@ def _shared_weight_chain(path: Path) -> Path:
     nodes = [helper.make_node("MatMul", ["x", "w"], ["m0"], name="mm0"), helper.make_node("Relu", ["m0"], ["r0"]),
              helper.make_node("MatMul", ["r0", "w"], ["m1"], name="mm1"), helper.make_node("Relu", ["m1"], ["r1"]),
              helper.make_node("MatMul", ["r1", "w"], ["y"], name="mm2")]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 64])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 64])], [weight])
+    # [batch, 16, 64]: ModelOpt leaves GEMV-shaped MatMuls (one row) unquantized.
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 16, 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 16, 64])], [weight])
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(path))
     return path
 
@@ -375,7 +376,7 @@ def _graph_facts(path: Path) -> tuple[list[str], list[bytes], Any]:
     from onnxruntime import InferenceSession
 
     model = onnx.load(str(path))
-    x = np.random.default_rng(1).normal(size=(4, 64)).astype(np.float32)
+    x = np.random.default_rng(1).normal(size=(4, 16, 64)).astype(np.float32)
     out = InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     return (sorted(n.op_type for n in model.graph.node),
             sorted(numpy_helper.to_array(t).tobytes() for t in model.graph.initializer), out)
@@ -404,7 +405,7 @@ def test_shared_constants_that_would_outgrow_the_model_stay_shared_and_give_the_
     monkeypatch.setattr(modelopt_utils, "duplicate_shared_constants", spy(modelopt_utils.duplicate_shared_constants))
     monkeypatch.setattr(modelopt_quantize, "duplicate_shared_constants",
                         spy(modelopt_quantize.duplicate_shared_constants))
-    feeds = [{"x": np.random.default_rng(i).normal(size=(4, 64)).astype(np.float32)} for i in range(4)]
+    feeds = [{"x": np.random.default_rng(i).normal(size=(4, 16, 64)).astype(np.float32)} for i in range(4)]
     spec = CalibrationSpec(DataSpec("unused.npz", 16), method=CalibrationMethod.MAX, recipe=Int8Recipe.MODELOPT)
     facts = {}
     for limit in (1 << 40, 0):  # copies allowed, then past the limit (the model is 16 KB, copies add 32 KB)
@@ -421,9 +422,51 @@ def test_shared_constants_that_would_outgrow_the_model_stay_shared_and_give_the_
     for allowed, kept in zip(facts[1 << 40], facts[0], strict=True):
         assert allowed[:2] == kept[:2]
         np.testing.assert_array_equal(allowed[2], kept[2])
+    # Not vacuous: the INT8 graph quantizes each MatMul's weight through a Q/DQ pair of its own.
+    assert facts[0][1][0].count("DequantizeLinear") >= 6 and facts[0][1][0].count("MatMul") == 3
 
 
 def onnx_model_growth(path: Path) -> int:
     from builder.steps import onnx_model
 
     return onnx_model.shared_constant_growth(onnx.load(str(path)))
+
+
+def test_a_node_kept_unquantized_reads_its_shared_weight_in_float(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shared constants left shared (past DUPLICATION_LIMIT): ONNX Runtime's quantizer points every reader of a
+    shared weight at its quantized copy, so a node the guard excludes would read INT8-rounded weights. The build
+    finds that and quantizes again with ModelOpt's per-consumer copies."""
+    model = _shared_weight_chain(tmp_path / "chain.onnx")
+    monkeypatch.setattr(precision, "DUPLICATION_LIMIT", 0)
+    assert not precision.duplicates_shared_constants(model)
+    spec = CalibrationSpec(DataSpec("unused.npz", 16), method=CalibrationMethod.MAX, recipe=Int8Recipe.MODELOPT,
+                           nodes_to_exclude=("mm1",))
+    out = tmp_path / "int8.onnx"
+    calibration = {"x": np.random.default_rng(0).normal(size=(16, 16, 64)).astype(np.float32)}
+    precision.to_int8(model, fp32_sha=sha256_file(model), calibration=calibration, data_digest="d", spec=spec,
+                      out_path=out, cache_dir=tmp_path / "cache", log_file=None)
+    graph = onnx.load(str(out)).graph
+    made_by = {o: n for n in graph.node for o in n.output}
+    mm = {n.name: n for n in graph.node if n.op_type == "MatMul"}
+    assert set(mm) == {"mm0", "mm1", "mm2"}
+    weight = mm["mm1"].input[1]
+    assert weight not in made_by or made_by[weight].op_type != "DequantizeLinear", "mm1 reads a quantized weight"
+    assert made_by[mm["mm0"].input[1]].op_type == "DequantizeLinear"  # the others are quantized
+    assert precision.shared_weight_leak(out, ["mm1"]) is None
+
+
+def test_a_shared_quantized_weight_read_by_an_unquantized_node_is_found(tmp_path: Path) -> None:
+    weight = numpy_helper.from_array(np.ones((4, 4), np.int8), "w_q")
+    scale = numpy_helper.from_array(np.array(0.1, np.float32), "s")
+    nodes = [helper.make_node("DequantizeLinear", ["w_q", "s"], ["w_dq"], name="dq_w"),
+             helper.make_node("QuantizeLinear", ["x", "s"], ["x_q"], name="q_x"),
+             helper.make_node("DequantizeLinear", ["x_q", "s"], ["x_dq"], name="dq_x"),
+             helper.make_node("MatMul", ["x_dq", "w_dq"], ["a"], name="quantized"),
+             helper.make_node("MatMul", ["a", "w_dq"], ["y"], name="plain")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])], [weight, scale])
+    path = tmp_path / "qdq.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)]), str(path))
+    assert "'plain'" in str(precision.shared_weight_leak(path))
+    assert "'quantized'" in str(precision.shared_weight_leak(path, ["quantized"]))
