@@ -190,7 +190,10 @@ def pruned(model: onnx.ModelProto, outputs: Sequence[str]) -> onnx.ModelProto:
     light.functions.extend(model.functions)
     light.graph.name = graph.name
     light.graph.node.extend(kept)
-    light.graph.input.extend(graph.input)
+    initializers = {t.name for t in graph.initializer}
+    # Inputs that are initializers too (IR < 4, or an export keeping initializers as inputs) only where read: one
+    # left without its value would be a required feed.
+    light.graph.input.extend(i for i in graph.input if i.name not in initializers or i.name in read)
     light.graph.initializer.extend(t for t in graph.initializer if t.name in read)
     light.graph.sparse_initializer.extend(t for t in graph.sparse_initializer if t.values.name in read)
     for name in outputs:
@@ -203,15 +206,19 @@ def group_sessions(model: onnx.ModelProto, cut: Sequence[Sequence[str]],
     """(group, a session of `model` pruned to that group's tensors, which it exposes) for each group of `cut`, one
     at a time: the caller lets go of a session before asking for the next. The graph's own inputs in a group are
     fetched from the feed (see run_group), so a group of inputs alone gets no session (None)."""
-    inputs = {i.name for i in model.graph.input}
     for group in cut:
-        wanted = [n for n in dict.fromkeys(group) if n not in inputs]
-        if not wanted:
-            yield group, None
-            continue
-        session = open_session(pruned(model, wanted))
+        session = group_session(model, group, open_session)
         yield group, session
         del session
+
+
+def group_session(model: onnx.ModelProto, group: Sequence[str], open_session: Callable[[onnx.ModelProto], Any]
+                  ) -> Any:
+    """A session of `model` pruned to `group`'s tensors, or None where they are all graph inputs."""
+    initializers = {t.name for t in model.graph.initializer}
+    inputs = {i.name for i in model.graph.input if i.name not in initializers}
+    wanted = [n for n in dict.fromkeys(group) if n not in inputs]
+    return open_session(pruned(model, wanted)) if wanted else None
 
 
 def run_group(session: Any, feed: Mapping[str, NDArray[Any]], group: Sequence[str]) -> dict[str, Any]:

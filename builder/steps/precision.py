@@ -286,7 +286,8 @@ _sanitizer_lock = threading.Lock()
 def duplicates_shared_constants(fp32_path: Path) -> bool:
     """Whether ModelOpt may copy `fp32_path`'s shared constants per consumer (see DUPLICATION_LIMIT)."""
     stat = fp32_path.stat()
-    growth, own = _constant_bytes(str(fp32_path.resolve()), stat.st_mtime_ns, stat.st_size)
+    growth, own = _constant_bytes(str(fp32_path.resolve()), (stat.st_ino, stat.st_mtime_ns, stat.st_ctime_ns,
+                                                             stat.st_size))
     if growth <= max(DUPLICATION_LIMIT, own):
         return True
     log.debug("%s: shared constants stay shared (copying them per consumer would add %.0f MB to %.0f MB)",
@@ -295,9 +296,9 @@ def duplicates_shared_constants(fp32_path: Path) -> bool:
 
 
 @functools.lru_cache(maxsize=16)
-def _constant_bytes(path: str, mtime_ns: int, size: int) -> tuple[int, int]:
-    """(what per-consumer copies would add, the initializers' own bytes) of the graph at `path`, as it was at
-    `mtime_ns` and `size` (the guard quantizes one graph many times: it is read once)."""
+def _constant_bytes(path: str, version: tuple[int, ...]) -> tuple[int, int]:
+    """(what per-consumer copies would add, the initializers' own bytes) of the graph at `path`, as it was when
+    its inode, times and size were `version` (the guard quantizes one graph many times: it is read once)."""
     model = onnx.load(path, load_external_data=False)
     own = 0
     for tensor in model.graph.initializer:
@@ -681,11 +682,14 @@ def _quantize_modelopt(fp32_path: Path, calibration: Mapping[str, NDArray[Any]],
             log_level="WARNING",
         )
 
-    duplicate = duplicates_shared_constants(fp32_path)
+    # Node choices (the guard's candidates, a user's exclusions) keep ModelOpt's copies: ONNX Runtime's quantizer
+    # points every reader of a shared weight at its quantized form, excluded or not.
+    duplicate = (bool(spec.nodes_to_exclude or spec.nodes_to_quantize)
+                 or duplicates_shared_constants(fp32_path))
     run(duplicate)
     if duplicate:
         return
-    if leak := shared_weight_leak(out, spec.nodes_to_exclude):
+    if leak := shared_weight_leak(out):
         # ONNX Runtime's quantizer points every reader of a shared weight at its quantized copy, so a node left
         # unquantized (by the guard, or by ModelOpt's own rules) would read INT8-rounded weights: the copies
         # are made after all for this model.
@@ -711,9 +715,10 @@ def split_shared_qdq(path: Path) -> int:
     added: list[onnx.NodeProto] = []
     for dq in [n for n in graph.node if n.op_type == "DequantizeLinear"]:
         q = made_by.get(dq.input[0])
-        users = readers.get(dq.output[0], [])
-        if q is None or q.op_type != "QuantizeLinear" or q.input[0] not in constants or len(users) < 2:
-            continue
+        users = list({id(u): u for u in readers.get(dq.output[0], [])}.values())  # a node reading it twice: once
+        if (q is None or q.op_type != "QuantizeLinear" or len(users) < 2
+                or not all(name in constants for name in (*q.input, *dq.input[1:]) if name)):
+            continue  # the copies go first in the graph: everything they read must be an initializer
         if any(o.name == dq.output[0] for o in graph.output):
             continue
         for k, user in enumerate(users[1:], start=1):
@@ -739,6 +744,9 @@ def split_shared_qdq(path: Path) -> int:
     return len(added) // 2
 
 
+_LAYOUT_OPS = frozenset({"Transpose", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Cast"})
+
+
 def shared_weight_leak(path: Path, excluded: Sequence[str] = ()) -> str | None:
     """A node of the Q/DQ graph at `path` that reads a dequantized weight which other nodes read too, while it is
     not itself quantized (an activation input not from a DequantizeLinear) or is one of `excluded`; None when
@@ -752,12 +760,23 @@ def shared_weight_leak(path: Path, excluded: Sequence[str] = ()) -> str | None:
     dq_of_weight = {n.output[0]: quantized_weight.get(n.input[0], n.input[0]) for n in graph.node
                     if n.op_type == "DequantizeLinear" and n.input
                     and (n.input[0] in constants or n.input[0] in quantized_weight)}
+    # Through the layout ops a weight may pass on its way to its reader (a Transpose of a tied embedding).
+    changed = True
+    while changed:
+        changed = False
+        for node in graph.node:
+            if (node.op_type in _LAYOUT_OPS and node.input and node.input[0] in dq_of_weight
+                    and node.output[0] not in dq_of_weight):
+                dq_of_weight[node.output[0]] = dq_of_weight[node.input[0]]
+                changed = True
     dq_outputs = {n.output[0] for n in graph.node if n.op_type == "DequantizeLinear"}
+    skip = {"QuantizeLinear", "DequantizeLinear", *_LAYOUT_OPS}
     readers: Counter[str] = Counter()
     for node in graph.node:
+        if node.op_type in skip:
+            continue
         for name in {dq_of_weight[i] for i in node.input if i in dq_of_weight}:
             readers[name] += 1
-    skip = {"QuantizeLinear", "DequantizeLinear"}
     excluded_set = set(excluded)
     for node in graph.node:
         weights = {dq_of_weight[i] for i in node.input if i in dq_of_weight}

@@ -245,11 +245,12 @@ def one_pass(fp32_path: Path, candidate_path: Path, nodes: Sequence[str], evalua
                    + (f" in {len(groups)} groups of tensors" if len(groups) > 1 else ""))
     # ONNX Runtime itself, not the reference executor: batches stream through the sessions and only running sums
     # of the exposed tensors are kept (an executor's run() returns every sample's outputs at once).
+    open_fp32, open_candidate = _opener(fp32_path), _opener(candidate_path)
     with progress.task(description, total=len(feeds) * len(groups)) as bar:
-        pairs_of_sessions = zip(fetch_groups.group_sessions(fp32, [n[0] for n in names], _opener(fp32_path)),
-                                fetch_groups.group_sessions(candidate, [n[1] for n in names], _opener(candidate_path)),
-                                groups, strict=True)
-        for (fp32_names, fp32_session), (candidate_names, candidate_session), group in pairs_of_sessions:
+        for (fp32_names, candidate_names), group in zip(names, groups, strict=True):
+            # Two sessions at a time: the last group's are let go before these are made.
+            fp32_session = fetch_groups.group_session(fp32, fp32_names, open_fp32)
+            candidate_session = fetch_groups.group_session(candidate, candidate_names, open_candidate)
             for feed in feeds:
                 reference = fetch_groups.run_group(fp32_session, feed, fp32_names)
                 converted = fetch_groups.run_group(candidate_session, feed, candidate_names)

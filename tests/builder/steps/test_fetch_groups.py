@@ -154,3 +154,20 @@ def test_sizes_for_an_input_declared_without_a_shape_and_small_weights_stored_ou
     feed = {"x": np.ones((2, 8), np.float32)}
     assert fetch_groups.tensor_bytes(model, feed, path.parent)["y"] == 4 * 4 * 4  # [4, 4] float32
     assert "y" not in fetch_groups.tensor_bytes(model, feed)  # the Reshape's target unread: unknown, not guessed
+
+
+def test_a_weight_listed_as_an_input_too_is_no_required_feed() -> None:
+    """IR 3 lists initializers as graph inputs (and some exports keep them there): a group graph must not keep one
+    as an input without its value, which ONNX Runtime would then require in the feed."""
+    weight = numpy_helper.from_array(np.eye(3, dtype=np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["a"]), helper.make_node("MatMul", ["a", "w"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3]),
+         helper.make_tensor_value_info("w", TensorProto.FLOAT, [3, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])], [weight])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 9)], ir_version=3)
+    feed = {"x": np.array([[-1, 2, 3], [4, -5, 6]], np.float32)}
+    values: dict[str, Any] = {}
+    for group, session in fetch_groups.group_sessions(model, [["a"], ["y"]], _session):
+        values.update(fetch_groups.run_group(session, feed, group))
+    np.testing.assert_array_equal(values["y"], np.maximum(feed["x"], 0))

@@ -434,9 +434,9 @@ def onnx_model_growth(path: Path) -> int:
 
 def test_a_node_kept_unquantized_reads_its_shared_weight_in_float(tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """Shared constants left shared (past DUPLICATION_LIMIT): ONNX Runtime's quantizer points every reader of a
-    shared weight at its quantized copy, so a node the guard excludes would read INT8-rounded weights. The build
-    finds that and quantizes again with ModelOpt's per-consumer copies."""
+    """Past DUPLICATION_LIMIT, but with node choices (the guard's candidates): ONNX Runtime's quantizer points every
+    reader of a shared weight at its quantized form, so a node the guard excludes would read INT8-rounded weights
+    without ModelOpt's per-consumer copies; they are made."""
     model = _shared_weight_chain(tmp_path / "chain.onnx")
     monkeypatch.setattr(precision, "DUPLICATION_LIMIT", 0)
     assert not precision.duplicates_shared_constants(model)
@@ -470,3 +470,58 @@ def test_a_shared_quantized_weight_read_by_an_unquantized_node_is_found(tmp_path
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)]), str(path))
     assert "'plain'" in str(precision.shared_weight_leak(path))
     assert "'quantized'" in str(precision.shared_weight_leak(path, ["quantized"]))
+
+
+def test_a_leak_through_a_transposed_shared_weight_is_found(tmp_path: Path) -> None:
+    weight = numpy_helper.from_array(np.ones((4, 4), np.float32), "w")
+    scale = numpy_helper.from_array(np.array(0.1, np.float32), "s")
+    zero = numpy_helper.from_array(np.array(0, np.int8), "z")
+    nodes = [helper.make_node("QuantizeLinear", ["w", "s", "z"], ["w_q"], name="q_w"),
+             helper.make_node("DequantizeLinear", ["w_q", "s", "z"], ["w_dq"], name="dq_w"),
+             helper.make_node("QuantizeLinear", ["x", "s", "z"], ["x_q"], name="q_x"),
+             helper.make_node("DequantizeLinear", ["x_q", "s", "z"], ["x_dq"], name="dq_x"),
+             helper.make_node("MatMul", ["x_dq", "w_dq"], ["a"], name="quantized"),
+             helper.make_node("Transpose", ["w_dq"], ["w_t"], name="t", perm=[1, 0]),
+             helper.make_node("MatMul", ["a", "w_t"], ["y"], name="tied")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])], [weight, scale, zero])
+    path = tmp_path / "tied.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)]), str(path))
+    assert "'tied'" in str(precision.shared_weight_leak(path))
+
+
+def test_shared_qdq_pairs_are_split_per_reader_only_where_they_read_initializers(tmp_path: Path) -> None:
+    weight = numpy_helper.from_array(np.ones((4, 4), np.float32), "w")
+    scale = numpy_helper.from_array(np.array(0.1, np.float32), "s")
+    zero = numpy_helper.from_array(np.array(0, np.int8), "z")
+
+    def saved(scale_from_node: bool) -> Path:
+        nodes = [helper.make_node("QuantizeLinear", ["w", "sc", "z"], ["w_q"], name="q_w"),
+                 helper.make_node("DequantizeLinear", ["w_q", "sc", "z"], ["w_dq"], name="dq_w"),
+                 helper.make_node("MatMul", ["x", "w_dq"], ["a"], name="first"),
+                 helper.make_node("Add", ["w_dq", "w_dq"], ["b"], name="twice"),  # reads it twice: one reader
+                 helper.make_node("MatMul", ["a", "b"], ["y"], name="last")]
+        inits = [weight, zero]
+        if scale_from_node:
+            nodes.insert(0, helper.make_node("Constant", [], ["sc"], value=scale))
+        else:
+            inits.append(numpy_helper.from_array(np.array(0.1, np.float32), "sc"))
+        graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])], inits)
+        path = tmp_path / f"split-{scale_from_node}.onnx"
+        onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)]), str(path))
+        return path
+
+    from onnxruntime import InferenceSession
+
+    x = np.arange(4, dtype=np.float32).reshape(1, 4)
+    for from_node, pairs in ((False, 1), (True, 0)):
+        path = saved(from_node)
+        before = InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+        assert precision.split_shared_qdq(path) == pairs
+        model = onnx.load(str(path))
+        onnx.checker.check_model(model, full_check=True)  # still in topological order
+        readers = [n.name for n in model.graph.node for i in n.input if i.startswith("w_dq")]
+        assert sorted(readers) == ["first", "twice", "twice"]
+        after = InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+        np.testing.assert_array_equal(before, after)
