@@ -18,6 +18,13 @@ def test_server_breakdown_is_per_request_and_average_batch() -> None:
     assert b.total_us == pytest.approx(200.0 + 10.0 + 1000.0 + 20.0)
 
 
+def test_an_execution_counted_before_its_inferences_reads_no_batch_below_one() -> None:
+    """Two snapshots around a batch in flight: its execution is counted and its inference not yet."""
+    before = ServerStats(100, 0, 0, 0, 0, 100, 100)
+    after = ServerStats(2339, 0, 0, 1, 0, 2339, 2340)
+    assert server_breakdown(before, after).avg_batch == 1.0
+
+
 def test_what_was_not_measured_is_none_not_zero() -> None:
     idle = ServerStats(10, 5, 5, 5, 5, 40, 10)
     b = server_breakdown(idle, idle)
