@@ -102,7 +102,7 @@ def tensor_bytes(model: onnx.ModelProto, feed: Mapping[str, NDArray[Any]], base:
     except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError, RuntimeError) as exc:
         # A graph ONNX cannot infer (a contrib op it does not know gives no error, only no shape): every
         # tensor is then of unknown size: one group, as before grouping.
-        log.debug("tensor sizes by shape inference failed (%s); grouping by count", exc)
+        log.debug("tensor sizes by shape inference failed (%s); every tensor in one group", exc)
         return {}
     sizes: dict[str, int] = {}
     for value in (*inferred.graph.value_info, *inferred.graph.output, *inferred.graph.input):

@@ -233,6 +233,11 @@ def dedupe_initializers(model: onnx.ModelProto) -> int:
     return saved
 
 
+def initializer_bytes(tensor: onnx.TensorProto) -> int:
+    """Bytes of an initializer's values, from its dims and type (weights outside the file need not be loaded)."""
+    return int(np.prod(tensor.dims, dtype=np.int64)) * onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+
+
 def shared_constant_growth(model: onnx.ModelProto) -> int:
     """Bytes that copying each shared initializer once per consumer would add to `model` (what ModelOpt's
     duplicate_shared_constants does before FP16 conversion and INT8 quantization): an initializer read by n
@@ -243,8 +248,7 @@ def shared_constant_growth(model: onnx.ModelProto) -> int:
     for tensor in model.graph.initializer:
         count = uses.get(tensor.name, 0)
         if count > 1:
-            itemsize = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
-            growth += (count - 1) * int(np.prod(tensor.dims, dtype=np.int64)) * itemsize
+            growth += (count - 1) * initializer_bytes(tensor)
     return growth
 
 

@@ -300,10 +300,7 @@ def _constant_bytes(path: str, version: tuple[int, ...]) -> tuple[int, int]:
     """(what per-consumer copies would add, the initializers' own bytes) of the graph at `path`, as it was when
     its inode, times and size were `version` (the guard quantizes one graph many times: it is read once)."""
     model = onnx.load(path, load_external_data=False)
-    own = 0
-    for tensor in model.graph.initializer:
-        itemsize = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
-        own += int(np.prod(tensor.dims, dtype=np.int64)) * itemsize
+    own = sum(onnx_model.initializer_bytes(tensor) for tensor in model.graph.initializer)
     return onnx_model.shared_constant_growth(model), own
 
 
