@@ -210,8 +210,25 @@ def ablation(models: Path, seconds: float) -> dict[str, Any]:
     return out
 
 
+def batching_variant(value: str) -> tuple[str, str, str]:
+    """NAME=BUCKETS[/PREFERRED] of --batching-variant: the runner's batch_buckets (`auto` or sizes) and Triton's
+    preferred batch sizes (`default`: the product's, `buckets`: every bucket above 1, or sizes)."""
+    name, sep, rest = value.partition("=")
+    sizes, _, preferred = rest.partition("/")
+    if not sep or not name.isidentifier() or not sizes:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected NAME=BUCKETS[/PREFERRED], e.g. fine=1,2,4,8/buckets")
+    try:
+        python_model.parse_buckets(sizes, MAX_BATCH)  # type: ignore[no-untyped-call]
+        if preferred not in ("", "default", "buckets"):
+            [int(p) for p in preferred.split(",")]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{value!r}: {exc}") from None
+    return name, sizes, preferred or "default"
+
+
 def write_model(root: Path, name: str, onnx: Path, *, batching: bool, instances: int | None, delay_us: int,
-                graphs: bool = True, timers: Path | None = None) -> None:
+                graphs: bool = True, timers: Path | None = None,
+                batch_buckets: str | None = None, preferred: str = "default") -> None:
     serving = ServingSpec(instances=instances, dynamic_batching=batching, max_queue_delay_us=delay_us)
     # The config `trtbuild --runtime onnxruntime-cuda` writes (python runner, provider cuda, GPU inputs kept).
     options = CudaOptions(cudnn_conv_algo_search=CudnnSearch(SEARCH), cuda_graphs=graphs)
@@ -220,8 +237,15 @@ def write_model(root: Path, name: str, onnx: Path, *, batching: bool, instances:
         backend = replace(backend, parameters=(*backend.parameters, *PROVIDER_OPTIONS.items()))
     if timers is not None:  # the runner's phase timers, one JSON file per instance in this folder
         backend = replace(backend, parameters=(*backend.parameters, ("runner_timers", str(timers))))
+    if batch_buckets is not None:
+        backend = replace(backend, parameters=(*backend.parameters, ("batch_buckets", batch_buckets)))
     config = build(ConfigInputs(name=name, inputs=(INPUT,), outputs=(OUTPUT,), batch=DimRange(1, 32, MAX_BATCH),
                                 serving=serving, backend=backend))
+    if batching and preferred != "default":
+        sizes = (python_model.parse_buckets(batch_buckets, MAX_BATCH)  # type: ignore[no-untyped-call]
+                 if preferred == "buckets" else [int(p) for p in preferred.split(",")])
+        del config.dynamic_batching.preferred_batch_size[:]
+        config.dynamic_batching.preferred_batch_size.extend(s for s in sizes if s > 1)
     version = root / name / "1"
     version.mkdir(parents=True)
     shutil.copyfile(onnx, version / "model.onnx")
@@ -263,7 +287,8 @@ def window_checks(level: LevelResult) -> list[dict[str, float | None]]:
 def served(models: Path, *, interval_ms: int, delay_us: int, tmp: Path, instances: int | None = None,
            shm: str = "cuda", compare_shm: bool = True,
            precisions: tuple[str, ...] = PRECISIONS, also_instances: tuple[int, ...] = (),
-           rounds: int = 1, pa_rounds: int = 0, timers: Path | None = None) -> list[dict[str, Any]]:
+           rounds: int = 1, pa_rounds: int = 0, timers: Path | None = None,
+           variants: tuple[tuple[str, str, str], ...] = (), unbatched: bool = True) -> list[dict[str, Any]]:
     """Every model on one server, each load level measured in turn. `shm` is the shared memory of the
     main rows (cuda: inputs reach the runner as device tensors); FP16 is also measured with system
     shared memory and with none, to show what each host copy costs. `timers`: a folder for the runner's
@@ -276,9 +301,14 @@ def served(models: Path, *, interval_ms: int, delay_us: int, tmp: Path, instance
         write_model(repository, name, onnx_path(models, precision), batching=True, instances=instances,
                     delay_us=delay_us, graphs=precision != "int8", timers=timers)
         plan += [(name, 32, shm), (name, 256, shm)]
-    write_model(repository, "fp16_unbatched", onnx_path(models, "fp16"), batching=False, instances=instances,
-                delay_us=0, timers=timers)
-    plan += [("fp16_unbatched", 32, shm)]
+    for label, sizes, preferred in variants:  # batch buckets and preferred batch sizes, FP16, beside the default
+        write_model(repository, f"fp16_batched_{label}", onnx_path(models, "fp16"), batching=True,
+                    instances=instances, delay_us=delay_us, timers=timers, batch_buckets=sizes, preferred=preferred)
+        plan += [(f"fp16_batched_{label}", 32, shm), (f"fp16_batched_{label}", 256, shm)]
+    if unbatched:
+        write_model(repository, "fp16_unbatched", onnx_path(models, "fp16"), batching=False, instances=instances,
+                    delay_us=0, timers=timers)
+        plan += [("fp16_unbatched", 32, shm)]
     if delay_us:  # the batcher's wait at concurrency 32, where few requests queue
         write_model(repository, "fp16_batched_nodelay", onnx_path(models, "fp16"), batching=True,
                     instances=instances, delay_us=0, timers=timers)
@@ -694,6 +724,11 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=1, help="measure every served level this many times, in turn")
     p.add_argument("--also-instances", default="", help="FP16 also served with these instance counts (e.g. 2,8)")
     p.add_argument("--no-compare-shm", action="store_true", help="skip FP16 with the other shared-memory kinds")
+    p.add_argument("--no-unbatched", action="store_true", help="skip FP16 served without dynamic batching")
+    p.add_argument("--batching-variant", action="append", default=[], type=batching_variant,
+                   metavar="NAME=BUCKETS[/PREFERRED]",
+                   help="FP16 also served as fp16_batched_NAME with the runner's batch_buckets BUCKETS (auto or "
+                        "sizes) and Triton's preferred batch sizes PREFERRED (default, buckets, or sizes); repeatable")
     p.add_argument("--provider-option", action="append", default=[], metavar="KEY=VALUE", type=key_value,
                    help="extra CUDA provider option for every runner, in-process and served (repeatable)")
     p.add_argument("--in-process-variant", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
@@ -735,6 +770,7 @@ def main() -> int:
                                    compare_shm=not args.no_compare_shm,
                                    also_instances=tuple(int(n) for n in args.also_instances.split(",") if n),
                                    rounds=args.rounds, pa_rounds=args.pa_rounds,
+                                   variants=tuple(args.batching_variant), unbatched=not args.no_unbatched,
                                    timers=(args.out / "runner_timers").resolve() if args.runner_timers else None,
                                    precisions=tuple(p for p in PRECISIONS
                                                     if p in args.served_precisions.split(",") or p == "fp16"))

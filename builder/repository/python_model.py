@@ -72,6 +72,24 @@ def buckets(max_batch: int) -> list[int]:
     return [*sizes, max(max_batch, 1)]
 
 
+def parse_buckets(text, max_batch):
+    """The config parameter `batch_buckets`: comma-separated batch sizes, each 1..max_batch (max_batch is added
+    where missing, so every batch Triton forms has a bucket); empty or `auto`: buckets(max_batch)."""
+    text = (text or "").strip()
+    if text in ("", "auto"):
+        return buckets(max_batch)
+    sizes = set()
+    for part in text.split(","):
+        try:
+            size = int(part.strip())
+        except ValueError:
+            raise ValueError(f"parameter batch_buckets {text!r}: {part.strip()!r} is not a whole number") from None
+        if not 1 <= size <= max_batch:
+            raise ValueError(f"parameter batch_buckets {text!r}: {size} is outside 1..max_batch_size ({max_batch})")
+        sizes.add(size)
+    return sorted(sizes | {max_batch})
+
+
 # The runner's phase timers (config parameter `runner_timers`: a folder). Each phase is the wall time from the
 # previous mark to its own, summed over one execute() call; see PhaseTimer and docs/gpu.md.
 PHASES = ("read_inputs", "gather", "h2d", "d2d_wait", "run", "d2h", "respond")
@@ -702,7 +720,8 @@ def make_runner(path, params, max_batch):
         return CudaPlainRunner(path, provider_options=options)
     try:
         return CudaBucketRunner(path, max_batch=max(max_batch, 1), provider_options=options,
-                                cuda_graphs=params.get("cuda_graphs", "1") == "1")
+                                cuda_graphs=params.get("cuda_graphs", "1") == "1",
+                                sizes=parse_buckets(params.get("batch_buckets"), max_batch))
     except DynamicDims as exc:
         # A text model's sequence length, say: the clients' shapes vary beyond the batch, so one session
         # takes them as they come (a shape change may cost it a re-plan, as on the CPU path).

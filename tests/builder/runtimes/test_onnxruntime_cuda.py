@@ -4,6 +4,7 @@ run the runner on the device and show that changing batch sizes no longer stalls
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -138,6 +139,16 @@ def test_buckets_cover_every_batch_with_under_half_padding() -> None:
         for rows in range(1, max_batch + 1):
             bucket = next(s for s in sizes if s >= rows)
             assert bucket < 2 * rows or bucket == 1
+
+
+def test_batch_buckets_parameter_names_sizes_and_always_covers_max_batch() -> None:
+    parse = python_model.parse_buckets
+    assert parse("", 64) == parse("auto", 64) == python_model.buckets(64)  # type: ignore[no-untyped-call]
+    assert parse(" 8, 1,24,8 ", 32) == [1, 8, 24, 32]  # sorted, once each, max_batch added
+    for text, said in (("0,4", "0 is outside 1..max_batch_size (16)"), ("4,17", "17 is outside"),
+                       ("4,x", "'x' is not a whole number")):
+        with pytest.raises(ValueError, match=re.escape(said)):
+            parse(text, 16)
 
 
 def test_cpu_runner_is_todays_session(tmp_path: Path) -> None:
