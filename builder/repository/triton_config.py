@@ -143,6 +143,8 @@ def build(cfg: ConfigInputs) -> model_config_pb2.ModelConfig:
         } | {k: {"string_value": v} for k, v in backend.parameters}
         if scalar_inputs(cfg):
             doc["parameters"]["scalar_inputs"] = {"string_value": ",".join(scalar_inputs(cfg))}
+        if cfg.serving.batch_buckets != "pow2" and ("provider", "cuda") in backend.parameters:
+            doc["parameters"]["batch_buckets"] = {"string_value": cfg.serving.batch_buckets}
     elif backend.backend is TritonBackend.ONNXRUNTIME:
         doc["platform"] = "onnxruntime_onnx"
         doc["default_model_filename"] = backend.artifact

@@ -94,6 +94,8 @@ class ServingSpec:
     # GPUs (device ids as Triton's process sees them) a GPU variant serves on: `instances` on each of them,
     # one KIND_GPU instance group; empty: Triton's default (every GPU it sees).
     gpus: tuple[int, ...] = ()
+    # The python runner on CUDA: the batch sizes it keeps one session each for (python_model.buckets).
+    batch_buckets: str = "pow2"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "gpus", tuple(dict.fromkeys(self.gpus)))  # a list from TOML, in order, once each

@@ -11,7 +11,7 @@ import difflib
 import functools
 import json
 from collections.abc import Callable
-from typing import Annotated, Any, ClassVar, cast
+from typing import Annotated, Any, ClassVar, Literal, cast
 
 from pydantic import (
     AfterValidator,
@@ -259,6 +259,10 @@ class ServingTable(_Table):
     ort_intra_op_threads: Annotated[NonNegative, Field(description="0: ONNX Runtime's default")] = 0
     gpus: Annotated[list[NonNegative], Field(description="GPU variants: serve `instances` instances on each of "
                                                          "these GPUs (device ids); empty: every GPU")] = []
+    batch_buckets: Annotated[Literal["pow2", "fine"], Field(
+        description="the python runner on CUDA pads each batch up to the next of its batch sizes, one session "
+                    "each: pow2 (1, 2, 4 ... max) or fine (powers of two, then steps of max/8, at least 8: less "
+                    "padding, more sessions and device memory)")] = "pow2"
 
 
 class ModelTable(_Table):

@@ -1,3 +1,6 @@
+from dataclasses import replace
+from pathlib import Path
+
 import pytest
 from google.protobuf import json_format
 
@@ -95,3 +98,26 @@ def test_a_model_that_does_not_batch_gets_max_batch_size_0_whole_dims_and_no_bat
     assert "reshape" not in doc["input"][2]  # Triton refuses scalars without batching: the runner reshapes
     assert doc["parameters"]["scalar_inputs"]["string_value"] == "sr"
     assert [o["dims"] for o in doc["output"]] == [["-1", "1"], ["2", "-1", "128"]]
+
+
+def test_fine_batch_buckets_reach_the_cuda_runner_only(tmp_path: Path) -> None:
+    from builder.runtimes.onnxruntime_cuda import CudaOptions, cuda_backend_config
+    from builder.spec import load_manifest
+
+    path = tmp_path / "models.toml"
+    body = '[[model]]\nname = "m"\nonnx = "m.onnx"\n[model.serving]\nbatch_buckets = "{value}"\n'
+    path.write_text(body.format(value="fine"))
+    (spec,) = load_manifest(path)
+    cuda = cuda_backend_config(ServingBackend.PYTHON, CudaOptions())
+
+    def params(serving: ServingSpec, backend: BackendConfig) -> dict[str, str]:
+        config = build(replace(CFG, serving=serving, backend=backend))
+        return {k: v.string_value for k, v in config.parameters.items()}
+
+    assert params(spec.serving, cuda)["batch_buckets"] == "fine"
+    assert "batch_buckets" not in params(ServingSpec(), cuda)  # pow2: the runner's default, nothing written
+    assert "batch_buckets" not in params(spec.serving, PYTHON)  # the CPU runner has no buckets
+    path.write_text(body.format(value="fin"))
+    with pytest.raises(ManifestError, match=r"model\[0\]\.serving\.batch_buckets: expected one of pow2, fine.*"
+                                            r"did you mean fine\?"):
+        load_manifest(path)

@@ -141,9 +141,23 @@ def test_buckets_cover_every_batch_with_under_half_padding() -> None:
             assert bucket < 2 * rows or bucket == 1
 
 
+def test_fine_buckets_pad_under_one_step_and_keep_pow2_below_it() -> None:
+    for max_batch in (1, 5, 8, 9, 16, 17, 32, 64, 100, 128, 1000):
+        sizes = python_model.buckets(max_batch, fine=True)  # type: ignore[no-untyped-call]
+        step = max(8, -(-max_batch // 8))
+        assert sizes == sorted(set(sizes)) and sizes[-1] == max_batch
+        assert len(sizes) <= 8 + len(python_model.buckets(step))  # type: ignore[no-untyped-call]
+        for rows in range(1, max_batch + 1):
+            bucket = next(s for s in sizes if s >= rows)
+            assert bucket - rows < step and (bucket < 2 * rows or bucket == 1)
+    assert python_model.buckets(16, fine=True) == python_model.buckets(16)  # type: ignore[no-untyped-call]
+    assert python_model.buckets(64, fine=True) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]  # type: ignore[no-untyped-call]
+    assert python_model.parse_buckets("fine", 64) == python_model.buckets(64, fine=True)  # type: ignore[no-untyped-call]
+
+
 def test_batch_buckets_parameter_names_sizes_and_always_covers_max_batch() -> None:
     parse = python_model.parse_buckets
-    assert parse("", 64) == parse("auto", 64) == python_model.buckets(64)  # type: ignore[no-untyped-call]
+    assert parse("", 64) == parse("auto", 64) == parse("pow2", 64) == python_model.buckets(64)  # type: ignore[no-untyped-call]
     assert parse(" 8, 1,24,8 ", 32) == [1, 8, 24, 32]  # sorted, once each, max_batch added
     for text, said in (("0,4", "0 is outside 1..max_batch_size (16)"), ("4,17", "17 is outside"),
                        ("4,x", "'x' is not a whole number")):
