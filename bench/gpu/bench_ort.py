@@ -26,6 +26,7 @@ import argparse
 import csv
 import json
 import os
+import re
 import resource
 import shutil
 import statistics
@@ -210,25 +211,39 @@ def ablation(models: Path, seconds: float) -> dict[str, Any]:
     return out
 
 
-def batching_variant(value: str) -> tuple[str, str, str]:
-    """NAME=BUCKETS[/PREFERRED] of --batching-variant: the runner's batch_buckets (`auto` or sizes) and Triton's
-    preferred batch sizes (`default`: the product's, `buckets`: every bucket above 1, or sizes)."""
+Variant = tuple[str, str, tuple[int, ...] | None]  # (name, the runner's batch_buckets, preferred sizes; None: default)
+TAKEN = re.compile(r"^(nodelay|x\d+)$")  # fp16_batched_<these> are the script's own models
+
+
+def batching_variant(value: str) -> Variant:
+    """NAME=BUCKETS[/PREFERRED] of --batching-variant: the runner's batch_buckets (pow2, fine or sizes) and Triton's
+    preferred batch sizes (`default`: the product's, `buckets`: every bucket above 1, or sizes 1..max batch)."""
     name, sep, rest = value.partition("=")
     sizes, _, preferred = rest.partition("/")
-    if not sep or not name.isidentifier() or not sizes:
-        raise argparse.ArgumentTypeError(f"{value!r}: expected NAME=BUCKETS[/PREFERRED], e.g. fine=1,2,4,8/buckets")
+    if not sep or not name.isidentifier() or TAKEN.match(name) or not sizes:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected NAME=BUCKETS[/PREFERRED] (NAME an identifier other "
+                                         "than nodelay or xN), e.g. fine=1,2,4,8/buckets")
     try:
-        python_model.parse_buckets(sizes, MAX_BATCH)  # type: ignore[no-untyped-call]
-        if preferred not in ("", "default", "buckets"):
-            [int(p) for p in preferred.split(",")]
+        buckets = python_model.parse_buckets(sizes, MAX_BATCH)  # type: ignore[no-untyped-call]
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"{value!r}: {exc}") from None
-    return name, sizes, preferred or "default"
+    if preferred in ("", "default"):
+        return name, sizes, None
+    if preferred == "buckets":
+        return name, sizes, tuple(b for b in buckets if b > 1)
+    try:
+        chosen = tuple(int(p) for p in preferred.split(","))
+    except ValueError:
+        chosen = ()
+    if not chosen or not all(1 <= p <= MAX_BATCH for p in chosen):
+        raise argparse.ArgumentTypeError(f"{value!r}: preferred batch sizes {preferred!r}: expected default, buckets "
+                                         f"or whole numbers 1..{MAX_BATCH}")
+    return name, sizes, chosen
 
 
 def write_model(root: Path, name: str, onnx: Path, *, batching: bool, instances: int | None, delay_us: int,
                 graphs: bool = True, timers: Path | None = None,
-                batch_buckets: str | None = None, preferred: str = "default") -> None:
+                batch_buckets: str | None = None, preferred: tuple[int, ...] | None = None) -> None:
     serving = ServingSpec(instances=instances, dynamic_batching=batching, max_queue_delay_us=delay_us)
     # The config `trtbuild --runtime onnxruntime-cuda` writes (python runner, provider cuda, GPU inputs kept).
     options = CudaOptions(cudnn_conv_algo_search=CudnnSearch(SEARCH), cuda_graphs=graphs)
@@ -241,11 +256,9 @@ def write_model(root: Path, name: str, onnx: Path, *, batching: bool, instances:
         backend = replace(backend, parameters=(*backend.parameters, ("batch_buckets", batch_buckets)))
     config = build(ConfigInputs(name=name, inputs=(INPUT,), outputs=(OUTPUT,), batch=DimRange(1, 32, MAX_BATCH),
                                 serving=serving, backend=backend))
-    if batching and preferred != "default":
-        sizes = (python_model.parse_buckets(batch_buckets, MAX_BATCH)  # type: ignore[no-untyped-call]
-                 if preferred == "buckets" else [int(p) for p in preferred.split(",")])
+    if batching and preferred is not None:
         del config.dynamic_batching.preferred_batch_size[:]
-        config.dynamic_batching.preferred_batch_size.extend(s for s in sizes if s > 1)
+        config.dynamic_batching.preferred_batch_size.extend(preferred)
     version = root / name / "1"
     version.mkdir(parents=True)
     shutil.copyfile(onnx, version / "model.onnx")
@@ -288,7 +301,7 @@ def served(models: Path, *, interval_ms: int, delay_us: int, tmp: Path, instance
            shm: str = "cuda", compare_shm: bool = True,
            precisions: tuple[str, ...] = PRECISIONS, also_instances: tuple[int, ...] = (),
            rounds: int = 1, pa_rounds: int = 0, timers: Path | None = None,
-           variants: tuple[tuple[str, str, str], ...] = (), unbatched: bool = True) -> list[dict[str, Any]]:
+           variants: tuple[Variant, ...] = (), unbatched: bool = True) -> list[dict[str, Any]]:
     """Every model on one server, each load level measured in turn. `shm` is the shared memory of the
     main rows (cuda: inputs reach the runner as device tensors); FP16 is also measured with system
     shared memory and with none, to show what each host copy costs. `timers`: a folder for the runner's
@@ -727,8 +740,9 @@ def main() -> int:
     p.add_argument("--no-unbatched", action="store_true", help="skip FP16 served without dynamic batching")
     p.add_argument("--batching-variant", action="append", default=[], type=batching_variant,
                    metavar="NAME=BUCKETS[/PREFERRED]",
-                   help="FP16 also served as fp16_batched_NAME with the runner's batch_buckets BUCKETS (auto or "
-                        "sizes) and Triton's preferred batch sizes PREFERRED (default, buckets, or sizes); repeatable")
+                   help="FP16 also served as fp16_batched_NAME with the runner's batch_buckets BUCKETS (pow2, "
+                        "fine or sizes) and Triton's preferred batch sizes PREFERRED (default, buckets, or sizes); "
+                        "repeatable")
     p.add_argument("--provider-option", action="append", default=[], metavar="KEY=VALUE", type=key_value,
                    help="extra CUDA provider option for every runner, in-process and served (repeatable)")
     p.add_argument("--in-process-variant", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
@@ -741,6 +755,9 @@ def main() -> int:
                         "request's time goes per level")
     p.add_argument("--skip", default="", help="comma-separated steps to skip: shape,ablation,inprocess,served")
     args = p.parse_args()
+    names = [name for name, _, _ in args.batching_variant]
+    if len(set(names)) < len(names):
+        p.error(f"--batching-variant: each NAME once, got {', '.join(names)}")
     SEARCH = args.search
     PROVIDER_OPTIONS.update(dict(args.provider_option))
     variants: list[dict[str, str]] = args.in_process_variant

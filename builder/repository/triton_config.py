@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +14,8 @@ from builder.spec.enums import ServingBackend
 from builder.spec.model import DimRange, ServingSpec, TensorSpec
 from builder.spec.shapes import ModelShapes
 from common.choices import Choice
+
+log = logging.getLogger(__name__)
 
 
 class TritonBackend(Choice):
@@ -145,6 +148,9 @@ def build(cfg: ConfigInputs) -> model_config_pb2.ModelConfig:
             doc["parameters"]["scalar_inputs"] = {"string_value": ",".join(scalar_inputs(cfg))}
         if cfg.serving.batch_buckets != "pow2" and ("provider", "cuda") in backend.parameters:
             doc["parameters"]["batch_buckets"] = {"string_value": cfg.serving.batch_buckets}
+    if cfg.serving.batch_buckets != "pow2" and "batch_buckets" not in doc.get("parameters", {}):
+        log.warning("%s: batch_buckets = %s applies to the python runner on CUDA only; this variant runs without "
+                    "buckets", cfg.name, cfg.serving.batch_buckets)
     elif backend.backend is TritonBackend.ONNXRUNTIME:
         doc["platform"] = "onnxruntime_onnx"
         doc["default_model_filename"] = backend.artifact

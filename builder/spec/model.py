@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from builder.errors import ManifestError
 from builder.spec.enums import CalibrationMethod, Int8Recipe, Precision, Task
@@ -95,7 +96,7 @@ class ServingSpec:
     # one KIND_GPU instance group; empty: Triton's default (every GPU it sees).
     gpus: tuple[int, ...] = ()
     # The python runner on CUDA: the batch sizes it keeps one session each for (python_model.buckets).
-    batch_buckets: str = "pow2"
+    batch_buckets: Literal["pow2", "fine"] = "pow2"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "gpus", tuple(dict.fromkeys(self.gpus)))  # a list from TOML, in order, once each

@@ -6,6 +6,7 @@ perfclient at concurrency 4 and 16, two rounds each; served.json says how)."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -105,3 +106,20 @@ def test_runner_timers_reach_the_served_config(bench_ort: ModuleType, tmp_path: 
     assert params["with"]["runner_timers"] == str(tmp_path / "timers")
     assert "runner_timers" not in params["without"]
     assert {k: v for k, v in params["with"].items() if k != "runner_timers"} == params["without"]
+
+
+def test_batching_variants_reach_the_served_config_and_bad_ones_are_one_line(bench_ort: ModuleType,
+                                                                              tmp_path: Path) -> None:
+    import argparse
+
+    onnx = mlp_onnx(tmp_path / "m.onnx")
+    name, sizes, preferred = bench_ort.batching_variant("fine=fine/buckets")
+    bench_ort.write_model(tmp_path / "repo", f"fp16_batched_{name}", onnx, batching=True, instances=1, delay_us=0,
+                          batch_buckets=sizes, preferred=preferred)
+    config = triton_config.parse((tmp_path / "repo" / "fp16_batched_fine" / "config.pbtxt").read_text())
+    assert config.parameters["batch_buckets"].string_value == "fine"
+    assert list(config.dynamic_batching.preferred_batch_size) == [2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    for bad, said in (("a=1,2/0,4", "preferred batch sizes '0,4'"), ("a=1,2/x", "preferred batch sizes 'x'"),
+                      ("x2=fine", "other than nodelay or xN"), ("a=1,65", "65 is outside 1..max_batch_size (64)")):
+        with pytest.raises(argparse.ArgumentTypeError, match=re.escape(said)):
+            bench_ort.batching_variant(bad)

@@ -100,7 +100,7 @@ def test_a_model_that_does_not_batch_gets_max_batch_size_0_whole_dims_and_no_bat
     assert [o["dims"] for o in doc["output"]] == [["-1", "1"], ["2", "-1", "128"]]
 
 
-def test_fine_batch_buckets_reach_the_cuda_runner_only(tmp_path: Path) -> None:
+def test_fine_batch_buckets_reach_the_cuda_runner_only(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     from builder.runtimes.onnxruntime_cuda import CudaOptions, cuda_backend_config
     from builder.spec import load_manifest
 
@@ -116,7 +116,12 @@ def test_fine_batch_buckets_reach_the_cuda_runner_only(tmp_path: Path) -> None:
 
     assert params(spec.serving, cuda)["batch_buckets"] == "fine"
     assert "batch_buckets" not in params(ServingSpec(), cuda)  # pow2: the runner's default, nothing written
-    assert "batch_buckets" not in params(spec.serving, PYTHON)  # the CPU runner has no buckets
+    assert not caplog.records
+    assert "batch_buckets" not in params(spec.serving, PYTHON)  # the CPU runner has no buckets: said once
+    assert [r.getMessage() for r in caplog.records] == [
+        "enc_int8: batch_buckets = fine applies to the python runner on CUDA only; this variant runs without buckets"]
+    native = cuda_backend_config(ServingBackend.ONNXRUNTIME, CudaOptions())
+    assert "batch_buckets" not in params(spec.serving, native)
     path.write_text(body.format(value="fin"))
     with pytest.raises(ManifestError, match=r"model\[0\]\.serving\.batch_buckets: expected one of pow2, fine.*"
                                             r"did you mean fine\?"):

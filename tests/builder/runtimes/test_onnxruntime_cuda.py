@@ -141,18 +141,29 @@ def test_buckets_cover_every_batch_with_under_half_padding() -> None:
             assert bucket < 2 * rows or bucket == 1
 
 
-def test_fine_buckets_pad_under_one_step_and_keep_pow2_below_it() -> None:
-    for max_batch in (1, 5, 8, 9, 16, 17, 32, 64, 100, 128, 1000):
-        sizes = python_model.buckets(max_batch, fine=True)  # type: ignore[no-untyped-call]
-        step = max(8, -(-max_batch // 8))
-        assert sizes == sorted(set(sizes)) and sizes[-1] == max_batch
-        assert len(sizes) <= 8 + len(python_model.buckets(step))  # type: ignore[no-untyped-call]
+def test_fine_buckets_never_pad_more_than_pow2_and_stay_few() -> None:
+    for max_batch in (*range(1, 200), 255, 256, 257, 1000, 2048):
+        fine = python_model.buckets(max_batch, fine=True)  # type: ignore[no-untyped-call]
+        pow2 = python_model.buckets(max_batch)  # type: ignore[no-untyped-call]
+        assert fine == sorted(set(fine)) and fine[-1] == max_batch and len(fine) <= 16
         for rows in range(1, max_batch + 1):
-            bucket = next(s for s in sizes if s >= rows)
-            assert bucket - rows < step and (bucket < 2 * rows or bucket == 1)
+            assert next(s for s in fine if s >= rows) <= next(s for s in pow2 if s >= rows), (max_batch, rows)
     assert python_model.buckets(16, fine=True) == python_model.buckets(16)  # type: ignore[no-untyped-call]
     assert python_model.buckets(64, fine=True) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]  # type: ignore[no-untyped-call]
+    assert python_model.buckets(96, fine=True) == [1, 2, 4, 8, 16, 32, 48, 64, 80, 96]  # type: ignore[no-untyped-call]
     assert python_model.parse_buckets("fine", 64) == python_model.buckets(64, fine=True)  # type: ignore[no-untyped-call]
+
+
+def test_make_runner_takes_the_batch_buckets_parameter(monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[dict[str, Any]] = []
+    monkeypatch.setattr(RUNNER, "CudaBucketRunner", lambda path, **kw: made.append(kw) or kw)
+    monkeypatch.setattr(RUNNER, "_resolve_auto", lambda path, options, kind=None, convolutions=None: options)
+    RUNNER.make_runner("m.onnx", {"provider": "cuda", "batch_buckets": "fine"}, 64)
+    RUNNER.make_runner("m.onnx", {"provider": "cuda"}, 64)
+    assert [kw["sizes"] for kw in made] == [python_model.buckets(64, fine=True),  # type: ignore[no-untyped-call]
+                                            python_model.buckets(64)]  # type: ignore[no-untyped-call]
+    with pytest.raises(ValueError, match=re.escape("parameter batch_buckets 'fin': 'fin' is not a whole number")):
+        RUNNER.make_runner("m.onnx", {"provider": "cuda", "batch_buckets": "fin"}, 64)
 
 
 def test_batch_buckets_parameter_names_sizes_and_always_covers_max_batch() -> None:
