@@ -187,9 +187,18 @@ def cuda_session(path: Path, options: CudaOptions, *, log_file: Path | None) -> 
     session_options = ort.SessionOptions()
     session_options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     session_options.log_severity_level = 3
-    session = ort.InferenceSession(str(path), sess_options=session_options,
-                                   providers=[(CUDA_PROVIDER, options.provider_options(path)), "CPUExecutionProvider"])
+
+    def make() -> ort.InferenceSession:
+        return ort.InferenceSession(str(path), sess_options=session_options,
+                                    providers=[(CUDA_PROVIDER, options.provider_options(path)), "CPUExecutionProvider"])
+
+    # onnxruntime-gpu 1.31 warns on its process-wide logger, once per CUDA session given provider options, that no
+    # plugin EP device is registered (six such lines amid make demo's verify table on an H200, 2026-11-29).
+    ort.set_default_logger_severity(3)
+    session = make()
     if CUDA_PROVIDER not in session.get_providers():
+        ort.set_default_logger_severity(2)  # once more with its warnings on: they say why the provider did not start
+        make()
         # ONNX Runtime writes why to file descriptor 2, which a build sends to its build log.
         where = f"see {log_file}" if log_file is not None else "see ONNX Runtime's lines above"
         raise RuntimeUnavailableError(f"{path}: ONNX Runtime did not start its CUDA provider (CUDA or cuDNN "

@@ -417,3 +417,29 @@ def test_build_json_gets_each_graphs_resolved_cuda_options(tmp_path: Path) -> No
     served = runtime.served_options(conv_onnx(tmp_path / "fp32.onnx"))
     assert served == {"device_id": "0", "cudnn_conv_algo_search": "HEURISTIC", "use_tf32": "0"}
     assert OnnxRuntimeCPU().served_options(tmp_path / "fp32.onnx") == {}
+
+
+def test_cuda_session_quiets_onnx_runtime_but_not_when_the_provider_fails(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from builder.runtimes import onnxruntime_cuda
+
+    levels: list[int] = []
+    made: list[int] = []
+    started: list[list[str]] = [["CUDAExecutionProvider", "CPUExecutionProvider"]]
+
+    class Session:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            made.append(levels[-1])
+
+        def get_providers(self) -> list[str]:
+            return started[0]
+
+    monkeypatch.setattr(onnxruntime_cuda.ort, "InferenceSession", Session)
+    monkeypatch.setattr(onnxruntime_cuda.ort, "set_default_logger_severity", levels.append)
+    path = mlp_onnx(tmp_path / "m.onnx")
+    onnxruntime_cuda.cuda_session(path, CudaOptions(), log_file=None)
+    assert made == [3]  # created with the process-wide warnings off
+    started[0] = ["CPUExecutionProvider"]
+    with pytest.raises(RuntimeUnavailableError, match="did not start its CUDA provider"):
+        onnxruntime_cuda.cuda_session(path, CudaOptions(), log_file=tmp_path / "build.log")
+    assert made == [3, 3, 2]  # the failed start again, with the warnings that say why
