@@ -148,9 +148,6 @@ def build(cfg: ConfigInputs) -> model_config_pb2.ModelConfig:
             doc["parameters"]["scalar_inputs"] = {"string_value": ",".join(scalar_inputs(cfg))}
         if cfg.serving.batch_buckets != "pow2" and ("provider", "cuda") in backend.parameters:
             doc["parameters"]["batch_buckets"] = {"string_value": cfg.serving.batch_buckets}
-    if cfg.serving.batch_buckets != "pow2" and "batch_buckets" not in doc.get("parameters", {}):
-        log.warning("%s: batch_buckets = %s applies to the python runner on CUDA only; this variant runs without "
-                    "buckets", cfg.name, cfg.serving.batch_buckets)
     elif backend.backend is TritonBackend.ONNXRUNTIME:
         doc["platform"] = "onnxruntime_onnx"
         doc["default_model_filename"] = backend.artifact
@@ -166,6 +163,9 @@ def build(cfg: ConfigInputs) -> model_config_pb2.ModelConfig:
             doc["cc_model_filenames"] = dict(backend.cc_model_filenames)
         if backend.cuda_graphs:
             doc["optimization"] = {"cuda": {"graphs": True}}
+    if cfg.serving.batch_buckets != "pow2" and "batch_buckets" not in doc.get("parameters", {}):
+        log.warning("%s: batch_buckets = %s applies to the python runner on CUDA only; this variant runs without "
+                    "buckets", cfg.name, cfg.serving.batch_buckets)
     if backend.warmup:
         doc["model_warmup"] = list(backend.warmup)
     if cfg.serving.dynamic_batching and max_batch > 0:

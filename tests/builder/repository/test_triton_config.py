@@ -37,6 +37,7 @@ def test_config_round_trips_through_tritons_schema() -> None:
     doc = json_format.MessageToDict(again, preserving_proto_field_name=True)
     assert doc["max_batch_size"] == 32
     assert doc["backend"] == "python"
+    assert "platform" not in doc and "default_model_filename" not in doc  # the python backend's model is model.py
     assert doc["input"][0] == {"name": "input_ids", "data_type": "TYPE_INT64", "dims": ["-1"]}
     assert doc["input"][1]["dims"] == ["3", "8", "8"]
     assert doc["output"][0]["data_type"] == "TYPE_FP32"
@@ -122,6 +123,9 @@ def test_fine_batch_buckets_reach_the_cuda_runner_only(tmp_path: Path, caplog: p
         "enc_int8: batch_buckets = fine applies to the python runner on CUDA only; this variant runs without buckets"]
     native = cuda_backend_config(ServingBackend.ONNXRUNTIME, CudaOptions())
     assert "batch_buckets" not in params(spec.serving, native)
+    for backend, platform in ((cuda, ""), (PYTHON, ""), (native, "onnxruntime_onnx")):
+        config = build(replace(CFG, serving=spec.serving, backend=backend))
+        assert config.platform == platform and config.backend == ("python" if not platform else "")
     path.write_text(body.format(value="fin"))
     with pytest.raises(ManifestError, match=r"model\[0\]\.serving\.batch_buckets: expected one of pow2, fine.*"
                                             r"did you mean fine\?"):
