@@ -238,7 +238,7 @@ def batching_variant(value: str) -> Variant:
     if not chosen or not all(1 <= p <= MAX_BATCH for p in chosen):
         raise argparse.ArgumentTypeError(f"{value!r}: preferred batch sizes {preferred!r}: expected default, buckets "
                                          f"or whole numbers 1..{MAX_BATCH}")
-    return name, sizes, chosen
+    return name, sizes, tuple(sorted(set(chosen)))
 
 
 def write_model(root: Path, name: str, onnx: Path, *, batching: bool, instances: int | None, delay_us: int,

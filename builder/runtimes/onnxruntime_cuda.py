@@ -193,12 +193,15 @@ def cuda_session(path: Path, options: CudaOptions, *, log_file: Path | None) -> 
                                     providers=[(CUDA_PROVIDER, options.provider_options(path)), "CPUExecutionProvider"])
 
     # onnxruntime-gpu 1.31 warns on its process-wide logger, once per CUDA session given provider options, that no
-    # plugin EP device is registered (six such lines amid make demo's verify table on an H200, 2026-11-29).
+    # plugin EP device is registered (six such lines amid make demo's verify table on an H200, 2026-11-29). The
+    # logger has no getter: back to ONNX Runtime's default (2, warnings) afterwards, for every other session.
     ort.set_default_logger_severity(3)
-    session = make()
+    try:
+        session = make()
+    finally:
+        ort.set_default_logger_severity(2)
     if CUDA_PROVIDER not in session.get_providers():
-        ort.set_default_logger_severity(2)  # once more with its warnings on: they say why the provider did not start
-        make()
+        make()  # once more with its warnings on: they say why the provider did not start
         # ONNX Runtime writes why to file descriptor 2, which a build sends to its build log.
         where = f"see {log_file}" if log_file is not None else "see ONNX Runtime's lines above"
         raise RuntimeUnavailableError(f"{path}: ONNX Runtime did not start its CUDA provider (CUDA or cuDNN "

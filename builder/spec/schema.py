@@ -261,8 +261,8 @@ class ServingTable(_Table):
                                                          "these GPUs (device ids); empty: every GPU")] = []
     batch_buckets: Annotated[Literal["pow2", "fine"], Field(
         description="the python runner on CUDA pads each batch up to the next of its batch sizes, one session "
-                    "each: pow2 (1, 2, 4 ... max) or fine (powers of two, then steps of max/8, at least 8: less "
-                    "padding, more sessions and device memory)")] = "pow2"
+                    "each: pow2 (1, 2, 4 ... max) or fine (powers of two, then steps of the power of two at or above "
+                    "max/8, at least 8: less padding, more sessions and device memory)")] = "pow2"
 
 
 class ModelTable(_Table):

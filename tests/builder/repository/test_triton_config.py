@@ -130,3 +130,21 @@ def test_fine_batch_buckets_reach_the_cuda_runner_only(tmp_path: Path, caplog: p
     with pytest.raises(ManifestError, match=r"model\[0\]\.serving\.batch_buckets: expected one of pow2, fine.*"
                                             r"did you mean fine\?"):
         load_manifest(path)
+
+
+def test_fine_batch_buckets_change_nothing_else_in_any_backends_config(caplog: pytest.LogCaptureFixture) -> None:
+    from builder.runtimes.onnxruntime_cuda import CudaOptions, cuda_backend_config
+
+    backends = {"python-cpu": (PYTHON, "", "python"),
+                "python-cuda": (cuda_backend_config(ServingBackend.PYTHON, CudaOptions()), "", "python"),
+                "onnxruntime": (cuda_backend_config(ServingBackend.ONNXRUNTIME, CudaOptions()), "onnxruntime_onnx", ""),
+                "tensorrt": (BackendConfig(TritonBackend.TENSORRT, "model.plan"), "tensorrt_plan", "")}
+    for name, (backend, platform, python) in backends.items():
+        pow2 = build(replace(CFG, backend=backend))
+        fine = build(replace(CFG, backend=backend, serving=replace(CFG.serving, batch_buckets="fine")))
+        assert (fine.platform, fine.backend) == (platform, python), name
+        if "batch_buckets" in fine.parameters:
+            assert name == "python-cuda" and fine.parameters["batch_buckets"].string_value == "fine"
+            del fine.parameters["batch_buckets"]
+        assert fine == pow2, name
+    assert len([r for r in caplog.records if "applies to the python runner on CUDA only" in r.getMessage()]) == 3
