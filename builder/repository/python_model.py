@@ -77,7 +77,7 @@ def buckets(max_batch: int, fine: bool = False) -> list[int]:
     while b < min(step, max_batch):
         sizes.append(b)
         b *= 2
-    sizes += range(step, max_batch, step) if fine else []
+    sizes += range(step, max_batch, step)  # empty for pow2, where the step is max_batch
     return [*sizes, max_batch]
 
 
