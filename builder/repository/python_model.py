@@ -400,6 +400,29 @@ class DynamicDims(ValueError):
     has no one shape to preallocate."""
 
 
+def _cuda_session(path, options, provider_options):
+    """A session on the CUDA provider, or an error naming the file where the provider does not start (ONNX
+    Runtime would otherwise fall back to the CPU without a word, and the bound device tensors fail later)."""
+
+    def make():
+        return ort.InferenceSession(path, sess_options=options,
+                                    providers=[("CUDAExecutionProvider", provider_options), "CPUExecutionProvider"])
+
+    # onnxruntime-gpu 1.31 warns on its process-wide logger, once per CUDA session given provider options, that
+    # no plugin EP device is registered: one line per bucket and instance in Triton's log. The logger has no
+    # getter, so it goes back to ONNX Runtime's default (2, warnings) afterwards.
+    ort.set_default_logger_severity(3)
+    try:
+        session = make()
+    finally:
+        ort.set_default_logger_severity(2)
+    if "CUDAExecutionProvider" not in session.get_providers():
+        make()  # once more with its warnings on: they say why, in Triton's log
+        raise RuntimeError(f"{path}: ONNX Runtime did not start its CUDA provider (CUDA or cuDNN libraries "
+                           "missing?); its warnings above say why")
+    return session
+
+
 class _Bucket:
     """One batch size: its session, device tensors bound once, host staging buffers."""
 
@@ -412,8 +435,7 @@ class _Bucket:
         provider = dict(provider_options)
         if cuda_graph:
             provider["enable_cuda_graph"] = "1"
-        self.session = ort.InferenceSession(path, sess_options=options,
-                                            providers=[("CUDAExecutionProvider", provider), "CPUExecutionProvider"])
+        self.session = _cuda_session(path, options, provider)
         self.cuda_graph = cuda_graph
         self.binding = self.session.io_binding()
         self.inputs, self.host, self.outputs = {}, {}, {}
@@ -587,8 +609,7 @@ class CudaPlainRunner(CpuRunner):
         self.provider_options = {k: str(v) for k, v in provider_options.items()}
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        self.session = ort.InferenceSession(path, sess_options=options, providers=[
-            ("CUDAExecutionProvider", self.provider_options), "CPUExecutionProvider"])
+        self.session = _cuda_session(path, options, self.provider_options)
         self.output_names = [o.name for o in self.session.get_outputs()]
 
     def describe(self):
