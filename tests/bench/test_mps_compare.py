@@ -1,0 +1,94 @@
+"""bench/gpu/mps_compare.py with a stand-in MPS control daemon and a stand-in bench_ort.py: runs alternate off/on
+then on/off, only the `on` runs see the daemon's private folders, the daemon is quit after each, and the table's
+same-round ratios come from the runs' own figures."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import sys
+import tarfile
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from tests.helpers.scripts import loaded_script
+
+ROOT = Path(__file__).resolve().parents[2]
+
+CONTROL = """#!/bin/sh
+# Stand-in nvidia-cuda-mps-control: -d starts, stdin commands answer; every call is logged.
+echo "$* ${CUDA_MPS_PIPE_DIRECTORY}" >> "$CALLS"
+if [ "$1" = "-d" ]; then echo "[x] INFO: Starting control daemon" > "$CUDA_MPS_LOG_DIRECTORY/control.log"; exit 0; fi
+read cmd
+echo "$cmd" >> "$CALLS"
+if [ "$cmd" = "get_server_list" ]; then echo 4242; fi
+"""
+
+# Stand-in bench_ort.py: faster under MPS, and it reports a client to the stand-in daemon's log as MPS would.
+BENCH = """import json, os, sys
+out = sys.argv[sys.argv.index("--out") + 1]
+mps = os.environ.get("CUDA_MPS_LOG_DIRECTORY")
+if mps:
+    open(os.path.join(mps, "control.log"), "a").write("[x] INFO: New client 17 connected\\n")
+rate = 12000.0 if mps else 9000.0
+row = {"model": "fp16_batched", "concurrency": 256, "shared_memory": "cuda", "throughput": rate,
+       "latency_us": {"p50": 20000.0, "p99": 26000.0}, "power": {"j_per_infer": 300.0 / rate},
+       "server": {"compute_input_us": 150.0}}
+doc = {"in_process": {"fp16": {"ceiling_iobinding": {"infer_per_s": 16000.0}}}, "served": [row]}
+open(os.path.join(out, "ort_gpu_bench.json"), "w").write(json.dumps(doc))
+"""
+
+
+@pytest.fixture()
+def mps_compare(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    control = bin_dir / "nvidia-cuda-mps-control"
+    control.write_text(CONTROL)
+    control.chmod(control.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("CALLS", str(tmp_path / "calls"))
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
+    monkeypatch.delenv("CUDA_MPS_LOG_DIRECTORY", raising=False)
+    scripts = tmp_path / "scripts"
+    scripts.mkdir()
+    (scripts / "bench_ort.py").write_text(BENCH)
+    with loaded_script("mps_compare", ROOT / "bench" / "gpu" / "mps_compare.py") as module:
+        monkeypatch.setattr(module, "HERE", scripts)
+        yield module
+
+
+def test_runs_alternate_and_only_the_on_runs_use_mps(mps_compare: ModuleType, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "out"
+    monkeypatch.setattr(sys, "argv", ["mps_compare.py", "--out", str(out), "--rounds", "2", "--", "--models", "m"])
+    assert mps_compare.main() == 0
+    runs = json.loads((out / "mps-compare.json").read_text())
+    assert [(r["mode"], r["round"]) for r in runs] == [("off", 1), ("on", 1), ("on", 2), ("off", 2)]
+    assert [r["mps"] for r in runs if r["mode"] == "on"] == [{"servers": ["4242"], "clients": 1}] * 2
+    calls = (tmp_path / "calls").read_text().splitlines()
+    # Each on run: the daemon started with its own pipe folder, asked for its servers, and quit.
+    expected = []
+    for run in ("on-1", "on-2"):
+        pipe = str(out / run / "mps" / "pipe")
+        expected += [f"-d {pipe}", f" {pipe}", "get_server_list", f" {pipe}", "quit"]
+    assert calls == expected
+    text = (out / "mps-compare.md").read_text()
+    assert "| fp16_batched@256 | off | 2 | 9000 (9000-9000) | 0.56 (0.56-0.56) | 1.30 (1.30-1.30) |" in text
+    assert "| fp16_batched@256 | on | 2 | 12000 (12000-12000) | 0.75 (0.75-0.75) |" in text
+    assert "- fp16_batched@256: 1.33x, J 0.75x; 1.33x, J 0.75x" in text
+    with tarfile.open(out / "runs.tar.gz") as tar:
+        assert {"off-1/ort_gpu_bench.json", "on-2/mps/log/control.log"} <= set(tar.getnames())
+
+
+def test_no_daemon_on_the_machine_is_one_line(mps_compare: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(mps_compare, "CONTROL", "no-such-mps-control")
+    monkeypatch.setattr(sys, "argv", ["mps_compare.py", "--out", str(tmp_path / "o"), "--", "--models", "m"])
+    assert mps_compare.main() == 1
+    assert capsys.readouterr().err.strip() == ("mps_compare: no-such-mps-control not on PATH: no CUDA MPS on this "
+                                               "machine")
