@@ -156,6 +156,10 @@ def _parser() -> argparse.ArgumentParser:
                             "$TRITON_ADMIN_KEY, else a new key in STATE_DIR/admin-key)")
     serve.add_argument("--no-restrict", action="store_true",
                        help="with --listen: leave the restricted APIs open to anyone who reaches the server")
+    serve.add_argument("--mps", action="store_true",
+                       help="run the GPU models' processes under CUDA MPS (a control daemon of this state folder, "
+                            "quit when the server stops): the python runner's instances then share the GPU at "
+                            "once instead of taking turns (docs/gpu.md)")
     serve.add_argument("--gpus", default=None, metavar="LIST",
                        help="serve the GPU variants on these GPUs (device ids: 0,3), each variant's instance count "
                             "on every one of them (rewrites their config.pbtxt instance groups first)")
@@ -502,7 +506,8 @@ def _serve(args: argparse.Namespace) -> int:
         check_present(gpus, visible_gpus(triton_server.gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES")))
         for path in place_on_gpus(args.repository, gpus):
             print(f"{path.parent.name}: instances on GPUs {', '.join(map(str, gpus))}")
-    server = TritonServer(args.repository, args.state_dir, ports, model_control=control, exposure=exposed)
+    server = TritonServer(args.repository, args.state_dir, ports, model_control=control, exposure=exposed,
+                          mps=args.mps)
     # Triton loads nothing by itself in explicit mode: say how to load, rather than leave an empty server.
     note = (f"model control explicit: no model is loaded at start; load one with POST "
             f"http://127.0.0.1:{ports.http}/v2/repository/models/NAME/load, or `trtbuild tune NAME --url "
@@ -512,16 +517,16 @@ def _serve(args: argparse.Namespace) -> int:
         assert server.process is not None
         print(f"tritonserver ready: http :{ports.http}, grpc :{ports.grpc}, metrics :{ports.metrics} "
               f"(pid {server.process.pid}, log {server.log_file}); `trtbuild stop` stops it")
-        if note:
-            print(note)
+        for line in filter(None, (_mps_line(args), note)):
+            print(line)
         return 0
     server.start(timeout=args.timeout)
     assert server.process is not None
     # Flushed: whoever reads a piped stdout (a supervisor, a test) learns the server is up now, not at exit.
     print(f"tritonserver ready: http :{ports.http}, grpc :{ports.grpc}, metrics :{ports.metrics}; "
           "Ctrl-C stops it", flush=True)
-    if note:
-        print(note, flush=True)
+    for line in filter(None, (_mps_line(args), note)):
+        print(line, flush=True)
     try:
         code = server.process.wait()
         if code != 0:  # it died (a crash inside tritonserver, the OOM killer): one line, then what it wrote last
@@ -535,6 +540,21 @@ def _serve(args: argparse.Namespace) -> int:
         return 0
     finally:
         server.stop()  # also when it exited by itself: removes the record, cleans stubs it left
+
+
+def _mps_line(args: argparse.Namespace) -> str | None:
+    """With --mps: where the daemon runs and whether the server's processes reached it (a CUDA process that
+    does not reach it runs without MPS and says nothing)."""
+    if not args.mps:
+        return None
+    from builder.serving import mps
+
+    folder = args.state_dir / mps.FOLDER
+    count = mps.clients(args.state_dir)
+    if count == 0:
+        return (f"warning: --mps: no process has connected to the CUDA MPS daemon ({folder}); the GPU models "
+                "run without it")
+    return f"CUDA MPS: control daemon in {folder}, {count} client connections so far; stopped with the server"
 
 
 def _verify_specs(manifest: Path | None, repository: Path, only: list[str]) -> list[ModelSpec]:

@@ -36,6 +36,7 @@ from pathlib import Path
 from builder.errors import BuilderError, ServerError
 from builder.repository.lock import LockBusy, exclusive, repository_lock
 from builder.repository.staging import clear_leftovers, leftovers
+from builder.serving import mps
 from builder.serving.exposure import Exposure, has_open, hide_key_once_parsed
 from builder.serving.processes import (
     STATE_FILE,
@@ -273,8 +274,9 @@ class TritonServer:
 
     def __init__(self, repository: Path, state_dir: Path, ports: Ports | None = None,
                  model_control: ModelControl = ModelControl.NONE, extra_args: list[str] | None = None,
-                 exposure: Exposure | None = None) -> None:
+                 exposure: Exposure | None = None, mps: bool = False) -> None:
         self.repository = repository
+        self.mps = mps  # CUDA MPS for its GPU processes (builder.serving.mps): a daemon of this state folder
         self.exposure = exposure or Exposure()  # loopback unless asked
         self.state_dir = state_dir
         self.ports = ports or Ports()
@@ -303,14 +305,21 @@ class TritonServer:
                                   f"running (pid {other.pid}{f', http :{http}' if http else ''}); "
                                   "stop it with `trtbuild stop` first")
             self.cleaned = clean_leftovers(self.state_dir)
+            mps.stop(self.state_dir)  # a daemon a killed server of this folder left
             check_ports(self.ports, self.exposure.host)
             argv = self.argv()
+            env = environment()
+            if self.mps:
+                env |= mps.start(self.state_dir, gpu_ids())
             log.debug("starting %s", " ".join(self.exposure.hide(argv)))
             stdout = (self.state_dir / "tritonserver.out").open("wb")
             try:
                 self.process = subprocess.Popen(
-                    argv, env=environment(), stdout=stdout, stderr=subprocess.STDOUT, start_new_session=detach,
+                    argv, env=env, stdout=stdout, stderr=subprocess.STDOUT, start_new_session=detach,
                 )
+            except BaseException:
+                mps.stop(self.state_dir)
+                raise
             finally:
                 stdout.close()  # the child holds its own copy (or there is no child)
             pid = self.process.pid
@@ -343,6 +352,7 @@ class TritonServer:
             while time.monotonic() < deadline:
                 if self.process.poll() is not None:
                     self._forget()
+                    mps.stop(self.state_dir)
                     raise ServerError(f"tritonserver exited with status {self.process.returncode} before it was "
                                       f"ready; see {self.log_file}: {self.log_tail(1)}")
                 if ready(self.ports.http, self.exposure.host):
@@ -392,6 +402,7 @@ class TritonServer:
                 self.process.wait(timeout=timeout)
         self._forget()
         clean_leftovers(self.state_dir)  # a killed (or crashed) server leaves its stubs running
+        mps.stop(self.state_dir)
 
     def __enter__(self) -> TritonServer:
         self.start()
@@ -435,9 +446,11 @@ def stop_recorded(state_dir: Path, timeout: float = 30.0) -> Stopped:
     with _state_lock(state_dir):
         record = read_record(state_dir)
         if record is None:
+            mps.stop(state_dir)
             return Stopped(None, clean_leftovers(state_dir))
         if exited(record.pid, record.start_ticks):  # ours is gone (its pid may serve another now)
             forget(state_dir, record)
+            mps.stop(state_dir)
             return Stopped(None, clean_leftovers(state_dir), exited=record.pid)
         why = mismatch(record.pid, record.start_ticks, state_dir)
         if why is not None:
@@ -456,4 +469,6 @@ def stop_recorded(state_dir: Path, timeout: float = 30.0) -> Stopped:
             if wait_gone([record.pid], 10.0):
                 raise ServerError(f"tritonserver (pid {record.pid}) did not exit after SIGKILL")
         forget(state_dir, record)
-        return Stopped(record.pid, clean_leftovers(state_dir))
+        cleaned = clean_leftovers(state_dir)
+        mps.stop(state_dir)  # after the server and its stubs, its only clients
+        return Stopped(record.pid, cleaned)
