@@ -1,33 +1,40 @@
 """CUDA MPS (NVIDIA's Multi-Process Service) for one state folder's Triton server (`trtbuild serve --mps`).
 
 Why: the python runner's instances are separate processes (python stubs), each with its own CUDA context, and
-without MPS the GPU time-slices between the contexts instead of running their kernels at once. On an H200
-(docs/results/gpu.md) MPS took FP16 EfficientNet-Lite0 from 0.27x to 0.43x of the in-process ceiling at
-concurrency 32 and cut Triton's compute_input (its copies of the requests' GPU inputs, waiting for a time slice)
+without MPS the GPU time-slices between the contexts instead of running their kernels at once. On one H200 start
+(docs/results/gpu.md) MPS took FP16 EfficientNet-Lite0 from 0.27x to 0.42x of the in-process ceiling at
+concurrency 32 and cut Triton's compute_input (its copies of a batch's GPU inputs, waiting for a time slice)
 from about 2200 to 300 µs per batch.
 
 The control daemon is a user-space process: it changes none of the card's settings. It runs with its pipe and
 log folders under `<state>/mps`, so only the processes given that environment (this folder's tritonserver and
 its stubs) use it; a system-wide daemon, and every other CUDA program, are left alone. A CUDA program that cannot
 reach the daemon silently runs without MPS, so start() waits for the daemon's control socket before the server
-starts. Quitting it stops its server; every stop of the state folder's server quits it.
+starts. The daemon is known by its environment (an `nvidia-cuda-mps-control -d` process whose
+CUDA_MPS_PIPE_DIRECTORY is this folder's), so a hung one can be ended without touching any other daemon.
+Callers quit it after the server and its stubs are gone: MPS's server waits for its clients before it exits.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import re
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
 
 from builder.errors import ServerError
+from builder.serving.processes import alive, wait_gone
 
 log = logging.getLogger(__name__)
 
 CONTROL = "nvidia-cuda-mps-control"
 FOLDER = "mps"
+_CLIENT = re.compile(r"NEW CLIENT (\d+)")
 
 
 def environment(state_dir: Path) -> dict[str, str]:
@@ -36,9 +43,55 @@ def environment(state_dir: Path) -> dict[str, str]:
     return {"CUDA_MPS_PIPE_DIRECTORY": str(root / "pipe"), "CUDA_MPS_LOG_DIRECTORY": str(root / "log")}
 
 
-def _control(state_dir: Path, command: str, timeout: float) -> subprocess.CompletedProcess[bytes]:
-    return subprocess.run([CONTROL], input=command.encode() + b"\n", env=os.environ | environment(state_dir),
-                          capture_output=True, timeout=timeout, check=False)
+def _socket(state_dir: Path) -> Path:
+    return Path(environment(state_dir)["CUDA_MPS_PIPE_DIRECTORY"]) / "control"
+
+
+def _daemon_env(state_dir: Path) -> dict[str, str]:
+    # Without CUDA_VISIBLE_DEVICES: MPS's server numbers the devices it sees, and a client that narrows them
+    # with its own CUDA_VISIBLE_DEVICES (the server's) must find them under their usual numbers.
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    return env | environment(state_dir)
+
+
+def _control(state_dir: Path, command: str, timeout: float) -> int:
+    """Send one command to the folder's daemon: the control program's exit status (non-zero: no daemon)."""
+    try:
+        return subprocess.run([CONTROL], input=command.encode() + b"\n", env=_daemon_env(state_dir),
+                              capture_output=True, timeout=timeout, check=False).returncode
+    except (OSError, subprocess.TimeoutExpired) as e:
+        log.debug("%s %s: %s", CONTROL, command, e)
+        return -1
+
+
+def daemon_pids(state_dir: Path) -> list[int]:
+    """The live control daemons of this folder, found by their environment."""
+    want = f"CUDA_MPS_PIPE_DIRECTORY={environment(state_dir)['CUDA_MPS_PIPE_DIRECTORY']}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            if not any(Path(a.decode(errors="replace")).name == CONTROL for a in argv[:2]) or b"-d" not in argv:
+                continue
+            if want in (entry / "environ").read_bytes().split(b"\0") and alive(int(entry.name)):
+                found.append(int(entry.name))
+        except OSError:  # gone meanwhile, or another user's
+            continue
+    return found
+
+
+def _end(pids: list[int], state_dir: Path) -> None:
+    """SIGTERM, then SIGKILL, the given daemons of state_dir."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+        pids = wait_gone(pids, 5.0)
+        if not pids:
+            return
+    log.warning("CUDA MPS control daemon(s) %s of %s did not exit after SIGKILL", pids, state_dir)
 
 
 def start(state_dir: Path, gpus: list[int], timeout: float = 10.0) -> dict[str, str]:
@@ -53,57 +106,60 @@ def start(state_dir: Path, gpus: list[int], timeout: float = 10.0) -> dict[str, 
     env = environment(state_dir)
     for path in env.values():
         Path(path).mkdir(parents=True, exist_ok=True)
-    done = subprocess.run([CONTROL, "-d"], env=os.environ | env, capture_output=True, timeout=timeout, check=False)
+    # One daemon's lines per log: the client count the ready line gives is this daemon's.
+    control_log = Path(env["CUDA_MPS_LOG_DIRECTORY"]) / "control.log"
+    if control_log.exists():
+        control_log.replace(control_log.with_name("control.log.1"))
+    try:
+        done = subprocess.run([CONTROL, "-d"], env=_daemon_env(state_dir), capture_output=True, timeout=timeout,
+                              check=False)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        _end(daemon_pids(state_dir), state_dir)
+        raise ServerError(f"--mps: `{CONTROL} -d` did not start: {e}") from None
     if done.returncode != 0:
         said = (done.stderr or done.stdout).decode(errors="replace").strip().splitlines()
         raise ServerError(f"--mps: `{CONTROL} -d` exited with status {done.returncode}"
                           + (f": {said[-1]}" if said else "") + f"; see {env['CUDA_MPS_LOG_DIRECTORY']}")
-    socket_path = Path(env["CUDA_MPS_PIPE_DIRECTORY"]) / "control"
     deadline = time.monotonic() + timeout
-    while not socket_path.exists():
+    while not _socket(state_dir).exists():
         if time.monotonic() > deadline:
-            stop(state_dir)
-            raise ServerError(f"--mps: the MPS control daemon made no socket {socket_path} within {timeout:.0f} s; "
-                              f"see {env['CUDA_MPS_LOG_DIRECTORY']}/control.log")
+            _end(daemon_pids(state_dir), state_dir)
+            raise ServerError(f"--mps: the MPS control daemon made no socket {_socket(state_dir)} within "
+                              f"{timeout:.0f} s; see {control_log}")
         time.sleep(0.05)
     log.info("CUDA MPS control daemon started (pipe %s)", env["CUDA_MPS_PIPE_DIRECTORY"])
     return env
 
 
 def clients(state_dir: Path) -> int:
-    """How many client connections the daemon's log records (0 where it has none)."""
+    """How many processes the current daemon's log names as clients (0 where it has none)."""
     path = Path(environment(state_dir)["CUDA_MPS_LOG_DIRECTORY"]) / "control.log"
     if not path.is_file():
         return 0
-    return sum("NEW CLIENT" in line for line in path.read_text(errors="replace").splitlines())
+    return len(set(_CLIENT.findall(path.read_text(errors="replace"))))
 
 
-def stop(state_dir: Path, timeout: float = 30.0) -> bool:
-    """Quit the folder's daemon, if one runs (its socket is there); True when one was asked to quit."""
-    pipe = Path(environment(state_dir)["CUDA_MPS_PIPE_DIRECTORY"])
-    if not (pipe / "control").exists() or shutil.which(CONTROL) is None:
+def stop(state_dir: Path, timeout: float = 10.0) -> bool:
+    """Quit the folder's daemon, if one is there; True when one was. Call it once the server and its stubs are
+    gone (the daemon waits for its clients). One that does not exit within `timeout` is ended by signal."""
+    pids = daemon_pids(state_dir)
+    sock = _socket(state_dir)
+    if not pids and not sock.exists():
         return False
-    try:
-        done = _control(state_dir, "quit", timeout)
-    except subprocess.TimeoutExpired:
-        log.warning("the CUDA MPS control daemon of %s did not answer quit within %.0f s", state_dir, timeout)
-        return False
-    if done.returncode != 0:  # no daemon behind a stale socket (a killed daemon): nothing to quit
-        log.debug("%s quit: status %d", CONTROL, done.returncode)
-        (pipe / "control").unlink(missing_ok=True)
-        return False
-    # The daemon leaves its socket behind as it exits (seen on an H200, driver 580): wait, bounded, until it no
-    # longer answers (it exits after its server, which waits for the stopped tritonserver's clients), then
-    # remove the socket, so the next start() does not mistake it for a live daemon.
-    deadline = time.monotonic() + min(timeout, 10.0)
-    while time.monotonic() < deadline:
-        try:
-            if _control(state_dir, "get_server_list", 5.0).returncode != 0:
-                break
-        except subprocess.TimeoutExpired:
-            pass
-        time.sleep(0.1)
-    else:
-        log.warning("the CUDA MPS control daemon of %s still answered 10 s after quit", state_dir)
-    (pipe / "control").unlink(missing_ok=True)
-    return True
+    answered = shutil.which(CONTROL) is not None and sock.exists() and _control(state_dir, "quit", timeout) == 0
+    if answered:
+        # It leaves its socket behind as it exits (seen on an H200, driver 580): wait, bounded, until it no
+        # longer answers and no daemon of this folder runs.
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and (_control(state_dir, "get_server_list", 5.0) == 0
+                                                or daemon_pids(state_dir)):
+            time.sleep(0.1)
+    left = daemon_pids(state_dir)
+    if left:
+        log.warning("the CUDA MPS control daemon of %s (pid %s) did not exit after quit; ending it",
+                    state_dir, ", ".join(map(str, left)))
+        _end(left, state_dir)
+    # Only now: a socket removed while its daemon still ran would hide that daemon from the next start.
+    if not daemon_pids(state_dir):
+        sock.unlink(missing_ok=True)
+    return answered or bool(pids)

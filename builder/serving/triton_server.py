@@ -277,6 +277,8 @@ class TritonServer:
                  exposure: Exposure | None = None, mps: bool = False) -> None:
         self.repository = repository
         self.mps = mps  # CUDA MPS for its GPU processes (builder.serving.mps): a daemon of this state folder
+        self._mps_started = False  # this object started the folder's daemon (and so may quit it)
+        self._locked = False  # inside start()'s hold of the state lock
         self.exposure = exposure or Exposure()  # loopback unless asked
         self.state_dir = state_dir
         self.ports = ports or Ports()
@@ -297,7 +299,7 @@ class TritonServer:
             raise ServerError(f"--repository {self.repository}: folder not found; run `make engines` first")
         _clear_build_leftovers(self.repository)
         check_tree(self.repository)  # Triton would follow a symlink out of the repository and load what it finds
-        with _state_lock(self.state_dir):
+        with _state_lock(self.state_dir), self._holding_lock():
             other = running(self.state_dir)
             if other is not None:
                 http = other.ports.get("http")
@@ -311,6 +313,7 @@ class TritonServer:
             env = environment()
             if self.mps:
                 env |= mps.start(self.state_dir, gpu_ids())
+                self._mps_started = True
             log.debug("starting %s", " ".join(self.exposure.hide(argv)))
             stdout = (self.state_dir / "tritonserver.out").open("wb")
             try:
@@ -318,7 +321,7 @@ class TritonServer:
                     argv, env=env, stdout=stdout, stderr=subprocess.STDOUT, start_new_session=detach,
                 )
             except BaseException:
-                mps.stop(self.state_dir)
+                self._quit_mps()
                 raise
             finally:
                 stdout.close()  # the child holds its own copy (or there is no child)
@@ -348,20 +351,40 @@ class TritonServer:
         models = sum(1 for child in self.repository.iterdir() if (child / "config.pbtxt").is_file())
         loading = (f"loading {models} model{'s' if models != 1 else ''}" if self.model_control is ModelControl.NONE
                    else "model control explicit: no model loaded at start")
-        with progress.task(f"tritonserver: starting ({loading})"):
-            while time.monotonic() < deadline:
-                if self.process.poll() is not None:
-                    self._forget()
-                    mps.stop(self.state_dir)
-                    raise ServerError(f"tritonserver exited with status {self.process.returncode} before it was "
-                                      f"ready; see {self.log_file}: {self.log_tail(1)}")
-                if ready(self.ports.http, self.exposure.host):
-                    log.debug("tritonserver ready on http %d, grpc %d, metrics %d",
-                              self.ports.http, self.ports.grpc, self.ports.metrics)
-                    return
-                time.sleep(0.25)
+        try:
+            with progress.task(f"tritonserver: starting ({loading})"):
+                while time.monotonic() < deadline:
+                    if self.process.poll() is not None:
+                        raise ServerError(f"tritonserver exited with status {self.process.returncode} before it "
+                                          f"was ready; see {self.log_file}: {self.log_tail(1)}")
+                    if ready(self.ports.http, self.exposure.host):
+                        log.debug("tritonserver ready on http %d, grpc %d, metrics %d",
+                                  self.ports.http, self.ports.grpc, self.ports.metrics)
+                        return
+                    time.sleep(0.25)
+                raise ServerError(f"tritonserver was not ready within {timeout:.0f} s; see {self.log_file}")
+        except BaseException:  # not ready, exited, or Ctrl-C while loading: nothing of it is left running
             self.stop()
-            raise ServerError(f"tritonserver was not ready within {timeout:.0f} s; see {self.log_file}")
+            raise
+
+    @contextlib.contextmanager
+    def _holding_lock(self) -> Iterator[None]:
+        self._locked = True
+        try:
+            yield
+        finally:
+            self._locked = False
+
+    def _quit_mps(self) -> None:
+        """Quit the folder's MPS daemon where this object started it and no other server has since taken the
+        folder (a later `serve --mps` there, after `trtbuild stop` ended this one, has its own daemon)."""
+        if not self._mps_started:
+            return
+        with contextlib.nullcontext() if self._locked else _state_lock(self.state_dir):
+            record = read_record(self.state_dir)
+            if record is None or (self.process is not None and record.pid == self.process.pid):
+                mps.stop(self.state_dir)
+        self._mps_started = False
 
     def log_tail(self, lines: int = 20) -> str:
         text = ""
@@ -402,7 +425,7 @@ class TritonServer:
                 self.process.wait(timeout=timeout)
         self._forget()
         clean_leftovers(self.state_dir)  # a killed (or crashed) server leaves its stubs running
-        mps.stop(self.state_dir)
+        self._quit_mps()  # after the server and its stubs, its only clients
 
     def __enter__(self) -> TritonServer:
         self.start()
@@ -444,14 +467,17 @@ def stop_recorded(state_dir: Path, timeout: float = 30.0) -> Stopped:
     if not state_dir.is_dir():  # nothing was ever started from here (and stop creates nothing)
         return Stopped(None, Cleanup([], [], []))
     with _state_lock(state_dir):
+        # The folder's MPS daemon is quit after the server and its stubs, its only clients.
         record = read_record(state_dir)
         if record is None:
+            cleaned = clean_leftovers(state_dir)
             mps.stop(state_dir)
-            return Stopped(None, clean_leftovers(state_dir))
+            return Stopped(None, cleaned)
         if exited(record.pid, record.start_ticks):  # ours is gone (its pid may serve another now)
             forget(state_dir, record)
+            cleaned = clean_leftovers(state_dir)
             mps.stop(state_dir)
-            return Stopped(None, clean_leftovers(state_dir), exited=record.pid)
+            return Stopped(None, cleaned, exited=record.pid)
         why = mismatch(record.pid, record.start_ticks, state_dir)
         if why is not None:
             forget(state_dir, record)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
-import stat
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,44 +18,14 @@ from builder.errors import ServerError
 from builder.serving import mps, triton_server
 from builder.serving.processes import read_record
 from builder.serving.triton_server import free_ports
-
-# Like the real one: -d makes the socket and runs; quit ends the daemon but leaves the socket behind (seen on an
-# H200); any command without a live daemon fails. Every call is logged.
-CONTROL = """#!/bin/sh
-pipe="$CUDA_MPS_PIPE_DIRECTORY"
-if [ "$1" = "-d" ]; then
-  echo "-d $pipe" >> "$CALLS"
-  mkdir -p "$pipe" && : > "$pipe/control" && echo up > "$pipe/.alive"
-  echo "[t] Starting control daemon using socket $pipe/control" >> "$CUDA_MPS_LOG_DIRECTORY/control.log"
-  exit 0
-fi
-read cmd
-echo "$cmd $pipe" >> "$CALLS"
-[ -f "$pipe/.alive" ] || { echo "Cannot find MPS control daemon process" >&2; exit 1; }
-case "$cmd" in
-  quit) rm -f "$pipe/.alive" ;;
-  get_server_list) echo 4242 ;;
-esac
-"""
+from tests.helpers import mps_daemon
+from tests.helpers.mps_daemon import calls_of
 
 
 @pytest.fixture
 def daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """The stand-in on PATH; the file its calls are logged to."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    control = bin_dir / mps.CONTROL
-    control.write_text(CONTROL)
-    control.chmod(control.stat().st_mode | stat.S_IXUSR)
-    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    calls = tmp_path / "calls"
-    calls.touch()
-    monkeypatch.setenv("CALLS", str(calls))
-    return calls
-
-
-def calls_of(log: Path) -> list[str]:
-    return [line.split()[0] for line in log.read_text().splitlines()]
+    """The stand-in daemon on PATH; the file its calls are logged to."""
+    return mps_daemon.install(tmp_path, monkeypatch)
 
 
 def test_start_waits_for_the_socket_and_stop_removes_the_one_quit_leaves(daemon: Path, tmp_path: Path) -> None:
@@ -68,6 +38,21 @@ def test_start_waits_for_the_socket_and_stop_removes_the_one_quit_leaves(daemon:
     assert not (pipe / "control").exists()  # else the next start would take it for a live daemon
     assert mps.stop(state) is False  # nothing left to quit, and no call made
     assert calls_of(daemon) == ["-d", "quit", "get_server_list"]
+
+
+def test_the_daemon_sees_every_gpu_and_its_log_holds_its_own_clients(daemon: Path, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA_VISIBLE_DEVICES stays with the clients (MPS renumbers the devices its server sees); the log of an
+    earlier daemon is set aside, so a count of clients is this daemon's."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    state = tmp_path / "run"
+    log = state / "mps" / "log"
+    log.mkdir(parents=True)
+    (log / "control.log").write_text("[t] NEW CLIENT 11 from user 0: Server already exists\n")
+    mps.start(state, [0, 1])
+    assert daemon.read_text().split()[-1] == "unset"
+    assert mps.clients(state) == 0 and "NEW CLIENT 11" in (log / "control.log.1").read_text()
+    assert mps.stop(state) is True
 
 
 def test_a_killed_daemons_socket_is_cleared_and_start_begins_afresh(daemon: Path, tmp_path: Path) -> None:
@@ -94,17 +79,19 @@ def test_refused_in_one_line_without_a_gpu_or_the_daemon(daemon: Path, tmp_path:
     assert not (tmp_path / "run" / "mps").exists() and calls_of(daemon) == []
 
 
-def test_clients_counts_the_daemons_new_client_lines(tmp_path: Path) -> None:
+def test_clients_counts_the_processes_the_daemons_log_names(tmp_path: Path) -> None:
     log = tmp_path / "run" / "mps" / "log"
     log.mkdir(parents=True)
     assert mps.clients(tmp_path / "run") == 0
-    # Lines of a real control.log (H200, driver 580.159.04): a client is named once per connection.
+    # Lines of a real control.log (H200, driver 580.159.04): a client is named once per connection, and counted
+    # once per process.
     (log / "control.log").write_text(
         "[2026-11-29 17:46:59.301 Control  7686] User did not send valid credentials\n"
         "[2026-11-29 17:46:59.301 Control  7686] NEW CLIENT 7688 from user 0: Server is not ready, push client to "
         "pending list\n"
         "[2026-11-29 17:46:59.460 Control  7686] NEW SERVER 7721: Ready\n"
-        "[2026-11-29 17:46:59.474 Control  7686] NEW CLIENT 7688 from user 0: Server already exists\n")
+        "[2026-11-29 17:46:59.474 Control  7686] NEW CLIENT 7688 from user 0: Server already exists\n"
+        "[2026-11-29 17:47:39.502 Control  7686] NEW CLIENT 8071 from user 0: Server already exists\n")
     assert mps.clients(tmp_path / "run") == 2
 
 
@@ -160,3 +147,83 @@ def test_serve_mps_without_a_gpu_starts_nothing(daemon: Path, one_model: Path, s
     assert errors == ["trtbuild: error: --mps: no NVIDIA GPU here (NVML lists none); CUDA MPS shares a GPU between "
                       "processes"]
     assert read_record(state) is None and calls_of(daemon) == []
+
+
+def _calls_since(log: Path, mark: int) -> list[str]:
+    return calls_of(log)[mark:]
+
+
+@pytest.fixture
+def gpu_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(triton_server, "gpu_ids", lambda: [0])  # a GPU for --mps's check only:
+    monkeypatch.setattr(triton_server, "cuda_pool_args", lambda gpus: [])  # the CPU server gets no CUDA pool
+
+
+def server(repository: Path, state: Path) -> triton_server.TritonServer:
+    return triton_server.TritonServer(repository, state, triton_server.Ports(*free_ports(3)), mps=True)
+
+
+@pytest.mark.server
+@pytest.mark.usefixtures("gpu_here")
+def test_a_refused_second_serve_leaves_the_running_servers_daemon(daemon: Path, one_model: Path, state: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(serve_args(one_model, state)) == 0
+    mark = len(calls_of(daemon))
+    assert main(serve_args(one_model, state)) == 1
+    assert _calls_since(daemon, mark) == [] and (state / "mps" / "pipe" / ".alive").exists()
+    assert "already running" in capsys.readouterr().err
+    assert main(["stop", "--state-dir", str(state)]) == 0
+    assert _calls_since(daemon, mark) == ["quit", "get_server_list"]
+
+
+@pytest.mark.server
+@pytest.mark.usefixtures("gpu_here")
+def test_a_stopping_server_leaves_the_daemon_of_the_next_server_in_its_folder(daemon: Path, one_model: Path,
+                                                                             state: Path) -> None:
+    """A foreground server stopped by `trtbuild stop` from elsewhere, whose own stop() runs only after a new
+    `serve --mps` took the folder: the new server's daemon stays."""
+    first = server(one_model, state)
+    first.start(timeout=120)
+    assert triton_server.stop_recorded(state).pid == first.process.pid  # type: ignore[union-attr]
+    second = server(one_model, state)
+    second.start(timeout=120)
+    mark = len(calls_of(daemon))
+    first.stop()
+    assert _calls_since(daemon, mark) == [] and (state / "mps" / "pipe" / ".alive").exists()
+    second.stop()
+    assert _calls_since(daemon, mark) == ["quit", "get_server_list"]
+    assert not (state / "mps" / "pipe" / ".alive").exists()
+
+
+@pytest.mark.server
+@pytest.mark.usefixtures("gpu_here")
+def test_the_daemon_is_quit_when_the_server_died_or_never_came_up(daemon: Path, one_model: Path, state: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    # Died: SIGKILLed, then `trtbuild stop` finds its record of an exited server.
+    assert main(serve_args(one_model, state)) == 0
+    record = read_record(state)
+    assert record is not None
+    os.kill(record.pid, signal.SIGKILL)
+    os.waitpid(record.pid, 0)
+    mark = len(calls_of(daemon))
+    assert main(["stop", "--state-dir", str(state)]) == 0
+    assert _calls_since(daemon, mark) == ["quit", "get_server_list"]
+    # Ctrl-C while the models load: the server is stopped and so is its daemon.
+    interrupted = server(one_model, state)
+
+    def interrupt(*args: object, **kwargs: object) -> bool:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(triton_server, "ready", interrupt)
+    mark = len(calls_of(daemon))
+    with pytest.raises(KeyboardInterrupt):
+        interrupted.start(timeout=120)
+    assert interrupted.process is not None and interrupted.process.poll() is not None
+    assert _calls_since(daemon, mark) == ["-d", "quit", "get_server_list"] and read_record(state) is None
+    # The server binary does not start at all.
+    missing = server(one_model, state)
+    monkeypatch.setattr(missing, "argv", lambda: [str(state / "no-such-tritonserver")])
+    mark = len(calls_of(daemon))
+    with pytest.raises(FileNotFoundError):
+        missing.start(timeout=120)
+    assert _calls_since(daemon, mark) == ["-d", "quit", "get_server_list"]
