@@ -13,8 +13,9 @@ METRICS_PORT ?= 8002
 # Empty: Triton listens on 127.0.0.1 only. An address (0.0.0.0: every interface) exposes it; its
 # repository, shared-memory, logging and trace APIs then need TRITON_ADMIN_KEY (docs/security.md).
 LISTEN ?=
-# 1: serve and serve-bg run the GPU models under CUDA MPS (trtbuild serve --mps, docs/gpu.md).
+# 1 (yes, true): serve and serve-bg run the GPU models under CUDA MPS (trtbuild serve --mps, docs/gpu.md).
 MPS ?=
+MPS_FLAG := $(if $(filter 1 yes true,$(strip $(MPS))),--mps,$(if $(filter-out 0 no false,$(strip $(MPS))),$(error MPS=$(MPS): expected 1, yes or true (or 0, no, false, empty))))
 CONCURRENCY ?= 32
 VARIANTS := efficientnet_lite0_fp32 efficientnet_lite0_fp16 efficientnet_lite0_int8 \
             minilm_l6_v2_fp32 minilm_l6_v2_fp16 minilm_l6_v2_int8
@@ -123,10 +124,10 @@ engines: $(STAMP) $(GPU_DEP)
 	@$(BIN)/trtbuild engines --manifest $(MANIFEST) --repository $(REPOSITORY)
 
 serve: $(STAMP)
-	$(BIN)/trtbuild serve --repository $(REPOSITORY) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) $(if $(LISTEN),--listen $(LISTEN)) $(if $(filter 1,$(MPS)),--mps)
+	$(BIN)/trtbuild serve --repository $(REPOSITORY) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) $(if $(LISTEN),--listen $(LISTEN)) $(MPS_FLAG)
 
 serve-bg: $(STAMP)
-	@$(BIN)/trtbuild serve --background --repository $(REPOSITORY) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) $(if $(LISTEN),--listen $(LISTEN)) $(if $(filter 1,$(MPS)),--mps)
+	@$(BIN)/trtbuild serve --background --repository $(REPOSITORY) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) $(if $(LISTEN),--listen $(LISTEN)) $(MPS_FLAG)
 
 stop: $(STAMP)
 	@$(BIN)/trtbuild stop

@@ -7,13 +7,15 @@ without MPS the GPU time-slices between contexts instead of running their kernel
 (docs/results/gpu.md) show ONNX Runtime's run of a batch taking 1.75-1.85x its in-process time with four stubs,
 and Triton's input copies growing with the instance count. MPS (NVIDIA's Multi-Process Service) lets the
 processes of one user share the GPU at once. It is a user-space daemon: it changes none of the card's settings
-(compute mode, clocks, power limit), and this script starts it with private pipe and log folders, so only the
-processes this script starts with those folders in their environment use it, and quits it after each run.
+(compute mode, clocks, power limit). This script starts it as `trtbuild serve --mps` does (builder.serving.mps,
+private pipe and log folders under DIR/on-N/mps) and quits it after each run, also an interrupted one. Unlike
+`serve --mps`, the whole bench_ort.py process runs under the daemon: its in-process ceiling and its perfclient
+(which sends CUDA shared memory) are MPS clients too.
 
 Rounds alternate off, on, on, off, ... (each round is one whole `bench_ort.py BENCH_ORT_ARGS --out DIR/MODE-N`
 run: its own in-process ceiling and its own server). Written to DIR: mps-compare.md and .json (per mode and
 level the median (range) over the rounds of infer/s, x the run's own FP16 ceiling, p99/p50, J/inference and
-Triton's compute_input per request; the on/off ratio of the same round), runs.tar.gz (every run's
+Triton's compute_input per batch; the on/off ratio of the same round), runs.tar.gz (every run's
 ort_gpu_bench.json/.md, its log and the MPS daemon's logs). Exit status 0 when every run ended with 0.
 """
 
@@ -22,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import statistics
 import subprocess
@@ -32,38 +33,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from builder.errors import ServerError
+from builder.serving import mps, triton_server
+
 HERE = Path(__file__).resolve().parent
-CONTROL = "nvidia-cuda-mps-control"
-
-
-def mps_env(folder: Path) -> dict[str, str]:
-    return {"CUDA_MPS_PIPE_DIRECTORY": str(folder / "pipe"), "CUDA_MPS_LOG_DIRECTORY": str(folder / "log")}
-
-
-def start_mps(folder: Path) -> dict[str, str]:
-    """The control daemon with private folders; its environment for the processes that should use it."""
-    env = mps_env(folder)
-    for path in env.values():
-        Path(path).mkdir(parents=True, exist_ok=True)
-    subprocess.run([CONTROL, "-d"], env=os.environ | env, check=True, timeout=30)
-    return env
-
-
-def stop_mps(env: dict[str, str]) -> dict[str, Any]:
-    """Quit the daemon (it stops its server first). A CUDA program that cannot reach the daemon runs without
-    MPS and says nothing, so what the daemon saw is recorded: its servers and the clients its log names."""
-    seen: dict[str, Any] = {}
-    try:
-        listed = subprocess.run([CONTROL], input=b"get_server_list\n", env=os.environ | env, timeout=60,
-                                capture_output=True, check=False)
-        seen["servers"] = listed.stdout.decode(errors="replace").split()
-        subprocess.run([CONTROL], input=b"quit\n", env=os.environ | env, timeout=60, check=False)
-    except subprocess.TimeoutExpired as e:
-        seen["error"] = str(e)
-    log = Path(env["CUDA_MPS_LOG_DIRECTORY"]) / "control.log"
-    text = log.read_text(errors="replace") if log.is_file() else ""
-    seen["clients"] = len(re.findall(r"new.client", text, flags=re.IGNORECASE))
-    return seen
+def run_mps_on(out: Path) -> dict[str, str]:
+    """The product's daemon handling (builder.serving.mps) with `out` as its state folder (daemon in out/mps)."""
+    return mps.start(out, triton_server.gpu_ids() or [0])
 
 
 def levels(doc: dict[str, Any]) -> dict[str, dict[str, float | None]]:
@@ -96,7 +72,8 @@ def spread(values: list[float], spec: str) -> str:
 def markdown(runs: list[dict[str, Any]]) -> str:
     keys = list(dict.fromkeys(k for run in runs for k in run["levels"]))
     lines = ["# Served with and without CUDA MPS (alternating whole runs)", "",
-             "| level | MPS | runs | infer/s | x own FP16 ceiling | p99/p50 | J/inference | compute_input us/req |",
+             "| level | MPS | runs | infer/s | x own FP16 ceiling | p99/p50 | J/inference | "
+             "compute_input us per batch |",
              "|" + "---|" * 8]
     for key in keys:
         for mode in ("off", "on"):
@@ -122,7 +99,9 @@ def markdown(runs: list[dict[str, Any]]) -> str:
                 if run["levels"] and (c := next(iter(run["levels"].values()))["ceiling"])]
     lines += ["", "FP16 in-process ceilings (img/s): " + (", ".join(ceilings) or "-"), "",
               "Runs: " + ", ".join(f"{run['mode']}-{run['round']} exit {run['exit']} ({run['seconds']:.0f} s"
-                                   + (f", MPS {run['mps']}" if run["mps"] is not None else "") + ")"
+                                   + (f", MPS clients {run['mps']['clients']}" + (" (NONE: this run did not use MPS)"
+                                                                  if not run["mps"]["clients"] else "")
+                                     if run["mps"] is not None else "") + ")"
                                    for run in runs)]
     return "\n".join(lines) + "\n"
 
@@ -151,8 +130,8 @@ def main() -> int:
         p.error("--out after --: this script gives each run its own")
     if args.rounds < 1:
         p.error(f"--rounds {args.rounds}: expected 1 or more")
-    if shutil.which(CONTROL) is None:
-        print(f"mps_compare: {CONTROL} not on PATH: no CUDA MPS on this machine", file=sys.stderr)
+    if shutil.which(mps.CONTROL) is None:
+        print(f"mps_compare: {mps.CONTROL} not on PATH: no CUDA MPS on this machine", file=sys.stderr)
         return 1
     args.out.mkdir(parents=True, exist_ok=True)
     runs: list[dict[str, Any]] = []
@@ -162,21 +141,21 @@ def main() -> int:
         out = args.out / f"{mode}-{round_}"
         out.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ)
-        mps: dict[str, str] = {}
         if mode == "on":
             try:
-                mps = start_mps(out / "mps")
-            except (OSError, subprocess.SubprocessError) as e:
-                print(f"mps_compare: {CONTROL} -d did not start the daemon: {e}", file=sys.stderr)
+                env |= run_mps_on(out)
+            except ServerError as e:
+                print(f"mps_compare: {e}", file=sys.stderr)
                 write(args.out, runs)
                 return 1
-            env |= mps
         t0 = time.monotonic()
-        with open(out / "run.log", "wb") as log:
-            code = subprocess.run([sys.executable, str(HERE / "bench_ort.py"), *bench_args, "--out", str(out)],
-                                  env=env, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
+        try:
+            with open(out / "run.log", "wb") as log:
+                code = subprocess.run([sys.executable, str(HERE / "bench_ort.py"), *bench_args, "--out", str(out)],
+                                      env=env, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
+        finally:  # an interrupted run leaves no daemon
+            seen = {"clients": mps.clients(out), "quit": mps.stop(out)} if mode == "on" else None
         seconds = time.monotonic() - t0
-        seen = stop_mps(mps) if mps else None
         result = out / "ort_gpu_bench.json"
         doc = json.loads(result.read_text()) if result.is_file() else {}
         run = {"mode": mode, "round": round_, "exit": code, "seconds": seconds, "levels": levels(doc),

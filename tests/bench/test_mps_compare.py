@@ -5,8 +5,6 @@ same-round ratios come from the runs' own figures."""
 from __future__ import annotations
 
 import json
-import os
-import stat
 import sys
 import tarfile
 from collections.abc import Iterator
@@ -15,25 +13,18 @@ from types import ModuleType
 
 import pytest
 
+from tests.helpers import mps_daemon
+from tests.helpers.mps_daemon import calls_of
 from tests.helpers.scripts import loaded_script
 
 ROOT = Path(__file__).resolve().parents[2]
-
-CONTROL = """#!/bin/sh
-# Stand-in nvidia-cuda-mps-control: -d starts, stdin commands answer; every call is logged.
-echo "$* ${CUDA_MPS_PIPE_DIRECTORY}" >> "$CALLS"
-if [ "$1" = "-d" ]; then echo "[x] INFO: Starting control daemon" > "$CUDA_MPS_LOG_DIRECTORY/control.log"; exit 0; fi
-read cmd
-echo "$cmd" >> "$CALLS"
-if [ "$cmd" = "get_server_list" ]; then echo 4242; fi
-"""
 
 # Stand-in bench_ort.py: faster under MPS, and it reports a client to the stand-in daemon's log as MPS would.
 BENCH = """import json, os, sys
 out = sys.argv[sys.argv.index("--out") + 1]
 mps = os.environ.get("CUDA_MPS_LOG_DIRECTORY")
 if mps:
-    open(os.path.join(mps, "control.log"), "a").write("[x] INFO: New client 17 connected\\n")
+    open(os.path.join(mps, "control.log"), "a").write("[x] NEW CLIENT 17 from user 0: Server already exists\\n")
 rate = 12000.0 if mps else 9000.0
 row = {"model": "fp16_batched", "concurrency": 256, "shared_memory": "cuda", "throughput": rate,
        "latency_us": {"p50": 20000.0, "p99": 26000.0}, "power": {"j_per_infer": 300.0 / rate},
@@ -45,20 +36,13 @@ open(os.path.join(out, "ort_gpu_bench.json"), "w").write(json.dumps(doc))
 
 @pytest.fixture()
 def mps_compare(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    control = bin_dir / "nvidia-cuda-mps-control"
-    control.write_text(CONTROL)
-    control.chmod(control.stat().st_mode | stat.S_IXUSR)
-    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setenv("CALLS", str(tmp_path / "calls"))
-    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
-    monkeypatch.delenv("CUDA_MPS_LOG_DIRECTORY", raising=False)
+    mps_daemon.install(tmp_path, monkeypatch)
     scripts = tmp_path / "scripts"
     scripts.mkdir()
     (scripts / "bench_ort.py").write_text(BENCH)
     with loaded_script("mps_compare", ROOT / "bench" / "gpu" / "mps_compare.py") as module:
         monkeypatch.setattr(module, "HERE", scripts)
+        monkeypatch.setattr(module.triton_server, "gpu_ids", lambda: [0])
         yield module
 
 
@@ -69,14 +53,11 @@ def test_runs_alternate_and_only_the_on_runs_use_mps(mps_compare: ModuleType, tm
     assert mps_compare.main() == 0
     runs = json.loads((out / "mps-compare.json").read_text())
     assert [(r["mode"], r["round"]) for r in runs] == [("off", 1), ("on", 1), ("on", 2), ("off", 2)]
-    assert [r["mps"] for r in runs if r["mode"] == "on"] == [{"servers": ["4242"], "clients": 1}] * 2
-    calls = (tmp_path / "calls").read_text().splitlines()
-    # Each on run: the daemon started with its own pipe folder, asked for its servers, and quit.
-    expected = []
-    for run in ("on-1", "on-2"):
-        pipe = str(out / run / "mps" / "pipe")
-        expected += [f"-d {pipe}", f" {pipe}", "get_server_list", f" {pipe}", "quit"]
-    assert calls == expected
+    assert [r["mps"] for r in runs if r["mode"] == "on"] == [{"clients": 1, "quit": True}] * 2
+    # Each on run: the daemon started with its own pipe folder (run under the stand-in bench), then quit.
+    assert calls_of(tmp_path / "calls") == ["-d", "quit", "get_server_list"] * 2
+    pipes = [line.split()[1] for line in (tmp_path / "calls").read_text().splitlines() if line.startswith("-d")]
+    assert pipes == [str((out / run / "mps" / "pipe").resolve()) for run in ("on-1", "on-2")]
     text = (out / "mps-compare.md").read_text()
     assert "| fp16_batched@256 | off | 2 | 9000 (9000-9000) | 0.56 (0.56-0.56) | 1.30 (1.30-1.30) |" in text
     assert "| fp16_batched@256 | on | 2 | 12000 (12000-12000) | 0.75 (0.75-0.75) |" in text
@@ -87,8 +68,9 @@ def test_runs_alternate_and_only_the_on_runs_use_mps(mps_compare: ModuleType, tm
 
 def test_no_daemon_on_the_machine_is_one_line(mps_compare: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                               capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setattr(mps_compare, "CONTROL", "no-such-mps-control")
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    (tmp_path / "bin" / mps_compare.mps.CONTROL).unlink()
     monkeypatch.setattr(sys, "argv", ["mps_compare.py", "--out", str(tmp_path / "o"), "--", "--models", "m"])
     assert mps_compare.main() == 1
-    assert capsys.readouterr().err.strip() == ("mps_compare: no-such-mps-control not on PATH: no CUDA MPS on this "
-                                               "machine")
+    assert capsys.readouterr().err.strip() == ("mps_compare: nvidia-cuda-mps-control not on PATH: no CUDA MPS on "
+                                               "this machine")
