@@ -401,8 +401,9 @@ class DynamicDims(ValueError):
 
 
 def _cuda_session(path, options, provider_options):
-    """A session on the CUDA provider, or an error naming the file where the provider does not start (ONNX
-    Runtime would otherwise fall back to the CPU without a word, and the bound device tensors fail later)."""
+    """A session on the CUDA provider. Where the provider does not start, ONNX Runtime falls back to the CPU
+    without a word: the session it fell back to, made once more with its warnings on (they say why, in
+    Triton's log); the caller decides whether that may run (`_no_cuda`)."""
 
     def make():
         return ort.InferenceSession(path, sess_options=options,
@@ -417,10 +418,16 @@ def _cuda_session(path, options, provider_options):
     finally:
         ort.set_default_logger_severity(2)
     if "CUDAExecutionProvider" not in session.get_providers():
-        make()  # once more with its warnings on: they say why, in Triton's log
-        raise RuntimeError(f"{path}: ONNX Runtime did not start its CUDA provider (CUDA or cuDNN libraries "
-                           "missing?); its warnings above say why")
+        session = make()
     return session
+
+
+def _no_cuda(path, session):
+    """Why `session` is not on the CUDA provider, or None where it is."""
+    if "CUDAExecutionProvider" in session.get_providers():
+        return None
+    return (f"{path}: ONNX Runtime did not start its CUDA provider (CUDA or cuDNN libraries missing?); its warnings "
+            "above say why")
 
 
 class _Bucket:
@@ -441,9 +448,14 @@ class _Bucket:
         self.inputs, self.host, self.outputs = {}, {}, {}
         self.pinned = True
         for node in self.session.get_inputs():
-            shape = [size, *node.shape[1:]]
-            if not all(isinstance(d, int) and d > 0 for d in shape):
+            if not all(isinstance(d, int) and d > 0 for d in [size, *node.shape[1:]]):
                 raise DynamicDims(f"input {node.name} has dynamic non-batch dims {node.shape}")
+        # After the shapes (a model whose shapes vary gets one plain session, which may run on the CPU): the
+        # device tensors bound below need the CUDA provider.
+        if (why := _no_cuda(path, self.session)) is not None:
+            raise RuntimeError(why)
+        for node in self.session.get_inputs():
+            shape = [size, *node.shape[1:]]
             dtype = _NUMPY_OF_ORT[node.type]
             self.host[node.name] = np.zeros(shape, dtype=dtype)
             self.pinned = pin and _pin(self.host[node.name], device_id) and self.pinned
@@ -610,6 +622,8 @@ class CudaPlainRunner(CpuRunner):
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         self.session = _cuda_session(path, options, self.provider_options)
+        if (why := _no_cuda(path, self.session)) is not None:  # one plain session runs either way
+            log.warning("%s; this model runs on the CPU", why)
         self.output_names = [o.name for o in self.session.get_outputs()]
 
     def describe(self):
