@@ -309,22 +309,23 @@ class TritonServer:
             self.cleaned = clean_leftovers(self.state_dir)
             mps.stop(self.state_dir)  # a daemon a killed server of this folder left
             check_ports(self.ports, self.exposure.host)
-            argv = self.argv()
             env = environment()
-            if self.mps:
+            if self.mps:  # before anything is written: a refused --mps leaves the folder as it was
                 env |= mps.start(self.state_dir, gpu_ids())
                 self._mps_started = True
-            log.debug("starting %s", " ".join(self.exposure.hide(argv)))
-            stdout = (self.state_dir / "tritonserver.out").open("wb")
             try:
-                self.process = subprocess.Popen(
-                    argv, env=env, stdout=stdout, stderr=subprocess.STDOUT, start_new_session=detach,
-                )
-            except BaseException:
+                argv = self.argv()
+                log.debug("starting %s", " ".join(self.exposure.hide(argv)))
+                stdout = (self.state_dir / "tritonserver.out").open("wb")
+                try:
+                    self.process = subprocess.Popen(
+                        argv, env=env, stdout=stdout, stderr=subprocess.STDOUT, start_new_session=detach,
+                    )
+                finally:
+                    stdout.close()  # the child holds its own copy (or there is no child)
+            except BaseException:  # no server: no daemon either
                 self._quit_mps()
                 raise
-            finally:
-                stdout.close()  # the child holds its own copy (or there is no child)
             pid = self.process.pid
             if self.exposure.key is not None:  # out of /proc/<pid>/cmdline once Triton has its own copy
                 process, log_file = self.process, self.log_file
