@@ -400,6 +400,10 @@ class DynamicDims(ValueError):
     has no one shape to preallocate."""
 
 
+class NoCudaProvider(RuntimeError):
+    """ONNX Runtime did not start its CUDA provider for a bucket (whose device tensors need it)."""
+
+
 def _cuda_session(path, options, provider_options):
     """A session on the CUDA provider. Where the provider does not start, ONNX Runtime falls back to the CPU
     without a word: the session it fell back to, made once more with its warnings on (they say why, in
@@ -447,13 +451,14 @@ class _Bucket:
         self.binding = self.session.io_binding()
         self.inputs, self.host, self.outputs = {}, {}, {}
         self.pinned = True
-        for node in self.session.get_inputs():
-            if not all(isinstance(d, int) and d > 0 for d in [size, *node.shape[1:]]):
-                raise DynamicDims(f"input {node.name} has dynamic non-batch dims {node.shape}")
+        for kind, nodes in (("input", self.session.get_inputs()), ("output", self.session.get_outputs())):
+            for node in nodes:
+                if not all(isinstance(d, int) and d > 0 for d in [size, *node.shape[1:]]):
+                    raise DynamicDims(f"{kind} {node.name} has dynamic non-batch dims {node.shape}")
         # After the shapes (a model whose shapes vary gets one plain session, which may run on the CPU): the
         # device tensors bound below need the CUDA provider.
         if (why := _no_cuda(path, self.session)) is not None:
-            raise RuntimeError(why)
+            raise NoCudaProvider(why)
         for node in self.session.get_inputs():
             shape = [size, *node.shape[1:]]
             dtype = _NUMPY_OF_ORT[node.type]
@@ -465,8 +470,6 @@ class _Bucket:
         self.output_names = [o.name for o in self.session.get_outputs()]
         for node in self.session.get_outputs():
             shape = [size, *node.shape[1:]]
-            if not all(isinstance(d, int) and d > 0 for d in shape):
-                raise DynamicDims(f"output {node.name} has dynamic non-batch dims {node.shape}")
             value = ort.OrtValue.ortvalue_from_shape_and_type(shape, _NUMPY_OF_ORT[node.type], "cuda", device_id)
             self.outputs[node.name] = value
             self.binding.bind_ortvalue_output(node.name, value)
@@ -552,7 +555,7 @@ class CudaBucketRunner:
                                      device_id=device_id, pin=pin)
                     for _ in range(max(warmup_runs, 2)):  # the first graph run captures
                         bucket.run(bucket.host, size)
-                except DynamicDims:
+                except (DynamicDims, NoCudaProvider):
                     raise  # no bucket can be preallocated, with or without a graph
                 except MemoryError:
                     raise  # the model does not fit: no second session on a full device
@@ -622,13 +625,14 @@ class CudaPlainRunner(CpuRunner):
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         self.session = _cuda_session(path, options, self.provider_options)
-        if (why := _no_cuda(path, self.session)) is not None:  # one plain session runs either way
-            log.warning("%s; this model runs on the CPU", why)
+        self.no_cuda = _no_cuda(path, self.session)
+        if self.no_cuda is not None:  # one plain session runs either way
+            log.warning("%s; this model runs on the CPU", self.no_cuda)
         self.output_names = [o.name for o in self.session.get_outputs()]
 
     def describe(self):
-        return {"provider": "cuda", "provider_options": self.provider_options, "buckets": None,
-                "buckets_off_reason": self.reason}
+        return {"provider": "cuda" if self.no_cuda is None else "cpu (the CUDA provider did not start)",
+                "provider_options": self.provider_options, "buckets": None, "buckets_off_reason": self.reason}
 
 
 def _subgraphs(nodes):

@@ -9,7 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import onnx
 import pytest
+from onnx import TensorProto, helper
 
 from builder.repository import python_model
 from tests.helpers.tiny_models import mlp_onnx, sequence_onnx
@@ -75,7 +77,25 @@ def test_without_the_provider_the_bucket_refuses_after_the_shapes_and_the_plain_
         RUNNER._Bucket(str(fixed), 4, provider_options={}, cuda_graph=False, device_id=0, pin=False)
     with pytest.raises(RUNNER.DynamicDims):  # the shapes first: such a model falls back to one plain session
         RUNNER._Bucket(str(varying), 4, provider_options={}, cuda_graph=False, device_id=0, pin=False)
+    # Fixed inputs, an output whose width varies (Compress): also one plain session, not a failed load.
+    nodes = [helper.make_node("ReduceMax", ["x"], ["m"], axes=[0], keepdims=0),
+             helper.make_node("Greater", ["m", "zero"], ["keep"]),
+             helper.make_node("Compress", ["x", "keep"], ["y"], axis=1)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", "k"])],
+                              initializer=[helper.make_tensor("zero", TensorProto.FLOAT, [], [0.0])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, tmp_path / "outputs_vary.onnx")
+    with pytest.raises(RUNNER.DynamicDims, match="output y"):
+        RUNNER._Bucket(str(tmp_path / "outputs_vary.onnx"), 4, provider_options={}, cuda_graph=False, device_id=0,
+                       pin=False)
+    # With CUDA graphs on (the default) the missing provider is not taken for a graph refusal: no retry.
+    with pytest.raises(RUNNER.NoCudaProvider):
+        RUNNER.CudaBucketRunner(str(fixed), max_batch=4, provider_options={}, cuda_graphs=True, sizes=[4], pin=False)
+    assert "CUDA graphs off" not in caplog.text
     runner = RUNNER.CudaPlainRunner(str(varying), provider_options={})
     assert runner.session.get_providers() == ["CPUExecutionProvider"]
     assert f"{varying}: ONNX Runtime did not start its CUDA provider" in caplog.text
     assert "this model runs on the CPU" in caplog.text
+    assert runner.describe()["provider"] == "cpu (the CUDA provider did not start)"

@@ -230,7 +230,9 @@ def test_a_model_whose_other_dims_vary_gets_one_cuda_session_not_a_failed_load(t
     path = sequence_onnx(tmp_path / "model.onnx")
     runner = RUNNER.make_runner(str(path), {"provider": "cuda"}, 8)
     described = runner.describe()
-    assert described["provider"] == "cuda" and described["buckets"] is None
+    # Without a GPU its one session runs on the CPU, and says so.
+    assert described["provider"] == ("cuda" if cuda_available() else "cpu (the CUDA provider did not start)")
+    assert described["buckets"] is None
     assert "input ids has dynamic non-batch dims" in described["buckets_off_reason"]
     ids = np.random.default_rng(0).integers(0, 50, size=(3, 7), dtype=np.int64)
     direct = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(["out"], {"ids": ids})[0]
