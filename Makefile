@@ -15,7 +15,8 @@ METRICS_PORT ?= 8002
 LISTEN ?=
 # 1 (yes, true): serve and serve-bg run the GPU models under CUDA MPS (trtbuild serve --mps, docs/gpu.md).
 MPS ?=
-MPS_FLAG := $(if $(filter 1 yes true,$(strip $(MPS))),--mps,$(if $(filter-out 0 no false,$(strip $(MPS))),$(error MPS=$(MPS): expected 1, yes or true (or 0, no, false, empty))))
+# Deferred (=): a wrong value stops only the targets that use it. One word of 1/yes/true or 0/no/false.
+MPS_FLAG = $(if $(strip $(MPS)),$(if $(filter-out 1 yes true 0 no false,$(MPS))$(word 2,$(MPS)),$(error MPS=$(MPS): expected 1, yes or true (or 0, no, false, empty)),$(if $(filter 1 yes true,$(MPS)),--mps)))
 CONCURRENCY ?= 32
 VARIANTS := efficientnet_lite0_fp32 efficientnet_lite0_fp16 efficientnet_lite0_int8 \
             minilm_l6_v2_fp32 minilm_l6_v2_fp16 minilm_l6_v2_int8

@@ -554,7 +554,7 @@ def _mps_line(args: argparse.Namespace) -> str | None:
     if count == 0:
         return (f"warning: --mps: no process has connected to the CUDA MPS daemon ({folder}); the GPU models "
                 "run without it")
-    return f"CUDA MPS: control daemon in {folder}, {count} client connections so far; stopped with the server"
+    return f"CUDA MPS: control daemon in {folder}, {count} client processes so far; stopped with the server"
 
 
 def _verify_specs(manifest: Path | None, repository: Path, only: list[str]) -> list[ModelSpec]:

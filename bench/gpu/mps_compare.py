@@ -37,6 +37,8 @@ from builder.errors import ServerError
 from builder.serving import mps, triton_server
 
 HERE = Path(__file__).resolve().parent
+
+
 def run_mps_on(out: Path) -> dict[str, str]:
     """The product's daemon handling (builder.serving.mps) with `out` as its state folder (daemon in out/mps)."""
     return mps.start(out, triton_server.gpu_ids() or [0])

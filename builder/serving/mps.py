@@ -33,7 +33,9 @@ from builder.serving.processes import alive, wait_gone
 log = logging.getLogger(__name__)
 
 CONTROL = "nvidia-cuda-mps-control"
+SERVER = "nvidia-cuda-mps-server"  # started by the daemon, with its environment; holds the shared GPU context
 FOLDER = "mps"
+SOCKET_PATH_MAX = 107  # a Unix socket's path, sun_path less its terminating zero
 _CLIENT = re.compile(r"NEW CLIENT (\d+)")
 
 
@@ -65,7 +67,7 @@ def _control(state_dir: Path, command: str, timeout: float) -> int:
 
 
 def daemon_pids(state_dir: Path) -> list[int]:
-    """The live control daemons of this folder, found by their environment."""
+    """The live control daemons of this folder and the MPS servers they started, found by their environment."""
     want = f"CUDA_MPS_PIPE_DIRECTORY={environment(state_dir)['CUDA_MPS_PIPE_DIRECTORY']}".encode()
     found = []
     for entry in Path("/proc").iterdir():
@@ -73,7 +75,8 @@ def daemon_pids(state_dir: Path) -> list[int]:
             continue
         try:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
-            if not any(Path(a.decode(errors="replace")).name == CONTROL for a in argv[:2]) or b"-d" not in argv:
+            names = {Path(a.decode(errors="replace")).name for a in argv[:2]}
+            if not ((CONTROL in names and b"-d" in argv) or SERVER in names):
                 continue
             if want in (entry / "environ").read_bytes().split(b"\0") and alive(int(entry.name)):
                 found.append(int(entry.name))
@@ -102,6 +105,9 @@ def start(state_dir: Path, gpus: list[int], timeout: float = 10.0) -> dict[str, 
     if shutil.which(CONTROL) is None:
         raise ServerError(f"--mps: {CONTROL} not found on PATH (it comes with the NVIDIA driver's utilities; in a "
                           "container, NVIDIA_DRIVER_CAPABILITIES must include utility); serve without --mps")
+    if len(str(_socket(state_dir))) > SOCKET_PATH_MAX:
+        raise ServerError(f"--mps: the daemon's socket {_socket(state_dir)} would be longer than a Unix socket's "
+                          f"{SOCKET_PATH_MAX} bytes; use a shorter --state-dir")
     stop(state_dir)
     env = environment(state_dir)
     for path in env.values():
@@ -111,22 +117,24 @@ def start(state_dir: Path, gpus: list[int], timeout: float = 10.0) -> dict[str, 
     if control_log.exists():
         control_log.replace(control_log.with_name("control.log.1"))
     try:
-        done = subprocess.run([CONTROL, "-d"], env=_daemon_env(state_dir), capture_output=True, timeout=timeout,
-                              check=False)
-    except (OSError, subprocess.TimeoutExpired) as e:
+        try:
+            done = subprocess.run([CONTROL, "-d"], env=_daemon_env(state_dir), capture_output=True,
+                                  timeout=timeout, check=False)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise ServerError(f"--mps: `{CONTROL} -d` did not start: {e}") from None
+        if done.returncode != 0:
+            said = (done.stderr or done.stdout).decode(errors="replace").strip().splitlines()
+            raise ServerError(f"--mps: `{CONTROL} -d` exited with status {done.returncode}"
+                              + (f": {said[-1]}" if said else "") + f"; see {env['CUDA_MPS_LOG_DIRECTORY']}")
+        deadline = time.monotonic() + timeout
+        while not _socket(state_dir).exists():
+            if time.monotonic() > deadline:
+                raise ServerError(f"--mps: the MPS control daemon made no socket {_socket(state_dir)} within "
+                                  f"{timeout:.0f} s; see {control_log}")
+            time.sleep(0.05)
+    except BaseException:  # refused, timed out or interrupted: no daemon of this folder is left running
         _end(daemon_pids(state_dir), state_dir)
-        raise ServerError(f"--mps: `{CONTROL} -d` did not start: {e}") from None
-    if done.returncode != 0:
-        said = (done.stderr or done.stdout).decode(errors="replace").strip().splitlines()
-        raise ServerError(f"--mps: `{CONTROL} -d` exited with status {done.returncode}"
-                          + (f": {said[-1]}" if said else "") + f"; see {env['CUDA_MPS_LOG_DIRECTORY']}")
-    deadline = time.monotonic() + timeout
-    while not _socket(state_dir).exists():
-        if time.monotonic() > deadline:
-            _end(daemon_pids(state_dir), state_dir)
-            raise ServerError(f"--mps: the MPS control daemon made no socket {_socket(state_dir)} within "
-                              f"{timeout:.0f} s; see {control_log}")
-        time.sleep(0.05)
+        raise
     log.info("CUDA MPS control daemon started (pipe %s)", env["CUDA_MPS_PIPE_DIRECTORY"])
     return env
 
@@ -148,11 +156,12 @@ def stop(state_dir: Path, timeout: float = 10.0) -> bool:
         return False
     answered = shutil.which(CONTROL) is not None and sock.exists() and _control(state_dir, "quit", timeout) == 0
     if answered:
-        # It leaves its socket behind as it exits (seen on an H200, driver 580): wait, bounded, until it no
-        # longer answers and no daemon of this folder runs.
+        # It leaves its socket behind as it exits (seen on an H200, driver 580): wait, bounded, until no daemon
+        # of this folder runs (where none was seen among the processes, until it no longer answers).
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and (_control(state_dir, "get_server_list", 5.0) == 0
-                                                or daemon_pids(state_dir)):
+        while time.monotonic() < deadline:
+            if not (daemon_pids(state_dir) if pids else _control(state_dir, "get_server_list", 5.0) == 0):
+                break
             time.sleep(0.1)
     left = daemon_pids(state_dir)
     if left:

@@ -311,8 +311,8 @@ class TritonServer:
             check_ports(self.ports, self.exposure.host)
             env = environment()
             if self.mps:  # before anything is written: a refused --mps leaves the folder as it was
+                self._mps_started = True  # first: an interrupt inside start() leaves nothing to quit but is safe
                 env |= mps.start(self.state_dir, gpu_ids())
-                self._mps_started = True
             try:
                 argv = self.argv()
                 log.debug("starting %s", " ".join(self.exposure.hide(argv)))
@@ -327,26 +327,27 @@ class TritonServer:
                 self._quit_mps()
                 raise
             pid = self.process.pid
-            if self.exposure.key is not None:  # out of /proc/<pid>/cmdline once Triton has its own copy
-                process, log_file = self.process, self.log_file
-                hide_key_once_parsed(pid, self.exposure.key, lambda: has_open(pid, log_file),
-                                     lambda: process.poll() is not None)
-            self.record = ServerRecord(
-                pid=pid, start_ticks=start_ticks(pid), argv=self.exposure.hide(argv),
-                command=[sys.executable, *sys.argv],
-                repository=str(self.repository.resolve()), backend_dir=str(self.state_dir.resolve() / "backends"),
-                ports=asdict(self.ports), started=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            )
-            if self.record.start_ticks is None:  # exited at once; the readiness loop reports why
-                self.record = None
-            else:
-                try:
-                    write_json(self.state_dir / STATE_FILE, asdict(self.record))
-                except BaseException:
-                    # Unrecorded, no `trtbuild stop` could find it: stop it here rather than orphan it.
+            try:
+                if self.exposure.key is not None:  # out of /proc/<pid>/cmdline once Triton has its own copy
+                    process, log_file = self.process, self.log_file
+                    hide_key_once_parsed(pid, self.exposure.key, lambda: has_open(pid, log_file),
+                                         lambda: process.poll() is not None)
+                self.record = ServerRecord(
+                    pid=pid, start_ticks=start_ticks(pid), argv=self.exposure.hide(argv),
+                    command=[sys.executable, *sys.argv], repository=str(self.repository.resolve()),
+                    backend_dir=str(self.state_dir.resolve() / "backends"), ports=asdict(self.ports),
+                    started=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                )
+                if self.record.start_ticks is None:  # exited at once; the readiness loop reports why
                     self.record = None
-                    self.stop()
-                    raise
+                else:
+                    write_json(self.state_dir / STATE_FILE, asdict(self.record))
+            except BaseException:
+                # Unrecorded (or interrupted before it was), no `trtbuild stop` could find it: stop it here, and
+                # its MPS daemon, rather than orphan them.
+                self.record = None
+                self.stop()
+                raise
         deadline = time.monotonic() + timeout
         # Triton answers nothing until it has loaded every model (mode none): a status line meanwhile.
         models = sum(1 for child in self.repository.iterdir() if (child / "config.pbtxt").is_file())

@@ -23,9 +23,10 @@ from tests.helpers.mps_daemon import calls_of
 
 
 @pytest.fixture
-def daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """The stand-in daemon on PATH; the file its calls are logged to."""
-    return mps_daemon.install(tmp_path, monkeypatch)
+    with mps_daemon.installed(tmp_path, monkeypatch) as calls:
+        yield calls
 
 
 def test_start_waits_for_the_socket_and_stop_removes_the_one_quit_leaves(daemon: Path, tmp_path: Path) -> None:
@@ -33,11 +34,43 @@ def test_start_waits_for_the_socket_and_stop_removes_the_one_quit_leaves(daemon:
     env = mps.start(state, [0])
     pipe = state.resolve() / "mps" / "pipe"
     assert env == {"CUDA_MPS_PIPE_DIRECTORY": str(pipe), "CUDA_MPS_LOG_DIRECTORY": str(state.resolve() / "mps" / "log")}
-    assert (pipe / "control").exists()
+    assert (pipe / "control").exists() and len(mps.daemon_pids(state)) == 1
     assert mps.stop(state) is True
-    assert not (pipe / "control").exists()  # else the next start would take it for a live daemon
+    assert not mps.daemon_pids(state) and not (pipe / "control").exists()  # else the next start would wait on it
     assert mps.stop(state) is False  # nothing left to quit, and no call made
-    assert calls_of(daemon) == ["-d", "quit", "get_server_list"]
+    assert calls_of(daemon) == ["-d", "quit"]
+
+
+def test_a_daemon_that_ignores_quit_is_ended_and_another_folders_is_left(daemon: Path, tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    other = tmp_path / "other"
+    mps.start(other, [0])
+    (other_pid,) = mps.daemon_pids(other)
+    monkeypatch.setenv("STANDIN_HANG", "1")
+    state = tmp_path / "run"
+    mps.start(state, [0])
+    assert len(mps.daemon_pids(state)) == 1
+    assert mps.stop(state, timeout=0.5) is True
+    assert not mps.daemon_pids(state) and not (state / "mps" / "pipe" / "control").exists()
+    assert mps.daemon_pids(other) == [other_pid]
+    monkeypatch.delenv("STANDIN_HANG")
+    assert mps.stop(other) is True
+
+
+def test_a_daemon_that_makes_no_socket_is_ended_with_one_line(daemon: Path, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STANDIN_NO_SOCKET", "1")
+    state = tmp_path / "run"
+    with pytest.raises(ServerError, match=r"^--mps: the MPS control daemon made no socket .* within 0 s; see "):
+        mps.start(state, [0], timeout=0.3)
+    assert mps.daemon_pids(state) == []
+
+
+def test_a_socket_path_too_long_for_unix_is_one_line(daemon: Path, tmp_path: Path) -> None:
+    state = tmp_path / ("d" * 120)
+    with pytest.raises(ServerError, match=r"longer than a Unix socket's 107 bytes; use a shorter --state-dir$"):
+        mps.start(state, [0])
+    assert calls_of(daemon) == []
 
 
 def test_the_daemon_sees_every_gpu_and_its_log_holds_its_own_clients(daemon: Path, tmp_path: Path,
@@ -58,9 +91,10 @@ def test_the_daemon_sees_every_gpu_and_its_log_holds_its_own_clients(daemon: Pat
 def test_a_killed_daemons_socket_is_cleared_and_start_begins_afresh(daemon: Path, tmp_path: Path) -> None:
     state = tmp_path / "run"
     mps.start(state, [0])
-    (state / "mps" / "pipe" / ".alive").unlink()  # the daemon SIGKILLed: its socket stays, nothing answers
+    (pid,) = mps.daemon_pids(state)
+    os.kill(pid, signal.SIGKILL)  # its socket stays; nothing answers it
     mps.start(state, [0])
-    assert calls_of(daemon) == ["-d", "quit", "-d"]
+    assert calls_of(daemon) == ["-d", "quit", "-d"] and len(mps.daemon_pids(state)) == 1
     assert mps.stop(state) is True
 
 
@@ -133,8 +167,8 @@ def test_serve_mps_gives_the_server_the_daemon_and_stop_quits_it(
     assert f"warning: --mps: no process has connected to the CUDA MPS daemon ({state / 'mps'})" in \
         capsys.readouterr().out
     assert main(["stop", "--state-dir", str(state)]) == 0
-    assert calls_of(daemon) == ["-d", "quit", "get_server_list"]
-    assert not (state / "mps" / "pipe" / "control").exists() and not (state / "mps" / "pipe" / ".alive").exists()
+    assert calls_of(daemon) == ["-d", "quit"]
+    assert not (state / "mps" / "pipe" / "control").exists() and mps.daemon_pids(state) == []
 
 
 @pytest.mark.server
@@ -170,10 +204,10 @@ def test_a_refused_second_serve_leaves_the_running_servers_daemon(daemon: Path, 
     assert main(serve_args(one_model, state)) == 0
     mark = len(calls_of(daemon))
     assert main(serve_args(one_model, state)) == 1
-    assert _calls_since(daemon, mark) == [] and (state / "mps" / "pipe" / ".alive").exists()
+    assert _calls_since(daemon, mark) == [] and len(mps.daemon_pids(state)) == 1
     assert "already running" in capsys.readouterr().err
     assert main(["stop", "--state-dir", str(state)]) == 0
-    assert _calls_since(daemon, mark) == ["quit", "get_server_list"]
+    assert _calls_since(daemon, mark) == ["quit"]
 
 
 @pytest.mark.server
@@ -189,10 +223,10 @@ def test_a_stopping_server_leaves_the_daemon_of_the_next_server_in_its_folder(da
     second.start(timeout=120)
     mark = len(calls_of(daemon))
     first.stop()
-    assert _calls_since(daemon, mark) == [] and (state / "mps" / "pipe" / ".alive").exists()
+    assert _calls_since(daemon, mark) == [] and len(mps.daemon_pids(state)) == 1
     second.stop()
-    assert _calls_since(daemon, mark) == ["quit", "get_server_list"]
-    assert not (state / "mps" / "pipe" / ".alive").exists()
+    assert _calls_since(daemon, mark) == ["quit"]
+    assert mps.daemon_pids(state) == []
 
 
 @pytest.mark.server
@@ -207,7 +241,7 @@ def test_the_daemon_is_quit_when_the_server_died_or_never_came_up(daemon: Path, 
     os.waitpid(record.pid, 0)
     mark = len(calls_of(daemon))
     assert main(["stop", "--state-dir", str(state)]) == 0
-    assert _calls_since(daemon, mark) == ["quit", "get_server_list"]
+    assert _calls_since(daemon, mark) == ["quit"]
     # Ctrl-C while the models load: the server is stopped and so is its daemon.
     interrupted = server(one_model, state)
 
@@ -219,11 +253,11 @@ def test_the_daemon_is_quit_when_the_server_died_or_never_came_up(daemon: Path, 
     with pytest.raises(KeyboardInterrupt):
         interrupted.start(timeout=120)
     assert interrupted.process is not None and interrupted.process.poll() is not None
-    assert _calls_since(daemon, mark) == ["-d", "quit", "get_server_list"] and read_record(state) is None
+    assert _calls_since(daemon, mark) == ["-d", "quit"] and read_record(state) is None
     # The server binary does not start at all.
     missing = server(one_model, state)
     monkeypatch.setattr(missing, "argv", lambda: [str(state / "no-such-tritonserver")])
     mark = len(calls_of(daemon))
     with pytest.raises(FileNotFoundError):
         missing.start(timeout=120)
-    assert _calls_since(daemon, mark) == ["-d", "quit", "get_server_list"]
+    assert _calls_since(daemon, mark) == ["-d", "quit"]
