@@ -195,6 +195,8 @@ def _parser() -> argparse.ArgumentParser:
     tune.add_argument("--gpus", default=None, metavar="LIST",
                       help="meter these GPUs (indices or UUIDs: 0,3); default: those the variant's instance groups "
                            "name, else CUDA_VISIBLE_DEVICES, else every GPU")
+    tune.add_argument("--mps", action="store_true",
+                      help="run tune's private server under CUDA MPS, as `trtbuild serve --mps` serves (docs/gpu.md)")
     tune.add_argument("--measurement-interval", type=int, default=3000, help="ms per window")
     tune.add_argument("--max-trials", type=int, default=6, help="windows per measurement at most")
     tune.add_argument("--report", type=Path, default=None, help="JSON (default: reports/tune_NAME.json)")
@@ -401,6 +403,9 @@ def _tune(args: argparse.Namespace) -> int:
         attach = Endpoints(args.url, grpc, metrics, key=client_key(args.admin_key_file))
     elif args.grpc_url or args.metrics_url or args.admin_key_file:
         raise ManifestError("--grpc-url/--metrics-url/--admin-key-file: only with --url (a running server to tune)")
+    if args.mps and args.url:
+        raise ManifestError("--mps: only for tune's private server; with --url, start that server with "
+                            "`trtbuild serve --mps`")
     specs = {spec.name: spec for spec in load_manifest(args.manifest)}
     if name not in specs:
         raise ManifestError(f"tune {name}: not in {args.manifest} (models: {', '.join(specs)})")
@@ -424,7 +429,7 @@ def _tune(args: argparse.Namespace) -> int:
                         write=not args.dry_run, compare=not args.no_compare, max_trials=args.max_trials,
                         wait=not args.no_wait, attach=attach, model=name, tuned_toml=tuned_toml,
                         trials=args.trials, seed=args.seed, gpus=gpus,
-                        measure_built_instances=args.instances is None)
+                        measure_built_instances=args.instances is None, mps=args.mps)
     # SIGTERM (a pod's stop, `timeout`) ends the run as Ctrl-C does: the private server and its folder
     # are removed, an attached server's models restored, and the report of what was measured written.
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)

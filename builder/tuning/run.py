@@ -56,6 +56,7 @@ class TuneConfig:
     # A grid search also measures the as-built instance count (4 per GPU for the python runner on CUDA, outside
     # tune's default 1,2), so it never writes an unmeasured count over it; False where the user named the counts.
     measure_built_instances: bool = False
+    mps: bool = False  # the private server under CUDA MPS (--mps): measured as `trtbuild serve --mps` serves
 
     def __post_init__(self) -> None:
         for name in ("measurement_ms", "max_trials", "trials"):
@@ -88,7 +89,7 @@ def tune(config: TuneConfig) -> TuneReport:
     elif config.measure_built_instances:
         space = space.with_instances(default.instances)
     space = space.bounded(limit)
-    target: Target = (LocalTarget(config.repository, space.variants) if config.attach is None
+    target: Target = (LocalTarget(config.repository, space.variants, mps=config.mps) if config.attach is None
                       else RemoteTarget(config.attach, config.repository, space.variants))
     comparison: list[Comparison] = []
     partial: str | None = None
@@ -150,7 +151,7 @@ def tune(config: TuneConfig) -> TuneReport:
                 "no point met the constraints",
                 comparison, round(time.perf_counter() - started, 1), failed=len(tuner.failures),
                 attached=config.attach.http if config.attach else None, changes=changes, partial=partial,
-                restarts=sum(map(len, tuner.restarts.values())))
+                restarts=sum(map(len, tuner.restarts.values())), mps=config.mps)
             unwritten = write_outputs(report, config.report_path, config.plot_path, measured, front, config.html_path)
     if unwritten:
         raise BuilderError(unwritten)

@@ -85,8 +85,9 @@ class Target:
 class LocalTarget(Target):
     """A private Triton (explicit model control) over a temporary copy of the variants."""
 
-    def __init__(self, repository: Path, variants: Sequence[str]) -> None:
+    def __init__(self, repository: Path, variants: Sequence[str], *, mps: bool = False) -> None:
         self.originals = read_configs(repository, variants)  # before any folder exists: nothing to clean
+        self.mps = mps  # its servers under a CUDA MPS daemon of their state folder (builder.serving.mps)
         self.source = repository
         self.tmp: Path | None = None
         self.server: TritonServer | None = None
@@ -100,7 +101,7 @@ class LocalTarget(Target):
                 shutil.copytree(self.source / variant, repo / variant)
             http, grpc, metrics = free_ports(3)
             self.server = TritonServer(repo, self.tmp / "state", Ports(http, grpc, metrics),
-                                       model_control=ModelControl.EXPLICIT)
+                                       model_control=ModelControl.EXPLICIT, mps=self.mps)
             self.endpoints = Endpoints(f"127.0.0.1:{http}", f"127.0.0.1:{grpc}",
                                        f"http://127.0.0.1:{metrics}/metrics")
             self.http = Http(self.endpoints.http)
@@ -146,7 +147,7 @@ class LocalTarget(Target):
         old.stop()  # reaps it, removes its record, stops the stubs it left and frees their /dev/shm regions
         http, grpc, metrics = free_ports(3)
         self.server = TritonServer(old.repository, old.state_dir, Ports(http, grpc, metrics),
-                                   model_control=ModelControl.EXPLICIT)
+                                   model_control=ModelControl.EXPLICIT, mps=self.mps)
         self.endpoints = Endpoints(f"127.0.0.1:{http}", f"127.0.0.1:{grpc}", f"http://127.0.0.1:{metrics}/metrics")
         self.http = Http(self.endpoints.http)
         self.server.start(timeout=120)

@@ -5,6 +5,7 @@ by bench/gpu/mps_check.py."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -261,3 +262,30 @@ def test_the_daemon_is_quit_when_the_server_died_or_never_came_up(daemon: Path, 
     with pytest.raises(FileNotFoundError):
         missing.start(timeout=120)
     assert _calls_since(daemon, mark) == ["-d", "quit"]
+
+
+@pytest.mark.server
+@pytest.mark.usefixtures("gpu_here")
+def test_tune_mps_measures_on_a_private_server_under_the_daemon(daemon: Path, repo_copy: Path, tmp_path: Path) -> None:
+    from builder.tuning.objective import Goal, Objective
+    from builder.tuning.points import Space
+    from builder.tuning.run import TuneConfig, tune
+    from builder.tuning.strategies import Search
+
+    report = tune(TuneConfig(repo_copy, Space(("mlp_fp32",), (8,), (0,), (1,)), Objective(Goal.THROUGHPUT),
+                             search=Search.HILL, concurrencies=[2], measurement_ms=300, default_variant="mlp_fp32",
+                             report_path=tmp_path / "tune.json", plot_path=None, max_trials=2, compare=False,
+                             write=False, mps=True))
+    assert report.mps and json.loads((tmp_path / "tune.json").read_text())["mps"] is True
+    # One private server, under a daemon of its own temporary state folder, quit with it.
+    assert calls_of(daemon) == ["-d", "quit"]
+    (pipe,) = [line.split()[1] for line in daemon.read_text().splitlines() if line.startswith("-d")]
+    assert "trtbuild-tune-" in pipe and not Path(pipe).exists()  # the folder went with the run
+
+
+def test_tune_mps_with_url_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["tune", "m", "--mps", "--url", "127.0.0.1:8000", "--manifest", str(tmp_path / "models.toml"),
+                 "--repository", str(tmp_path)]) == 1
+    assert [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("trtbuild: error:")] == [
+        "trtbuild: error: --mps: only for tune's private server; with --url, start that server with "
+        "`trtbuild serve --mps`"]
