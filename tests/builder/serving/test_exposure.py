@@ -10,7 +10,6 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -80,13 +79,6 @@ def empty_repository(tmp_path: Path) -> Path:
     folder = tmp_path / "repo"
     folder.mkdir()
     return folder
-
-
-@pytest.fixture
-def state(tmp_path: Path) -> Iterator[Path]:
-    folder = tmp_path / "run"
-    yield folder
-    main(["-q", "stop", "--state-dir", str(folder)])
 
 
 @pytest.mark.server

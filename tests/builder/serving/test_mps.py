@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +20,7 @@ from builder.serving.processes import read_record
 from builder.serving.triton_server import free_ports
 from tests.helpers import mps_daemon
 from tests.helpers.mps_daemon import calls_of
+from tests.helpers.serve_cli import error_lines, serve_args
 
 
 @pytest.fixture
@@ -130,25 +130,8 @@ def test_clients_counts_the_processes_the_daemons_log_names(tmp_path: Path) -> N
     assert mps.clients(tmp_path / "run") == 2
 
 
-@pytest.fixture
-def one_model(repo_copy: Path) -> Path:
-    for child in repo_copy.iterdir():
-        if child.is_dir() and child.name != "mlp_fp32":
-            shutil.rmtree(child)
-    return repo_copy
-
-
-@pytest.fixture
-def state(tmp_path: Path) -> Iterator[Path]:
-    folder = tmp_path / "run"
-    yield folder
-    main(["-q", "stop", "--state-dir", str(folder)])
-
-
-def serve_args(repository: Path, state: Path) -> list[str]:
-    http, grpc, metrics = free_ports(3)
-    return ["serve", "--background", "--mps", "--repository", str(repository), "--state-dir", str(state),
-            "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--timeout", "120"]
+def serve_mps(repository: Path, state: Path) -> list[str]:
+    return serve_args(repository, state, "--mps")
 
 
 @pytest.mark.server
@@ -157,7 +140,7 @@ def test_serve_mps_gives_the_server_the_daemon_and_stop_quits_it(
         capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(triton_server, "gpu_ids", lambda: [0])  # a GPU for --mps's check only:
     monkeypatch.setattr(triton_server, "cuda_pool_args", lambda gpus: [])  # the CPU server gets no CUDA pool
-    assert main(serve_args(one_model, state)) == 0
+    assert main(serve_mps(one_model, state)) == 0
     record = read_record(state)
     assert record is not None
     environ = dict(item.split("=", 1) for item in
@@ -177,8 +160,8 @@ def test_serve_mps_without_a_gpu_starts_nothing(daemon: Path, one_model: Path, s
                                                 monkeypatch: pytest.MonkeyPatch,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(triton_server, "gpu_ids", lambda: [])
-    assert main(serve_args(one_model, state)) == 1
-    errors = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("trtbuild: error:")]
+    assert main(serve_mps(one_model, state)) == 1
+    errors = error_lines(capsys)
     assert errors == ["trtbuild: error: --mps: no NVIDIA GPU here (NVML lists none); CUDA MPS shares a GPU between "
                       "processes"]
     assert read_record(state) is None and calls_of(daemon) == []
@@ -202,9 +185,9 @@ def server(repository: Path, state: Path) -> triton_server.TritonServer:
 @pytest.mark.usefixtures("gpu_here")
 def test_a_refused_second_serve_leaves_the_running_servers_daemon(daemon: Path, one_model: Path, state: Path,
                                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(serve_args(one_model, state)) == 0
+    assert main(serve_mps(one_model, state)) == 0
     mark = len(calls_of(daemon))
-    assert main(serve_args(one_model, state)) == 1
+    assert main(serve_mps(one_model, state)) == 1
     assert _calls_since(daemon, mark) == [] and len(mps.daemon_pids(state)) == 1
     assert "already running" in capsys.readouterr().err
     assert main(["stop", "--state-dir", str(state)]) == 0
@@ -235,7 +218,7 @@ def test_a_stopping_server_leaves_the_daemon_of_the_next_server_in_its_folder(da
 def test_the_daemon_is_quit_when_the_server_died_or_never_came_up(daemon: Path, one_model: Path, state: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     # Died: SIGKILLed, then `trtbuild stop` finds its record of an exited server.
-    assert main(serve_args(one_model, state)) == 0
+    assert main(serve_mps(one_model, state)) == 0
     record = read_record(state)
     assert record is not None
     os.kill(record.pid, signal.SIGKILL)
@@ -286,6 +269,6 @@ def test_tune_mps_measures_on_a_private_server_under_the_daemon(daemon: Path, re
 def test_tune_mps_with_url_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["tune", "m", "--mps", "--url", "127.0.0.1:8000", "--manifest", str(tmp_path / "models.toml"),
                  "--repository", str(tmp_path)]) == 1
-    assert [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("trtbuild: error:")] == [
+    assert error_lines(capsys) == [
         "trtbuild: error: --mps: only for tune's private server; with --url, start that server with "
         "`trtbuild serve --mps`"]

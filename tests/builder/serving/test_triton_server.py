@@ -35,6 +35,7 @@ from builder.serving.triton_server import (
     free_ports,
     prepare_backends,
 )
+from tests.helpers.serve_cli import error_lines, serve_args
 
 
 def _cmdline(pid: int) -> list[str]:
@@ -54,33 +55,6 @@ def stubs_of(state: Path) -> dict[int, str]:
             if argv and Path(argv[0]).name == STUB_NAME and python_dir in argv:
                 found[int(entry.name)] = next(a for a in argv if SHM_REGION.fullmatch(a))
     return found
-
-
-def serve_args(repository: Path, state: Path) -> list[str]:
-    http, grpc, metrics = free_ports(3)
-    return ["serve", "--background", "--repository", str(repository), "--state-dir", str(state),
-            "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--timeout", "120"]
-
-
-def error_lines(capsys: pytest.CaptureFixture[str]) -> list[str]:
-    return [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("trtbuild: error:")]
-
-
-@pytest.fixture
-def one_model(repo_copy: Path) -> Path:
-    """The tiny repository cut to one model: one stub, a short start."""
-    for child in repo_copy.iterdir():
-        if child.is_dir() and child.name != "mlp_fp32":
-            shutil.rmtree(child)
-    return repo_copy
-
-
-@pytest.fixture
-def state(tmp_path: Path) -> Iterator[Path]:
-    """A state folder whose server (if a test leaves one) is stopped afterwards."""
-    folder = tmp_path / "run"
-    yield folder
-    main(["-q", "stop", "--state-dir", str(folder)])
 
 
 def _kill_hard(pid: int) -> None:
