@@ -188,20 +188,10 @@ def cuda_session(path: Path, options: CudaOptions, *, log_file: Path | None) -> 
     session_options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     session_options.log_severity_level = 3
 
-    def make() -> ort.InferenceSession:
-        return ort.InferenceSession(str(path), sess_options=session_options,
-                                    providers=[(CUDA_PROVIDER, options.provider_options(path)), "CPUExecutionProvider"])
-
-    # onnxruntime-gpu 1.31 warns on its process-wide logger, once per CUDA session given provider options, that no
-    # plugin EP device is registered (six such lines amid make demo's verify table on an H200, 2026-11-29). The
-    # logger has no getter: back to ONNX Runtime's default (2, warnings) afterwards, for every other session.
-    ort.set_default_logger_severity(3)
-    try:
-        session = make()
-    finally:
-        ort.set_default_logger_severity(2)
-    if CUDA_PROVIDER not in session.get_providers():
-        make()  # once more with its warnings on: they say why the provider did not start
+    # The runner's session maker: ONNX Runtime 1.31's plugin-EP warnings off while it is made (six such lines amid
+    # make demo's verify table on an H200, 2026-11-29), and a provider that did not start made again with them on.
+    session = _RUNNER._cuda_session(str(path), session_options, options.provider_options(path))
+    if _RUNNER._no_cuda(path, session) is not None:
         # ONNX Runtime writes why to file descriptor 2, which a build sends to its build log.
         where = f"see {log_file}" if log_file is not None else "see ONNX Runtime's lines above"
         raise RuntimeUnavailableError(f"{path}: ONNX Runtime did not start its CUDA provider (CUDA or cuDNN "
