@@ -306,8 +306,7 @@ class TritonServer:
                 raise ServerError(f"--state-dir {self.state_dir}: a tritonserver started from here is already "
                                   f"running (pid {other.pid}{f', http :{http}' if http else ''}); "
                                   "stop it with `trtbuild stop` first")
-            self.cleaned = clean_leftovers(self.state_dir)
-            mps.stop(self.state_dir)  # a daemon a killed server of this folder left
+            self.cleaned = _clean_folder(self.state_dir)
             check_ports(self.ports, self.exposure.host)
             env = environment()
             if self.mps:  # before anything is written: a refused --mps leaves the folder as it was
@@ -437,6 +436,14 @@ class TritonServer:
         self.stop()
 
 
+def _clean_folder(state_dir: Path) -> Cleanup:
+    """What a dead (or stopped) server of state_dir left: its stubs and their /dev/shm regions, then the folder's
+    MPS daemon (quit after them, its only clients). Called with the state lock held."""
+    cleaned = clean_leftovers(state_dir)
+    mps.stop(state_dir)
+    return cleaned
+
+
 @dataclass(frozen=True)
 class Stopped:
     """What stop_recorded did: the server it stopped (None: none was running), the recorded pid that
@@ -469,17 +476,12 @@ def stop_recorded(state_dir: Path, timeout: float = 30.0) -> Stopped:
     if not state_dir.is_dir():  # nothing was ever started from here (and stop creates nothing)
         return Stopped(None, Cleanup([], [], []))
     with _state_lock(state_dir):
-        # The folder's MPS daemon is quit after the server and its stubs, its only clients.
         record = read_record(state_dir)
         if record is None:
-            cleaned = clean_leftovers(state_dir)
-            mps.stop(state_dir)
-            return Stopped(None, cleaned)
+            return Stopped(None, _clean_folder(state_dir))
         if exited(record.pid, record.start_ticks):  # ours is gone (its pid may serve another now)
             forget(state_dir, record)
-            cleaned = clean_leftovers(state_dir)
-            mps.stop(state_dir)
-            return Stopped(None, cleaned, exited=record.pid)
+            return Stopped(None, _clean_folder(state_dir), exited=record.pid)
         why = mismatch(record.pid, record.start_ticks, state_dir)
         if why is not None:
             forget(state_dir, record)
@@ -497,6 +499,4 @@ def stop_recorded(state_dir: Path, timeout: float = 30.0) -> Stopped:
             if wait_gone([record.pid], 10.0):
                 raise ServerError(f"tritonserver (pid {record.pid}) did not exit after SIGKILL")
         forget(state_dir, record)
-        cleaned = clean_leftovers(state_dir)
-        mps.stop(state_dir)  # after the server and its stubs, its only clients
-        return Stopped(record.pid, cleaned)
+        return Stopped(record.pid, _clean_folder(state_dir))
