@@ -27,6 +27,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import psutil
+
 from builder.errors import ServerError
 from builder.serving.processes import alive, wait_gone
 
@@ -68,19 +70,17 @@ def _control(state_dir: Path, command: str, timeout: float) -> int:
 
 def daemon_pids(state_dir: Path) -> list[int]:
     """The live control daemons of this folder and the MPS servers they started, found by their environment."""
-    want = f"CUDA_MPS_PIPE_DIRECTORY={environment(state_dir)['CUDA_MPS_PIPE_DIRECTORY']}".encode()
+    pipe = environment(state_dir)["CUDA_MPS_PIPE_DIRECTORY"]
     found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
+    for process in psutil.process_iter(["cmdline"]):
+        argv = process.info["cmdline"] or []
+        names = {Path(a).name for a in argv[:2]}
+        if not ((CONTROL in names and "-d" in argv) or SERVER in names):
             continue
         try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-            names = {Path(a.decode(errors="replace")).name for a in argv[:2]}
-            if not ((CONTROL in names and b"-d" in argv) or SERVER in names):
-                continue
-            if want in (entry / "environ").read_bytes().split(b"\0") and alive(int(entry.name)):
-                found.append(int(entry.name))
-        except OSError:  # gone meanwhile, or another user's
+            if process.environ().get("CUDA_MPS_PIPE_DIRECTORY") == pipe and alive(process.pid):
+                found.append(process.pid)
+        except psutil.Error:  # gone meanwhile, or another user's
             continue
     return found
 

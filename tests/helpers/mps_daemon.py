@@ -14,6 +14,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from builder.serving import mps
@@ -87,13 +88,9 @@ def installed(folder: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
 
 def daemons_of(bin_dir: Path) -> list[int]:
     """Live stand-in daemons run from bin_dir."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        with contextlib.suppress(OSError, ValueError):
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-            if entry.name.isdigit() and str(bin_dir / mps.CONTROL).encode() in argv and alive(int(entry.name)):
-                found.append(int(entry.name))
-    return found
+    script = str(bin_dir / mps.CONTROL)
+    return [process.pid for process in psutil.process_iter(["cmdline"])
+            if script in (process.info["cmdline"] or []) and alive(process.pid)]
 
 
 def calls_of(log: Path) -> list[str]:
