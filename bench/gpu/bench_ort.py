@@ -212,7 +212,7 @@ def ablation(models: Path, seconds: float) -> dict[str, Any]:
 
 
 Variant = tuple[str, str, tuple[int, ...] | None]  # (name, the runner's batch_buckets, preferred sizes; None: default)
-TAKEN = re.compile(r"^(nodelay|x\d+)$")  # fp16_batched_<these> are the script's own models
+TAKEN = re.compile(r"^(nodelay|x\d+|d\d+us)$")  # fp16_batched_<these> are the script's own models
 
 
 def batching_variant(value: str) -> Variant:
@@ -222,7 +222,7 @@ def batching_variant(value: str) -> Variant:
     sizes, _, preferred = rest.partition("/")
     if not sep or not name.isidentifier() or TAKEN.match(name) or not sizes:
         raise argparse.ArgumentTypeError(f"{value!r}: expected NAME=BUCKETS[/PREFERRED] (NAME an identifier other "
-                                         "than nodelay or xN), e.g. fine=1,2,4,8/buckets")
+                                         "than nodelay, xN or dNus), e.g. fine=1,2,4,8/buckets")
     try:
         buckets = python_model.parse_buckets(sizes, MAX_BATCH)  # type: ignore[no-untyped-call]
     except ValueError as exc:
@@ -301,7 +301,8 @@ def served(models: Path, *, interval_ms: int, delay_us: int, tmp: Path, instance
            shm: str = "cuda", compare_shm: bool = True,
            precisions: tuple[str, ...] = PRECISIONS, also_instances: tuple[int, ...] = (),
            rounds: int = 1, pa_rounds: int = 0, timers: Path | None = None,
-           variants: tuple[Variant, ...] = (), unbatched: bool = True) -> list[dict[str, Any]]:
+           variants: tuple[Variant, ...] = (), unbatched: bool = True,
+           delays: tuple[int, ...] = ()) -> list[dict[str, Any]]:
     """Every model on one server, each load level measured in turn. `shm` is the shared memory of the
     main rows (cuda: inputs reach the runner as device tensors); FP16 is also measured with system
     shared memory and with none, to show what each host copy costs. `timers`: a folder for the runner's
@@ -318,6 +319,10 @@ def served(models: Path, *, interval_ms: int, delay_us: int, tmp: Path, instance
         write_model(repository, f"fp16_batched_{label}", onnx_path(models, "fp16"), batching=True,
                     instances=instances, delay_us=delay_us, timers=timers, batch_buckets=sizes, preferred=preferred)
         plan += [(f"fp16_batched_{label}", 32, shm), (f"fp16_batched_{label}", 256, shm)]
+    for other in delays:  # the same FP16 model with another queue delay, on the same server, in the same run
+        write_model(repository, f"fp16_batched_d{other}us", onnx_path(models, "fp16"), batching=True,
+                    instances=instances, delay_us=other, timers=timers)
+        plan += [(f"fp16_batched_d{other}us", 32, shm), (f"fp16_batched_d{other}us", 256, shm)]
     if unbatched:
         write_model(repository, "fp16_unbatched", onnx_path(models, "fp16"), batching=False, instances=instances,
                     delay_us=0, timers=timers)
@@ -743,6 +748,9 @@ def main() -> int:
                    help="FP16 also served as fp16_batched_NAME with the runner's batch_buckets BUCKETS (pow2, "
                         "fine or sizes) and Triton's preferred batch sizes PREFERRED (default, buckets, or sizes); "
                         "repeatable")
+    p.add_argument("--delay-variant", action="append", default=[], type=int, metavar="US",
+                   help="FP16 also served as fp16_batched_dUSus with this max queue delay (us), at 32 and 256; "
+                        "repeatable")
     p.add_argument("--provider-option", action="append", default=[], metavar="KEY=VALUE", type=key_value,
                    help="extra CUDA provider option for every runner, in-process and served (repeatable)")
     p.add_argument("--in-process-variant", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
@@ -758,6 +766,10 @@ def main() -> int:
     names = [name for name, _, _ in args.batching_variant]
     if len(set(names)) < len(names):
         p.error(f"--batching-variant: each NAME once, got {', '.join(names)}")
+    if any(d < 0 or d == args.delay_us for d in args.delay_variant) or len(set(args.delay_variant)) < len(
+            args.delay_variant):
+        p.error(f"--delay-variant: each a whole number of microseconds >= 0, once, other than --delay-us "
+                f"({args.delay_us}); got {args.delay_variant}")
     SEARCH = args.search
     PROVIDER_OPTIONS.update(dict(args.provider_option))
     variants: list[dict[str, str]] = args.in_process_variant
@@ -788,6 +800,7 @@ def main() -> int:
                                    also_instances=tuple(int(n) for n in args.also_instances.split(",") if n),
                                    rounds=args.rounds, pa_rounds=args.pa_rounds,
                                    variants=tuple(args.batching_variant), unbatched=not args.no_unbatched,
+                                   delays=tuple(args.delay_variant),
                                    timers=(args.out / "runner_timers").resolve() if args.runner_timers else None,
                                    precisions=tuple(p for p in PRECISIONS
                                                     if p in args.served_precisions.split(",") or p == "fp16"))

@@ -123,3 +123,21 @@ def test_batching_variants_reach_the_served_config_and_bad_ones_are_one_line(ben
                       ("x2=fine", "other than nodelay or xN"), ("a=1,65", "65 is outside 1..max_batch_size (64)")):
         with pytest.raises(argparse.ArgumentTypeError, match=re.escape(said)):
             bench_ort.batching_variant(bad)
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (["--delay-us", "0", "--delay-variant", "0"], "other than --delay-us (0); got [0]"),
+    (["--delay-variant", "250", "--delay-variant", "250"], "once"),
+    (["--delay-variant", "-5"], ">= 0"),
+])
+def test_a_delay_variant_like_the_main_delay_or_repeated_is_refused_in_one_line(args: list[str], said: str,
+                                                                                tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu" / "bench_ort.py"), "--models", str(tmp_path),
+                           "--out", str(tmp_path / "out"), *args], capture_output=True, text=True, timeout=60,
+                          cwd=ROOT)
+    assert proc.returncode == 2
+    assert said in proc.stderr.splitlines()[-1]
+    assert not (tmp_path / "out").exists()

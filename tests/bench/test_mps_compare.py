@@ -66,6 +66,17 @@ def test_runs_alternate_and_only_the_on_runs_use_mps(mps_compare: ModuleType, tm
         assert {"off-1/ort_gpu_bench.json", "on-2/mps/log/control.log"} <= set(tar.getnames())
 
 
+def test_first_on_starts_with_the_daemon_and_still_alternates(mps_compare: ModuleType, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "out"
+    monkeypatch.setattr(sys, "argv", ["mps_compare.py", "--out", str(out), "--rounds", "2", "--first", "on", "--",
+                                      "--models", "m"])
+    assert mps_compare.main() == 0
+    runs = json.loads((out / "mps-compare.json").read_text())
+    assert [(r["mode"], r["round"]) for r in runs] == [("on", 1), ("off", 1), ("off", 2), ("on", 2)]
+    assert [r["mps"] is not None for r in runs] == [True, False, False, True]
+
+
 def test_no_daemon_on_the_machine_is_one_line(mps_compare: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                               capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("PATH", str(tmp_path / "bin"))
