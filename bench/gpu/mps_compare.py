@@ -13,8 +13,8 @@ private pipe and log folders under DIR/on-N/mps) and quits it after each run, al
 (which sends CUDA shared memory) are MPS clients too.
 
 Rounds alternate off, on, on, off, ... (`--first on`: on, off, off, on, ...; each round is one whole `bench_ort.py
-BENCH_ORT_ARGS --out DIR/MODE-N` run: its own in-process ceiling and its own server). Written to DIR: mps-
-compare.md and .json (per mode and level the median (range) over the rounds of infer/s, x the run's own FP16
+BENCH_ORT_ARGS --out DIR/MODE-N` run: its own in-process ceiling and its own server). Written to DIR:
+mps-compare.md and .json (per mode and level the median (range) over the rounds of infer/s, x the run's own FP16
 ceiling, p99/p50, J/inference and Triton's compute_input per batch; the on/off ratio of the same round),
 runs.tar.gz (every run's ort_gpu_bench.json/.md, its log and the MPS daemon's logs). Exit status 0 when every run
 ended with 0.
