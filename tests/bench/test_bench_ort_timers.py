@@ -120,7 +120,9 @@ def test_batching_variants_reach_the_served_config_and_bad_ones_are_one_line(ben
     assert config.parameters["batch_buckets"].string_value == "fine"
     assert list(config.dynamic_batching.preferred_batch_size) == [2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
     for bad, said in (("a=1,2/0,4", "preferred batch sizes '0,4'"), ("a=1,2/x", "preferred batch sizes 'x'"),
-                      ("x2=fine", "other than nodelay or xN"), ("a=1,65", "65 is outside 1..max_batch_size (64)")):
+                      ("x2=fine", "other than nodelay, xN or dNus"),
+                      ("d200us=fine", "other than nodelay, xN or dNus"),
+                      ("a=1,65", "65 is outside 1..max_batch_size (64)")):
         with pytest.raises(argparse.ArgumentTypeError, match=re.escape(said)):
             bench_ort.batching_variant(bad)
 
