@@ -18,7 +18,9 @@ checks=$out/checks.txt
 status=0
 note() { echo "$*" | tee -a "$checks"; }
 fail() { note "FAIL: $*"; status=1; }
-daemons() { pgrep -af nvidia-cuda-mps || true; }
+# Live MPS processes: an ended daemon stays a zombie until the machine's init reaps it (it outlives the
+# `serve --background` process that started it); on an H200 each was gone by the next round.
+daemons() { ps -eo pid=,stat=,args= | awk '$2 !~ /^Z/ && /nvidia-cuda-mps/ && !/awk/'; }
 
 load() {  # $1: label; perfclient at 32 and 256, outside MPS
     for c in 32 256; do
