@@ -13,10 +13,11 @@ METRICS_PORT ?= 8002
 # Empty: Triton listens on 127.0.0.1 only. An address (0.0.0.0: every interface) exposes it; its
 # repository, shared-memory, logging and trace APIs then need TRITON_ADMIN_KEY (docs/security.md).
 LISTEN ?=
-# 1 (yes, true): serve and serve-bg run the GPU models under CUDA MPS (trtbuild serve --mps, docs/gpu.md).
+# CUDA MPS for serve, serve-bg and tune (docs/gpu.md). Empty: trtbuild decides (on where the repository has
+# python-runner models on a GPU and the daemon exists); 1 (yes, true): --mps; 0 (no, false): --no-mps.
 MPS ?=
 # Deferred (=): a wrong value stops only the targets that use it. One word of 1/yes/true or 0/no/false.
-MPS_FLAG = $(if $(strip $(MPS)),$(if $(filter-out 1 yes true 0 no false,$(MPS))$(word 2,$(MPS)),$(error MPS=$(MPS): expected 1, yes or true (or 0, no, false, empty)),$(if $(filter 1 yes true,$(MPS)),--mps)))
+MPS_FLAG = $(if $(strip $(MPS)),$(if $(filter-out 1 yes true 0 no false,$(MPS))$(word 2,$(MPS)),$(error MPS=$(MPS): expected 1, yes or true (or 0, no, false, empty)),$(if $(filter 1 yes true,$(MPS)),--mps,--no-mps)))
 CONCURRENCY ?= 32
 VARIANTS := efficientnet_lite0_fp32 efficientnet_lite0_fp16 efficientnet_lite0_int8 \
             minilm_l6_v2_fp32 minilm_l6_v2_fp16 minilm_l6_v2_int8
@@ -237,7 +238,7 @@ TUNE_MODEL ?= efficientnet_lite0
 P99_BUDGET_MS ?= 150
 tune: $(STAMP)
 	$(BIN)/trtbuild tune $(TUNE_MODEL) --manifest $(MANIFEST) --repository $(REPOSITORY) --concurrency $(CONCURRENCY) \
-	  --p99-budget-ms $(P99_BUDGET_MS) --search hill
+	  --p99-budget-ms $(P99_BUDGET_MS) --search hill $(MPS_FLAG)
 
 # Render every Kubernetes overlay (offline, plain `kubectl kustomize`, as `kubectl apply -k` does).
 K8S_OVERLAYS := $(notdir $(wildcard deploy/kubernetes/overlays/*))

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import fields, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from builder.errors import BuilderError, ManifestError, ServerError, VariantsFailed
 from builder.spec import (
@@ -29,6 +30,9 @@ from builder.steps.budget import DEFAULT_GUARD_BUDGET_S
 from client import cli_env  # noqa: F401  (the command's process-wide settings, before any grpc import)
 from common import progress
 from common.logs import active_log_file, close_log_file, configure_logging, default_log_file, native_stderr_to_log
+
+if TYPE_CHECKING:  # imported where used: the CLI's start stays light
+    from builder.serving.triton_server import TritonServer
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -156,10 +160,12 @@ def _parser() -> argparse.ArgumentParser:
                             "$TRITON_ADMIN_KEY, else a new key in STATE_DIR/admin-key)")
     serve.add_argument("--no-restrict", action="store_true",
                        help="with --listen: leave the restricted APIs open to anyone who reaches the server")
-    serve.add_argument("--mps", action="store_true",
+    serve.add_argument("--mps", action=argparse.BooleanOptionalAction, default=None,
                        help="run the GPU models' processes under CUDA MPS (a control daemon of this state folder, "
                             "quit when the server stops): the python runner's instances then share the GPU at "
-                            "once instead of taking turns (docs/gpu.md)")
+                            "once instead of taking turns. Default: on where the repository has python-runner "
+                            "models on a GPU and nvidia-cuda-mps-control exists (a daemon that does not start is "
+                            "then a warning); --mps insists, --no-mps turns it off (docs/gpu.md)")
     serve.add_argument("--gpus", default=None, metavar="LIST",
                        help="serve the GPU variants on these GPUs (device ids: 0,3), each variant's instance count "
                             "on every one of them (rewrites their config.pbtxt instance groups first)")
@@ -195,8 +201,9 @@ def _parser() -> argparse.ArgumentParser:
     tune.add_argument("--gpus", default=None, metavar="LIST",
                       help="meter these GPUs (indices or UUIDs: 0,3); default: those the variant's instance groups "
                            "name, else CUDA_VISIBLE_DEVICES, else every GPU")
-    tune.add_argument("--mps", action="store_true",
-                      help="run tune's private server under CUDA MPS, as `trtbuild serve --mps` serves (docs/gpu.md)")
+    tune.add_argument("--mps", action=argparse.BooleanOptionalAction, default=None,
+                      help="tune's private server under CUDA MPS or not; default: as `trtbuild serve` decides by "
+                           "itself (docs/gpu.md)")
     tune.add_argument("--measurement-interval", type=int, default=3000, help="ms per window")
     tune.add_argument("--max-trials", type=int, default=6, help="windows per measurement at most")
     tune.add_argument("--report", type=Path, default=None, help="JSON (default: reports/tune_NAME.json)")
@@ -403,9 +410,9 @@ def _tune(args: argparse.Namespace) -> int:
         attach = Endpoints(args.url, grpc, metrics, key=client_key(args.admin_key_file))
     elif args.grpc_url or args.metrics_url or args.admin_key_file:
         raise ManifestError("--grpc-url/--metrics-url/--admin-key-file: only with --url (a running server to tune)")
-    if args.mps and args.url:
-        raise ManifestError("--mps: only for tune's private server; with --url, start that server with "
-                            "`trtbuild serve --mps`")
+    if args.mps is not None and args.url:
+        raise ManifestError(f"--{'' if args.mps else 'no-'}mps: only for tune's private server; with --url, start "
+                            "that server with `trtbuild serve --mps` or `--no-mps`")
     specs = {spec.name: spec for spec in load_manifest(args.manifest)}
     if name not in specs:
         raise ManifestError(f"tune {name}: not in {args.manifest} (models: {', '.join(specs)})")
@@ -522,7 +529,7 @@ def _serve(args: argparse.Namespace) -> int:
         assert server.process is not None
         print(f"tritonserver ready: http :{ports.http}, grpc :{ports.grpc}, metrics :{ports.metrics} "
               f"(pid {server.process.pid}, log {server.log_file}); `trtbuild stop` stops it")
-        for line in filter(None, (_mps_line(args), note)):
+        for line in filter(None, (_mps_line(args, server), note)):
             print(line)
         return 0
     server.start(timeout=args.timeout)
@@ -530,7 +537,7 @@ def _serve(args: argparse.Namespace) -> int:
     # Flushed: whoever reads a piped stdout (a supervisor, a test) learns the server is up now, not at exit.
     print(f"tritonserver ready: http :{ports.http}, grpc :{ports.grpc}, metrics :{ports.metrics}; "
           "Ctrl-C stops it", flush=True)
-    for line in filter(None, (_mps_line(args), note)):
+    for line in filter(None, (_mps_line(args, server), note)):
         print(line, flush=True)
     try:
         code = server.process.wait()
@@ -547,19 +554,21 @@ def _serve(args: argparse.Namespace) -> int:
         server.stop()  # also when it exited by itself: removes the record, cleans stubs it left
 
 
-def _mps_line(args: argparse.Namespace) -> str | None:
-    """With --mps: where the daemon runs and whether the server's processes reached it (a CUDA process that
-    does not reach it runs without MPS and says nothing)."""
-    if not args.mps:
-        return None
+def _mps_line(args: argparse.Namespace, server: TritonServer) -> str | None:
+    """Under MPS: where the daemon runs and whether the server's processes reached it (a CUDA process that
+    does not reach it runs without MPS and says nothing). By default without it: why, where it would matter."""
     from builder.serving import mps
 
+    if not server.mps_used:
+        return (f"warning: CUDA MPS off: {server.mps_note}; the GPU models' instances take turns on the GPU "
+                "(--no-mps silences this)" if server.mps_note else None)
     folder = args.state_dir / mps.FOLDER
     count = mps.clients(args.state_dir)
     if count == 0:
-        return (f"warning: --mps: no process has connected to the CUDA MPS daemon ({folder}); the GPU models "
+        return (f"warning: CUDA MPS: no process has connected to the daemon ({folder}); the GPU models "
                 "run without it")
-    return f"CUDA MPS: control daemon in {folder}, {count} client processes so far; stopped with the server"
+    return (f"CUDA MPS: control daemon in {folder}, {count} client processes so far; stopped with the server"
+            + ("" if args.mps else " (on by default for python-runner models on a GPU; --no-mps turns it off)"))
 
 
 def _verify_specs(manifest: Path | None, repository: Path, only: list[str]) -> list[ModelSpec]:

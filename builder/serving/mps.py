@@ -1,10 +1,11 @@
-"""CUDA MPS (NVIDIA's Multi-Process Service) for one state folder's Triton server (`trtbuild serve --mps`).
+"""CUDA MPS (NVIDIA's Multi-Process Service) for one state folder's Triton server (`trtbuild serve`, on by
+default where the repository has python-runner models on a GPU and the daemon exists; `--mps`, `--no-mps`).
 
 Why: the python runner's instances are separate processes (python stubs), each with its own CUDA context, and
-without MPS the GPU time-slices between the contexts instead of running their kernels at once. On one H200 start
-(docs/results/gpu.md) MPS took FP16 EfficientNet-Lite0 from 0.27x to 0.42x of the in-process ceiling at
-concurrency 32 and cut Triton's compute_input (its copies of a batch's GPU inputs, waiting for a time slice)
-from about 2200 to 300 µs per batch.
+without MPS the GPU time-slices between the contexts instead of running their kernels at once. On two H200
+starts (docs/results/gpu.md) MPS took FP16 EfficientNet-Lite0 from 0.27x to 0.40-0.43x of the in-process
+ceiling at concurrency 32 and cut Triton's compute_input (its copies of a batch's GPU inputs, waiting for a time
+slice) from about 2200 to 300 µs per batch.
 
 The control daemon is a user-space process: it changes none of the card's settings. It runs with its pipe and
 log folders under `<state>/mps`, so only the processes given that environment (this folder's tritonserver and
@@ -28,8 +29,11 @@ import time
 from pathlib import Path
 
 import psutil
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2
 
 from builder.errors import ServerError
+from builder.repository.triton_config import parse
 from builder.serving.processes import alive, wait_gone
 
 log = logging.getLogger(__name__)
@@ -95,6 +99,36 @@ def _end(pids: list[int], state_dir: Path) -> None:
         if not pids:
             return
     log.warning("CUDA MPS control daemon(s) %s of %s did not exit after SIGKILL", pids, state_dir)
+
+
+def gpu_python_models(repository: Path) -> list[str]:
+    """The models of `repository` whose instances are python-backend processes on a GPU (KIND_GPU): the ones MPS
+    lets run at once. A config that does not parse is left to Triton to judge (not counted)."""
+    found = []
+    for path in sorted(repository.glob("*/config.pbtxt")):
+        try:
+            config = parse(path.read_text(encoding="utf-8", errors="replace"))
+        except (OSError, text_format.ParseError):
+            continue
+        if config.backend == "python" and any(group.kind == model_config_pb2.ModelInstanceGroup.KIND_GPU
+                                              for group in config.instance_group):
+            found.append(path.parent.name)
+    return found
+
+
+def auto(repository: Path, gpus: list[int]) -> tuple[bool, str | None]:
+    """Whether a server of `repository` runs under MPS by default, and why not where it matters (None: nothing
+    to say, a repository without GPU python models). Measured on two H200 starts (docs/results/gpu.md): FP16
+    EfficientNet-Lite0's four instances served 1.47-1.89x the requests at concurrency 32 for 0.72-0.85x the
+    joules per inference, and 1.06-1.25x at 256."""
+    models = gpu_python_models(repository)
+    if not models:
+        return False, None
+    if not gpus:
+        return False, "no NVIDIA GPU here (NVML lists none)"
+    if shutil.which(CONTROL) is None:
+        return False, f"{CONTROL} not found on PATH (it comes with the NVIDIA driver's utilities)"
+    return True, None
 
 
 def start(state_dir: Path, gpus: list[int], timeout: float = 10.0) -> dict[str, str]:

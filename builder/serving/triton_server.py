@@ -274,9 +274,13 @@ class TritonServer:
 
     def __init__(self, repository: Path, state_dir: Path, ports: Ports | None = None,
                  model_control: ModelControl = ModelControl.NONE, extra_args: list[str] | None = None,
-                 exposure: Exposure | None = None, mps: bool = False) -> None:
+                 exposure: Exposure | None = None, mps: bool | None = False) -> None:
         self.repository = repository
-        self.mps = mps  # CUDA MPS for its GPU processes (builder.serving.mps): a daemon of this state folder
+        # CUDA MPS for its GPU processes (builder.serving.mps): a daemon of this state folder. None: where
+        # mps.auto says so, and a daemon that does not start is then a warning, not a refusal.
+        self.mps = mps
+        self.mps_used = False  # start() ran the server under the daemon
+        self.mps_note: str | None = None  # with mps None: why the server runs without it (None: nothing to say)
         self._mps_started = False  # this object started the folder's daemon (and so may quit it)
         self._locked = False  # inside start()'s hold of the state lock
         self.exposure = exposure or Exposure()  # loopback unless asked
@@ -309,9 +313,7 @@ class TritonServer:
             self.cleaned = _clean_folder(self.state_dir)
             check_ports(self.ports, self.exposure.host)
             env = environment()
-            if self.mps:  # before anything is written: a refused --mps leaves the folder as it was
-                self._mps_started = True  # first: an interrupt inside start() leaves nothing to quit but is safe
-                env |= mps.start(self.state_dir, gpu_ids())
+            env |= self._start_mps()  # before anything is written: a refused --mps leaves the folder as it was
             try:
                 argv = self.argv()
                 log.debug("starting %s", " ".join(self.exposure.hide(argv)))
@@ -375,6 +377,28 @@ class TritonServer:
             yield
         finally:
             self._locked = False
+
+    def _start_mps(self) -> dict[str, str]:
+        """The environment that reaches this folder's MPS daemon, started here; {} without MPS."""
+        self.mps_used, self.mps_note = False, None
+        if self.mps is False:
+            return {}
+        gpus = gpu_ids()
+        wanted, self.mps_note = (True, None) if self.mps else mps.auto(self.repository, gpus)
+        if not wanted:
+            return {}
+        self._mps_started = True  # first: an interrupt inside start() leaves nothing to quit but is safe
+        try:
+            env = mps.start(self.state_dir, gpus)
+        except ServerError as e:
+            self._mps_started = False  # mps.start left no daemon of this folder
+            if self.mps is not None:
+                raise
+            self.mps_note = str(e).removeprefix("--mps: ")
+            log.warning("serving without CUDA MPS: %s", self.mps_note)
+            return {}
+        self.mps_used = True
+        return env
 
     def _quit_mps(self) -> None:
         """Quit the folder's MPS daemon where this object started it and no other server has since taken the

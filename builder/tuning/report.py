@@ -82,7 +82,7 @@ class TuneReport:
     changes: list[str] = field(default_factory=list)  # unified diffs of what was (or, dry run, would be) written
     partial: str | None = None  # why the run stopped early, when it did
     restarts: int = 0  # times the private server died mid-point and was started again (each point's note says)
-    mps: bool = False  # the private server ran under a CUDA MPS daemon (--mps), as `trtbuild serve --mps` serves
+    mps: bool = False  # the private server ran under a CUDA MPS daemon, as `trtbuild serve` serves by default on a GPU
 
 
 def explain(winner: Point, measured: dict[Point, list[Result]], objective: Objective, default: Point) -> str:

@@ -56,7 +56,8 @@ class TuneConfig:
     # A grid search also measures the as-built instance count (4 per GPU for the python runner on CUDA, outside
     # tune's default 1,2), so it never writes an unmeasured count over it; False where the user named the counts.
     measure_built_instances: bool = False
-    mps: bool = False  # the private server under CUDA MPS (--mps): measured as `trtbuild serve --mps` serves
+    # The private server under CUDA MPS (True), not (False), or as `trtbuild serve` decides by itself (None).
+    mps: bool | None = False
 
     def __post_init__(self) -> None:
         for name in ("measurement_ms", "max_trials", "trials"):
@@ -151,7 +152,7 @@ def tune(config: TuneConfig) -> TuneReport:
                 "no point met the constraints",
                 comparison, round(time.perf_counter() - started, 1), failed=len(tuner.failures),
                 attached=config.attach.http if config.attach else None, changes=changes, partial=partial,
-                restarts=sum(map(len, tuner.restarts.values())), mps=config.mps)
+                restarts=sum(map(len, tuner.restarts.values())), mps=target.mps_used)
             unwritten = write_outputs(report, config.report_path, config.plot_path, measured, front, config.html_path)
     if unwritten:
         raise BuilderError(unwritten)

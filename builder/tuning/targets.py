@@ -51,6 +51,7 @@ class Target:
     endpoints: Endpoints
     http: Http
     originals: dict[str, str]  # each variant's config.pbtxt as the repository holds it
+    mps_used = False  # its server ran under CUDA MPS (a private server: builder.serving.mps)
 
     def load(self, point: Point) -> None:
         raise NotImplementedError
@@ -85,9 +86,11 @@ class Target:
 class LocalTarget(Target):
     """A private Triton (explicit model control) over a temporary copy of the variants."""
 
-    def __init__(self, repository: Path, variants: Sequence[str], *, mps: bool = False) -> None:
+    def __init__(self, repository: Path, variants: Sequence[str], *, mps: bool | None = False) -> None:
         self.originals = read_configs(repository, variants)  # before any folder exists: nothing to clean
-        self.mps = mps  # its servers under a CUDA MPS daemon of their state folder (builder.serving.mps)
+        # Its servers under a CUDA MPS daemon of their state folder (builder.serving.mps); None: where mps.auto
+        # says so, as `trtbuild serve` decides.
+        self.mps = mps
         self.source = repository
         self.tmp: Path | None = None
         self.server: TritonServer | None = None
@@ -106,6 +109,7 @@ class LocalTarget(Target):
                                        f"http://127.0.0.1:{metrics}/metrics")
             self.http = Http(self.endpoints.http)
             self.server.start(timeout=120)
+            self.mps_used = self.server.mps_used
         except BaseException:
             self.__exit__()
             raise
@@ -151,6 +155,7 @@ class LocalTarget(Target):
         self.endpoints = Endpoints(f"127.0.0.1:{http}", f"127.0.0.1:{grpc}", f"http://127.0.0.1:{metrics}/metrics")
         self.http = Http(self.endpoints.http)
         self.server.start(timeout=120)
+        self.mps_used = self.mps_used and self.server.mps_used  # every server of the run under MPS, or not said
 
     def _while_running(self, label: str, call: Callable[[], object], stage: str = "loading") -> None:
         """Run a repository request, but stop waiting when the server process exits. A server killed

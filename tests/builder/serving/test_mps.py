@@ -1,13 +1,17 @@
 """`trtbuild serve --mps`: a CUDA MPS control daemon of the state folder (private pipe and log folders) that the
 server's processes reach through their environment, quit on every way the server stops, refused in one line where
-there is no GPU or no daemon binary. A stand-in daemon here (no GPU on CI); the real one is exercised on a GPU host
-by bench/gpu/mps_check.py."""
+there is no GPU or no daemon binary. By default it is on for repositories with python-runner models on a GPU
+where the daemon exists, and a daemon that does not start is then a warning; `--no-mps` turns it off. A stand-in
+daemon here (no GPU on CI); the real one is exercised on a GPU host by bench/gpu/mps_check.py and
+bench/gpu/serve_mps_check.sh."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -148,8 +152,7 @@ def test_serve_mps_gives_the_server_the_daemon_and_stop_quits_it(
     assert environ["CUDA_MPS_PIPE_DIRECTORY"] == str(state.resolve() / "mps" / "pipe")
     assert environ["CUDA_MPS_LOG_DIRECTORY"] == str(state.resolve() / "mps" / "log")
     # A CPU-only server makes no CUDA context, so the daemon sees no client: said, not hidden.
-    assert f"warning: --mps: no process has connected to the CUDA MPS daemon ({state / 'mps'})" in \
-        capsys.readouterr().out
+    assert f"warning: CUDA MPS: no process has connected to the daemon ({state / 'mps'})" in capsys.readouterr().out
     assert main(["stop", "--state-dir", str(state)]) == 0
     assert calls_of(daemon) == ["-d", "quit"]
     assert not (state / "mps" / "pipe" / "control").exists() and mps.daemon_pids(state) == []
@@ -271,4 +274,98 @@ def test_tune_mps_with_url_is_one_line(tmp_path: Path, capsys: pytest.CaptureFix
                  "--repository", str(tmp_path)]) == 1
     assert error_lines(capsys) == [
         "trtbuild: error: --mps: only for tune's private server; with --url, start that server with "
-        "`trtbuild serve --mps`"]
+        "`trtbuild serve --mps` or `--no-mps`"]
+
+
+def _config(repository: Path, name: str, text: str) -> None:
+    (repository / name).mkdir(parents=True)
+    (repository / name / "config.pbtxt").write_text(text)
+
+
+def test_only_python_models_on_a_gpu_choose_mps_by_default(daemon: Path, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    repository = tmp_path / "repo"
+    _config(repository, "cpu_runner", 'name: "cpu_runner"\nbackend: "python"\ninstance_group [{ kind: KIND_CPU }]\n')
+    _config(repository, "native", 'name: "native"\nbackend: "onnxruntime"\ninstance_group [{ kind: KIND_GPU }]\n')
+    _config(repository, "broken", 'name: "broken"\nbackend: "python"\ninstance_group [{ kind: KIND_GPU \n')
+    assert mps.gpu_python_models(repository) == [] and mps.auto(repository, [0]) == (False, None)
+    _config(repository, "gpu_runner", 'name: "gpu_runner"\nbackend: "python"\n'
+                                      'instance_group [{ kind: KIND_CPU }, { count: 4, kind: KIND_GPU }]\n')
+    assert mps.gpu_python_models(repository) == ["gpu_runner"]
+    assert mps.auto(repository, [0]) == (True, None)
+    assert mps.auto(repository, []) == (False, "no NVIDIA GPU here (NVML lists none)")
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert mps.auto(repository, [0]) == (False, f"{mps.CONTROL} not found on PATH (it comes with the NVIDIA "
+                                                "driver's utilities)")
+    assert calls_of(daemon) == []  # choosing starts nothing
+
+
+@pytest.fixture
+def gpu_models(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU test model counted as a python-runner model on a GPU, for the default's choice only."""
+    monkeypatch.setattr(mps, "gpu_python_models", lambda repository: ["mlp_fp32"])
+
+
+@pytest.mark.server
+@pytest.mark.usefixtures("gpu_here", "gpu_models")
+def test_serve_runs_gpu_runner_models_under_mps_by_default_and_no_mps_turns_it_off(
+        daemon: Path, one_model: Path, state: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(serve_args(one_model, state)) == 0
+    assert calls_of(daemon) == ["-d"] and len(mps.daemon_pids(state)) == 1
+    record = read_record(state)
+    assert record is not None
+    assert f"CUDA_MPS_PIPE_DIRECTORY={state.resolve() / 'mps' / 'pipe'}" in \
+        Path(f"/proc/{record.pid}/environ").read_text().split("\0")
+    capsys.readouterr()
+    assert main(["stop", "--state-dir", str(state)]) == 0
+    assert calls_of(daemon) == ["-d", "quit"] and mps.daemon_pids(state) == []
+    assert main(serve_args(one_model, state, "--no-mps")) == 0
+    out = capsys.readouterr().out
+    assert main(["stop", "--state-dir", str(state)]) == 0
+    assert calls_of(daemon) == ["-d", "quit"] and "MPS" not in out  # asked off: nothing started, nothing said
+
+
+@pytest.mark.server
+@pytest.mark.usefixtures("gpu_here", "gpu_models")
+def test_a_default_daemon_that_does_not_start_is_a_warning_and_mps_insisted_on_is_an_error(
+        daemon: Path, one_model: Path, state: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("STANDIN_NO_SOCKET", "1")
+    monkeypatch.setattr(mps, "start", functools.partial(mps.start, timeout=0.5))
+    assert main(serve_args(one_model, state)) == 0
+    out = capsys.readouterr().out
+    assert "warning: CUDA MPS off: the MPS control daemon made no socket" in out
+    assert "--no-mps silences this" in out and mps.daemon_pids(state) == []
+    record = read_record(state)
+    assert record is not None
+    assert not any(item.startswith("CUDA_MPS_") for item in
+                   Path(f"/proc/{record.pid}/environ").read_text().split("\0"))
+    assert main(["stop", "--state-dir", str(state)]) == 0
+    assert main(serve_mps(one_model, state)) == 1
+    assert error_lines(capsys)[0].startswith("trtbuild: error: --mps: the MPS control daemon made no socket")
+    assert read_record(state) is None and mps.daemon_pids(state) == []
+
+
+@pytest.mark.server
+@pytest.mark.usefixtures("gpu_here")
+def test_a_repository_without_gpu_runner_models_gets_no_daemon_and_no_line(
+        daemon: Path, one_model: Path, state: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(serve_args(one_model, state)) == 0
+    out = capsys.readouterr().out
+    assert main(["stop", "--state-dir", str(state)]) == 0
+    assert calls_of(daemon) == [] and "MPS" not in out
+
+
+@pytest.mark.parametrize(("value", "flag"), [("", None), ("0", "--no-mps"), ("no", "--no-mps"), ("1", "--mps"),
+                                             ("true", "--mps")])
+def test_make_mps_maps_to_the_flag(value: str, flag: str | None) -> None:
+    root = Path(__file__).resolve().parents[3]
+    for target in ("serve", "serve-bg", "tune"):
+        # STAMP: an existing file, so that the dry run prints the target's own command, not an install.
+        done = subprocess.run(["make", "-n", "--no-print-directory", target, f"MPS={value}", "STAMP=Makefile"],
+                              cwd=root, capture_output=True, text=True, timeout=60, check=True)
+        words = done.stdout.split()
+        assert [w for w in words if w in ("--mps", "--no-mps")] == ([flag] if flag else []), target
+    bad = subprocess.run(["make", "-n", "--no-print-directory", "serve", "MPS=maybe", "STAMP=Makefile"], cwd=root,
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert bad.returncode == 2 and "MPS=maybe: expected 1, yes or true" in bad.stderr

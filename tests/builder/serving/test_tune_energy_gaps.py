@@ -47,7 +47,8 @@ def test_a_point_without_energy_is_ranked_on_what_it_has_and_never_raises() -> N
 
 
 class StandInTarget(Target):
-    def __init__(self, repository: Path, variants: object, *, mps: bool = False) -> None:  # LocalTarget's signature
+    # LocalTarget's signature
+    def __init__(self, repository: Path, variants: object, *, mps: bool | None = False) -> None:
         self.originals = {}
 
     def load(self, point: Point) -> None:
