@@ -120,7 +120,7 @@ def auto(repository: Path, gpus: list[int]) -> tuple[bool, str | None]:
     """Whether a server of `repository` runs under MPS by default, and why not where it matters (None: nothing
     to say, a repository without GPU python models). Measured on two H200 starts (docs/results/gpu.md): FP16
     EfficientNet-Lite0's four instances served 1.47-1.89x the requests at concurrency 32 for 0.72-0.85x the
-    joules per inference, and 1.06-1.25x at 256."""
+    joules per inference, and 1.06-1.23x at 256."""
     models = gpu_python_models(repository)
     if not models:
         return False, None
