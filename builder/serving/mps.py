@@ -101,6 +101,16 @@ def _end(pids: list[int], state_dir: Path) -> None:
     log.warning("CUDA MPS control daemon(s) %s of %s did not exit after SIGKILL", pids, state_dir)
 
 
+HOST_PIPE = Path("/tmp/nvidia-mps")  # where CUDA looks for a daemon when CUDA_MPS_PIPE_DIRECTORY is unset
+
+
+def host_daemon() -> Path | None:
+    """The control socket of an MPS daemon this process's CUDA programs would already reach (the host's, or one
+    CUDA_MPS_PIPE_DIRECTORY names), if there is one."""
+    pipe = Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or HOST_PIPE)
+    return pipe / "control" if (pipe / "control").exists() else None
+
+
 def gpu_python_models(repository: Path) -> list[str]:
     """The models of `repository` whose instances are python-backend processes on a GPU (KIND_GPU): the ones MPS
     lets run at once. A config that does not parse is left to Triton to judge (not counted)."""
@@ -123,6 +133,9 @@ def auto(repository: Path, gpus: list[int]) -> tuple[bool, str | None]:
     joules per inference, and 1.06-1.23x at 256."""
     models = gpu_python_models(repository)
     if not models:
+        return False, None
+    if (socket := host_daemon()) is not None:  # the host's MPS setup: its processes already share the GPU
+        log.info("CUDA MPS: the daemon of %s serves this server's processes; none started", socket)
         return False, None
     if not gpus:
         return False, "no NVIDIA GPU here (NVML lists none)"

@@ -294,6 +294,13 @@ def test_only_python_models_on_a_gpu_choose_mps_by_default(daemon: Path, tmp_pat
     assert mps.gpu_python_models(repository) == ["gpu_runner"]
     assert mps.auto(repository, [0]) == (True, None)
     assert mps.auto(repository, []) == (False, "no NVIDIA GPU here (NVML lists none)")
+    # A daemon the host already runs (here one that CUDA_MPS_PIPE_DIRECTORY names): left to serve them.
+    (tmp_path / "host").mkdir()
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path / "host"))
+    assert mps.auto(repository, [0]) == (True, None)  # no socket there: no daemon
+    (tmp_path / "host" / "control").touch()
+    assert mps.host_daemon() == tmp_path / "host" / "control" and mps.auto(repository, [0]) == (False, None)
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY")
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     assert mps.auto(repository, [0]) == (False, f"{mps.CONTROL} not found on PATH (it comes with the NVIDIA "
                                                 "driver's utilities)")
