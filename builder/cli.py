@@ -164,8 +164,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="run the GPU models' processes under CUDA MPS (a control daemon of this state folder, "
                             "quit when the server stops): the python runner's instances then share the GPU at "
                             "once instead of taking turns. Default: on where the repository has python-runner "
-                            "models on a GPU and nvidia-cuda-mps-control exists (a daemon that does not start is "
-                            "then a warning); --mps insists, --no-mps turns it off (docs/gpu.md)")
+                            "models on a GPU, nvidia-cuda-mps-control exists and no daemon of the host's already "
+                            "serves them (a daemon that does not start is then a warning); --mps insists, "
+                            "--no-mps turns it off (docs/gpu.md)")
     serve.add_argument("--gpus", default=None, metavar="LIST",
                        help="serve the GPU variants on these GPUs (device ids: 0,3), each variant's instance count "
                             "on every one of them (rewrites their config.pbtxt instance groups first)")
@@ -464,6 +465,9 @@ def _tune(args: argparse.Namespace) -> int:
     print(f"{report.search} search: {report.measurements} measurements{failed}; "
           f"Pareto front: {len(report.pareto)} points{hidden}")
     print(f"why: {report.why}")
+    if report.mps_note:
+        print(f"warning: CUDA MPS off for tune's server: {report.mps_note}; `trtbuild serve` would say the same "
+              "(--no-mps silences this)")
     for row in report.comparison:
         p99 = "-" if row.p99_ms is None else f"{row.p99_ms:.1f}"
         print(f"side by side: {row.config:<20} {row.throughput:>8.1f} infer/s  p99 {p99:>7} ms  "
@@ -560,8 +564,8 @@ def _mps_line(args: argparse.Namespace, server: TritonServer) -> str | None:
     from builder.serving import mps
 
     if not server.mps_used:
-        return (f"warning: CUDA MPS off: {server.mps_note}; the GPU models' instances take turns on the GPU "
-                "(--no-mps silences this)" if server.mps_note else None)
+        return (f"warning: CUDA MPS off: {server.mps_note}; the python runner's GPU instances take turns on the "
+                "GPU (--no-mps silences this)" if server.mps_note else None)
     folder = args.state_dir / mps.FOLDER
     count = mps.clients(args.state_dir)
     if count == 0:

@@ -3,8 +3,8 @@
 #
 #     bash bench/gpu/serve_mps_check.sh OUT [ROUNDS]
 #
-# Each round serves the demo's repository twice, with the daemon (`make serve-bg MPS=1`) and without, in turn
-# (on, off; the next round off, on), and loads efficientnet_lite0_fp16 with perfclient at concurrency 32 and 256,
+# Each round serves the demo's repository twice, with the daemon (`make serve-bg MPS=1`) and without (`MPS=0`),
+# in turn (on, off; the next round off, on), and loads efficientnet_lite0_fp16 with perfclient at concurrency 32 and 256,
 # inputs and outputs in CUDA shared memory. perfclient runs outside MPS (its environment names no pipe folder), as
 # a client on another host or in another container would. The first MPS serve is also checked: its ready line
 # (how many processes reached the daemon), `make verify` under MPS, the daemon's server list, and that `make stop`
@@ -44,10 +44,12 @@ EOF
     done
 }
 
-serve() {  # $1: label, $2: MPS value ("" for none)
-    make --no-print-directory serve-bg ${2:+MPS=$2} > "$out/$1-serve.txt" 2>&1 || { fail "serve $1 exit $?"; \
+serve() {  # $1: label, $2: MPS value (1 or 0)
+    make --no-print-directory serve-bg MPS="$2" > "$out/$1-serve.txt" 2>&1 || { fail "serve $1 exit $?"; \
         tail -5 "$out/$1-serve.txt" | tee -a "$checks"; return 1; }
     note "$1 ready: $(tail -1 "$out/$1-serve.txt")"
+    if [ "$2" = 0 ] && grep -q "CUDA MPS" "$out/$1-serve.txt"; then fail "serve $1 (MPS=0) mentions MPS"; fi
+    if [ "$2" = 0 ] && [ -n "$(daemons)" ]; then fail "serve $1 (MPS=0) has an MPS daemon: $(daemons)"; fi
 }
 
 stop() {  # $1: label
@@ -62,7 +64,7 @@ for round in $(seq 1 "$rounds"); do
     order="on off"; [ $((round % 2)) -eq 0 ] && order="off on"
     for mode in $order; do
         label=$mode-$round
-        if [ "$mode" = on ]; then serve "$label" 1 || continue; else serve "$label" "" || continue; fi
+        if [ "$mode" = on ]; then serve "$label" 1 || continue; else serve "$label" 0 || continue; fi
         if [ "$mode" = on ] && [ $first = 1 ]; then
             first=0
             note "daemon processes: $(daemons | tr '\n' ';')"

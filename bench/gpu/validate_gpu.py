@@ -196,7 +196,8 @@ def check(repository: Path, out: Path, loads: list[tuple[str, str]], concurrenci
 
     out.mkdir(parents=True, exist_ok=True)
     http, grpc, metrics = free_ports(3)
-    server = TritonServer(repository, out / "state", Ports(http, grpc, metrics))  # the product's defaults
+    # The product's defaults, as `trtbuild serve` decides them (MPS where it would run under MPS).
+    server = TritonServer(repository, out / "state", Ports(http, grpc, metrics), mps=None)
     doc: dict[str, Any] = {"repository": str(repository), "in_process_runner": in_process_runner(repository)}
     t0 = time.perf_counter()
     try:

@@ -24,16 +24,14 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
 
 import psutil
-from google.protobuf import text_format
-from tritonclient.grpc import model_config_pb2
 
 from builder.errors import ServerError
-from builder.repository.triton_config import parse
 from builder.serving.processes import alive, wait_gone
 
 log = logging.getLogger(__name__)
@@ -102,45 +100,68 @@ def _end(pids: list[int], state_dir: Path) -> None:
 
 
 HOST_PIPE = Path("/tmp/nvidia-mps")  # where CUDA looks for a daemon when CUDA_MPS_PIPE_DIRECTORY is unset
+# NVIDIA's MPS documentation: Volta and later MPS servers take up to 48 client CUDA contexts per device (fewer
+# where each context's memory or CUDA_DEVICE_MAX_CONNECTIONS takes more of the pool).
+CLIENTS_PER_GPU = 48
 
 
 def host_daemon() -> Path | None:
-    """The control socket of an MPS daemon this process's CUDA programs would already reach (the host's, or one
-    CUDA_MPS_PIPE_DIRECTORY names), if there is one."""
-    pipe = Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or HOST_PIPE)
-    return pipe / "control" if (pipe / "control").exists() else None
+    """The control socket of a live MPS daemon this process's CUDA programs would already reach (the host's, or
+    the one CUDA_MPS_PIPE_DIRECTORY names), if there is one. Only a socket that accepts a connection counts: a
+    daemon leaves its socket behind when it quits."""
+    path = Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or HOST_PIPE) / "control"
+    if not path.exists():
+        return None
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(str(path))
+        except OSError:
+            return None
+    return path
 
 
-def gpu_python_models(repository: Path) -> list[str]:
-    """The models of `repository` whose instances are python-backend processes on a GPU (KIND_GPU): the ones MPS
-    lets run at once. A config that does not parse is left to Triton to judge (not counted)."""
-    found = []
+def gpu_runner_instances(repository: Path, gpus: list[int]) -> dict[int, int]:
+    """Per GPU, the python-backend instances (each a process with its own CUDA context) that `repository`'s
+    configs start on it (KIND_GPU groups: `count` on each GPU the group lists, else on every GPU). A config
+    that does not parse is left to Triton to judge (not counted)."""
+    from google.protobuf import text_format  # here: serve's and stop's start need none of tritonclient
+    from tritonclient.grpc import model_config_pb2
+
+    from builder.repository.triton_config import parse
+
+    per_gpu: dict[int, int] = {}
     for path in sorted(repository.glob("*/config.pbtxt")):
         try:
             config = parse(path.read_text(encoding="utf-8", errors="replace"))
         except (OSError, text_format.ParseError):
             continue
-        if config.backend == "python" and any(group.kind == model_config_pb2.ModelInstanceGroup.KIND_GPU
-                                              for group in config.instance_group):
-            found.append(path.parent.name)
-    return found
+        if config.backend != "python":
+            continue
+        for group in config.instance_group:
+            if group.kind == model_config_pb2.ModelInstanceGroup.KIND_GPU:
+                for gpu in list(group.gpus) or gpus or [0]:
+                    per_gpu[gpu] = per_gpu.get(gpu, 0) + max(group.count, 1)
+    return per_gpu
 
 
 def auto(repository: Path, gpus: list[int]) -> tuple[bool, str | None]:
     """Whether a server of `repository` runs under MPS by default, and why not where it matters (None: nothing
-    to say, a repository without GPU python models). Measured on two H200 starts (docs/results/gpu.md): FP16
-    EfficientNet-Lite0's four instances served 1.47-1.89x the requests at concurrency 32 for 0.72-0.85x the
-    joules per inference, and 1.06-1.23x at 256."""
-    models = gpu_python_models(repository)
-    if not models:
+    to say: no python-runner models on a GPU, no GPU, or the host's own daemon serves them). Measured on two
+    H200 starts (docs/results/gpu.md): FP16 EfficientNet-Lite0's four instances served 1.47-1.89x the requests
+    at concurrency 32 for 0.72-0.85x the joules per inference, and 1.06-1.23x at 256."""
+    per_gpu = gpu_runner_instances(repository, gpus)
+    if not per_gpu or not gpus:  # without a GPU such models do not load at all: Triton says why
         return False, None
-    if (socket := host_daemon()) is not None:  # the host's MPS setup: its processes already share the GPU
-        log.info("CUDA MPS: the daemon of %s serves this server's processes; none started", socket)
+    if (host := host_daemon()) is not None:  # the host's MPS setup: its processes already share the GPU
+        log.info("CUDA MPS: the daemon of %s serves this server's processes; none started", host)
         return False, None
-    if not gpus:
-        return False, "no NVIDIA GPU here (NVML lists none)"
     if shutil.which(CONTROL) is None:
         return False, f"{CONTROL} not found on PATH (it comes with the NVIDIA driver's utilities)"
+    gpu, most = max(per_gpu.items(), key=lambda item: item[1])
+    if most + 1 > CLIENTS_PER_GPU:  # + tritonserver's own context; more clients would fail to load
+        return False, (f"GPU {gpu} would hold {most} python-runner instances and the server, more than the "
+                       f"{CLIENTS_PER_GPU} clients an MPS server takes per GPU")
     return True, None
 
 

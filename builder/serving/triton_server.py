@@ -277,7 +277,8 @@ class TritonServer:
                  exposure: Exposure | None = None, mps: bool | None = False) -> None:
         self.repository = repository
         # CUDA MPS for its GPU processes (builder.serving.mps): a daemon of this state folder. None: where
-        # mps.auto says so, and a daemon that does not start is then a warning, not a refusal.
+        # mps.auto says so (the CLI's default; a library caller's is False), and a daemon that does not start
+        # is then a note (mps_note), not a refusal.
         self.mps = mps
         self.mps_used = False  # start() ran the server under the daemon
         self.mps_note: str | None = None  # with mps None: why the server runs without it (None: nothing to say)
@@ -313,8 +314,8 @@ class TritonServer:
             self.cleaned = _clean_folder(self.state_dir)
             check_ports(self.ports, self.exposure.host)
             env = environment()
-            env |= self._start_mps()  # before anything is written: a refused --mps leaves the folder as it was
             try:
+                env |= self._start_mps()  # before anything is written: a refused --mps leaves the folder as it was
                 argv = self.argv()
                 log.debug("starting %s", " ".join(self.exposure.hide(argv)))
                 stdout = (self.state_dir / "tritonserver.out").open("wb")
@@ -324,7 +325,7 @@ class TritonServer:
                     )
                 finally:
                     stdout.close()  # the child holds its own copy (or there is no child)
-            except BaseException:  # no server: no daemon either
+            except BaseException:  # no server (refused, interrupted, no binary): no daemon either
                 self._quit_mps()
                 raise
             pid = self.process.pid
@@ -394,8 +395,8 @@ class TritonServer:
             self._mps_started = False  # mps.start left no daemon of this folder
             if self.mps is not None:
                 raise
-            self.mps_note = str(e).removeprefix("--mps: ")
-            log.warning("serving without CUDA MPS: %s", self.mps_note)
+            self.mps_note = str(e).removeprefix("--mps: ")  # the CLIs say it; a library caller reads it
+            log.info("serving without CUDA MPS: %s", self.mps_note)
             return {}
         self.mps_used = True
         return env

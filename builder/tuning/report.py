@@ -83,6 +83,7 @@ class TuneReport:
     partial: str | None = None  # why the run stopped early, when it did
     restarts: int = 0  # times the private server died mid-point and was started again (each point's note says)
     mps: bool = False  # the private server ran under a CUDA MPS daemon, as `trtbuild serve` serves by default on a GPU
+    mps_note: str | None = None  # why it did not where it would have by default (no daemon binary, one that failed)
 
 
 def explain(winner: Point, measured: dict[Point, list[Result]], objective: Objective, default: Point) -> str:

@@ -152,7 +152,8 @@ def tune(config: TuneConfig) -> TuneReport:
                 "no point met the constraints",
                 comparison, round(time.perf_counter() - started, 1), failed=len(tuner.failures),
                 attached=config.attach.http if config.attach else None, changes=changes, partial=partial,
-                restarts=sum(map(len, tuner.restarts.values())), mps=target.mps_used)
+                restarts=sum(map(len, tuner.restarts.values())), mps=target.mps_used,
+                mps_note=target.mps_note)
             unwritten = write_outputs(report, config.report_path, config.plot_path, measured, front, config.html_path)
     if unwritten:
         raise BuilderError(unwritten)

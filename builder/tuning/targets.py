@@ -52,6 +52,7 @@ class Target:
     http: Http
     originals: dict[str, str]  # each variant's config.pbtxt as the repository holds it
     mps_used = False  # its server ran under CUDA MPS (a private server: builder.serving.mps)
+    mps_note: str | None = None  # why not, where the default would have (TritonServer.mps_note)
 
     def load(self, point: Point) -> None:
         raise NotImplementedError
@@ -109,7 +110,7 @@ class LocalTarget(Target):
                                        f"http://127.0.0.1:{metrics}/metrics")
             self.http = Http(self.endpoints.http)
             self.server.start(timeout=120)
-            self.mps_used = self.server.mps_used
+            self.mps_used, self.mps_note = self.server.mps_used, self.server.mps_note
         except BaseException:
             self.__exit__()
             raise
@@ -156,6 +157,7 @@ class LocalTarget(Target):
         self.http = Http(self.endpoints.http)
         self.server.start(timeout=120)
         self.mps_used = self.mps_used and self.server.mps_used  # every server of the run under MPS, or not said
+        self.mps_note = self.mps_note or self.server.mps_note
 
     def _while_running(self, label: str, call: Callable[[], object], stage: str = "loading") -> None:
         """Run a repository request, but stop waiting when the server process exits. A server killed

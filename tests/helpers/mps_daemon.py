@@ -78,6 +78,7 @@ def installed(folder: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     monkeypatch.setenv("CALLS", str(calls))
     for name in ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY", "STANDIN_HANG", "STANDIN_NO_SOCKET"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(mps, "HOST_PIPE", folder / "no-host-daemon")  # a GPU host's own daemon stays out of it
     try:
         yield calls
     finally:

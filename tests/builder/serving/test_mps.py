@@ -11,9 +11,11 @@ import functools
 import json
 import os
 import signal
+import socket
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -288,18 +290,32 @@ def test_only_python_models_on_a_gpu_choose_mps_by_default(daemon: Path, tmp_pat
     _config(repository, "cpu_runner", 'name: "cpu_runner"\nbackend: "python"\ninstance_group [{ kind: KIND_CPU }]\n')
     _config(repository, "native", 'name: "native"\nbackend: "onnxruntime"\ninstance_group [{ kind: KIND_GPU }]\n')
     _config(repository, "broken", 'name: "broken"\nbackend: "python"\ninstance_group [{ kind: KIND_GPU \n')
-    assert mps.gpu_python_models(repository) == [] and mps.auto(repository, [0]) == (False, None)
+    assert mps.gpu_runner_instances(repository, [0]) == {} and mps.auto(repository, [0]) == (False, None)
     _config(repository, "gpu_runner", 'name: "gpu_runner"\nbackend: "python"\n'
                                       'instance_group [{ kind: KIND_CPU }, { count: 4, kind: KIND_GPU }]\n')
-    assert mps.gpu_python_models(repository) == ["gpu_runner"]
-    assert mps.auto(repository, [0]) == (True, None)
-    assert mps.auto(repository, []) == (False, "no NVIDIA GPU here (NVML lists none)")
-    # A daemon the host already runs (here one that CUDA_MPS_PIPE_DIRECTORY names): left to serve them.
-    (tmp_path / "host").mkdir()
-    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path / "host"))
-    assert mps.auto(repository, [0]) == (True, None)  # no socket there: no daemon
-    (tmp_path / "host" / "control").touch()
-    assert mps.host_daemon() == tmp_path / "host" / "control" and mps.auto(repository, [0]) == (False, None)
+    _config(repository, "placed", 'name: "placed"\nbackend: "python"\n'
+                                  'instance_group [{ count: 2, kind: KIND_GPU, gpus: [1] }]\n')
+    assert mps.gpu_runner_instances(repository, [0, 1]) == {0: 4, 1: 6}  # 4 on every GPU, 2 more on GPU 1
+    assert mps.auto(repository, [0, 1]) == (True, None)
+    assert mps.auto(repository, []) == (False, None)  # such models cannot load without a GPU: Triton says so
+    # More clients on one GPU than an MPS server takes: not by default.
+    _config(repository, "many", 'name: "many"\nbackend: "python"\ninstance_group [{ count: 42, kind: KIND_GPU }]\n')
+    assert mps.auto(repository, [0, 1]) == (False, "GPU 1 would hold 48 python-runner instances and the server, "
+                                                   "more than the 48 clients an MPS server takes per GPU")
+    (repository / "many" / "config.pbtxt").unlink()
+    # A daemon the host already runs (here in the folder CUDA_MPS_PIPE_DIRECTORY names) is left to serve them;
+    # a socket nobody listens on (a daemon leaves it after quit) is no daemon.
+    host = tmp_path / "host"
+    host.mkdir()
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(host))
+    assert mps.host_daemon() is None and mps.auto(repository, [0]) == (True, None)
+    (host / "control").touch()
+    assert mps.host_daemon() is None and mps.auto(repository, [0]) == (True, None)
+    (host / "control").unlink()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listening:
+        listening.bind(str(host / "control"))
+        listening.listen()
+        assert mps.host_daemon() == host / "control" and mps.auto(repository, [0]) == (False, None)
     monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY")
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     assert mps.auto(repository, [0]) == (False, f"{mps.CONTROL} not found on PATH (it comes with the NVIDIA "
@@ -310,7 +326,7 @@ def test_only_python_models_on_a_gpu_choose_mps_by_default(daemon: Path, tmp_pat
 @pytest.fixture
 def gpu_models(monkeypatch: pytest.MonkeyPatch) -> None:
     """The CPU test model counted as a python-runner model on a GPU, for the default's choice only."""
-    monkeypatch.setattr(mps, "gpu_python_models", lambda repository: ["mlp_fp32"])
+    monkeypatch.setattr(mps, "gpu_runner_instances", lambda repository, gpus: {0: 1})
 
 
 @pytest.mark.server
@@ -365,14 +381,126 @@ def test_a_repository_without_gpu_runner_models_gets_no_daemon_and_no_line(
 
 @pytest.mark.parametrize(("value", "flag"), [("", None), ("0", "--no-mps"), ("no", "--no-mps"), ("1", "--mps"),
                                              ("true", "--mps")])
-def test_make_mps_maps_to_the_flag(value: str, flag: str | None) -> None:
+def test_make_mps_maps_to_the_flag(value: str, flag: str | None, tmp_path: Path) -> None:
     root = Path(__file__).resolve().parents[3]
+    # STAMP: a file newer than everything, that no rule makes: the dry run prints the target's own command, not
+    # an install (a file of the checkout, such as the Makefile, has its own rule and would be remade).
+    stamp = tmp_path / "stamp"
+    stamp.touch()
     for target in ("serve", "serve-bg", "tune"):
-        # STAMP: an existing file, so that the dry run prints the target's own command, not an install.
-        done = subprocess.run(["make", "-n", "--no-print-directory", target, f"MPS={value}", "STAMP=Makefile"],
+        done = subprocess.run(["make", "-n", "--no-print-directory", target, f"MPS={value}", f"STAMP={stamp}"],
                               cwd=root, capture_output=True, text=True, timeout=60, check=True)
         words = done.stdout.split()
         assert [w for w in words if w in ("--mps", "--no-mps")] == ([flag] if flag else []), target
-    bad = subprocess.run(["make", "-n", "--no-print-directory", "serve", "MPS=maybe", "STAMP=Makefile"], cwd=root,
+    bad = subprocess.run(["make", "-n", "--no-print-directory", "serve", "MPS=maybe", f"STAMP={stamp}"], cwd=root,
                          capture_output=True, text=True, timeout=60, check=False)
     assert bad.returncode == 2 and "MPS=maybe: expected 1, yes or true" in bad.stderr
+
+
+def _tune(repository: Path, report: Path, mps_setting: bool | None) -> Any:
+    from builder.tuning.objective import Goal, Objective
+    from builder.tuning.points import Space
+    from builder.tuning.run import TuneConfig, tune
+    from builder.tuning.strategies import Search
+
+    return tune(TuneConfig(repository, Space(("mlp_fp32",), (8,), (0,), (1,)), Objective(Goal.THROUGHPUT),
+                           search=Search.HILL, concurrencies=[2], measurement_ms=300, default_variant="mlp_fp32",
+                           report_path=report, plot_path=None, max_trials=1, compare=False, write=False,
+                           mps=mps_setting))
+
+
+@pytest.mark.server
+@pytest.mark.usefixtures("gpu_here", "gpu_models")
+def test_tune_decides_as_serve_does_and_says_why_not(daemon: Path, repo_copy: Path, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    report = _tune(repo_copy, tmp_path / "on.json", None)
+    assert report.mps and report.mps_note is None and calls_of(daemon) == ["-d", "quit"]
+    monkeypatch.setenv("STANDIN_NO_SOCKET", "1")  # the default's daemon does not start: measured without it
+    monkeypatch.setattr(mps, "start", functools.partial(mps.start, timeout=0.5))
+    report = _tune(repo_copy, tmp_path / "off.json", None)
+    assert not report.mps and report.mps_note is not None and "made no socket" in report.mps_note
+    assert json.loads((tmp_path / "off.json").read_text())["mps_note"] == report.mps_note
+
+
+def test_tune_notes_a_restart_that_lost_mps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A private server that died and came back without its daemon: the report must not say MPS."""
+    from builder.tuning import targets
+
+    outcomes = iter([(True, None), (False, "the MPS control daemon made no socket")])
+
+    class StandInServer:
+        def __init__(self, repository: Path, state_dir: Path, ports: object, **kwargs: object) -> None:
+            self.repository, self.state_dir, self.process = repository, state_dir, None
+            self.mps_used, self.mps_note = False, None
+
+        def start(self, timeout: float = 120.0) -> None:
+            self.mps_used, self.mps_note = next(outcomes)
+
+        def stop(self) -> None:
+            pass
+
+    (tmp_path / "repo" / "m").mkdir(parents=True)
+    (tmp_path / "repo" / "m" / "config.pbtxt").write_text('name: "m"\n')
+    monkeypatch.setattr(targets, "TritonServer", StandInServer)
+    with targets.LocalTarget(tmp_path / "repo", ["m"], mps=None) as target:
+        assert target.mps_used and target.mps_note is None
+        target.restart()
+        assert not target.mps_used and target.mps_note == "the MPS control daemon made no socket"
+
+
+@pytest.mark.server
+@pytest.mark.usefixtures("gpu_here", "gpu_models")
+def test_the_ready_line_names_the_default_and_how_to_turn_it_off(daemon: Path, one_model: Path, state: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(mps, "clients", lambda state_dir: 5)  # as if the stubs had reached the daemon
+    assert main(serve_args(one_model, state)) == 0
+    assert (f"CUDA MPS: control daemon in {state / 'mps'}, 5 client processes so far; stopped with the server (on "
+            "by default for python-runner models on a GPU; --no-mps turns it off)") in capsys.readouterr().out
+    assert main(["stop", "--state-dir", str(state)]) == 0
+    assert main(serve_mps(one_model, state)) == 0
+    out = capsys.readouterr().out
+    assert main(["stop", "--state-dir", str(state)]) == 0
+    assert "5 client processes so far; stopped with the server\n" in out  # asked for: no note on the default
+
+
+def test_tune_no_mps_with_url_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["tune", "m", "--no-mps", "--url", "127.0.0.1:8000", "--manifest", str(tmp_path / "models.toml"),
+                 "--repository", str(tmp_path)]) == 1
+    assert error_lines(capsys) == [
+        "trtbuild: error: --no-mps: only for tune's private server; with --url, start that server with "
+        "`trtbuild serve --mps` or `--no-mps`"]
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize(("flags", "expected"), [([], None), (["--mps"], True), (["--no-mps"], False)])
+def test_serve_and_tune_leave_the_choice_to_the_default_unless_told(flags: list[str], expected: bool | None,
+                                                                    tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from builder.tuning import run as tune_run
+
+    seen: list[bool | None] = []
+
+    class Captured:
+        def __init__(self, *args: object, mps: bool | None = False, **kwargs: object) -> None:
+            seen.append(mps)
+            raise _Stop
+
+    def capture(config: Any) -> None:
+        seen.append(config.mps)
+        raise _Stop
+
+    monkeypatch.setattr(triton_server, "TritonServer", Captured)
+    monkeypatch.setattr(tune_run, "tune", capture)
+    (tmp_path / "models.toml").write_text('[[model]]\nname = "mlp"\nonnx = "mlp.onnx"\nprecisions = ["fp32"]\n')
+    (tmp_path / "repository" / "mlp_fp32").mkdir(parents=True)
+    with pytest.raises(_Stop):
+        main(["serve", "--repository", str(tmp_path / "repository"), "--state-dir", str(tmp_path / "run"), *flags])
+    with pytest.raises(_Stop):
+        main(["tune", "mlp", "--manifest", str(tmp_path / "models.toml"), "--repository", str(tmp_path / "repository"),
+              "--report", str(tmp_path / "t.json"), "--plot", str(tmp_path / "t.png"), "--html",
+              str(tmp_path / "t.html"), *flags])
+    assert seen == [expected, expected]  # what reached TritonServer, and tune's config
