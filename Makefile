@@ -14,7 +14,7 @@ METRICS_PORT ?= 8002
 # repository, shared-memory, logging and trace APIs then need TRITON_ADMIN_KEY (docs/security.md).
 LISTEN ?=
 # CUDA MPS for serve, serve-bg and tune (docs/gpu.md). Empty: trtbuild's default (MPS for python-runner models on
-# a GPU where the daemon exists); 1 (yes, true): --mps; 0 (no, false): --no-mps.
+# a GPU, where the daemon binary exists and no host daemon already serves them); 1 (yes, true): --mps; 0: --no-mps.
 MPS ?=
 # Deferred (=): a wrong value stops only the targets that use it. One word of 1/yes/true or 0/no/false.
 MPS_FLAG = $(if $(strip $(MPS)),$(if $(filter-out 1 yes true 0 no false,$(MPS))$(word 2,$(MPS)),$(error MPS=$(MPS): expected 1, yes or true (or 0, no, false, empty)),$(if $(filter 1 yes true,$(MPS)),--mps,--no-mps)))

@@ -164,9 +164,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="run the GPU models' processes under CUDA MPS (a control daemon of this state folder, "
                             "quit when the server stops): the python runner's instances then share the GPU at "
                             "once instead of taking turns. Default: on where the repository has python-runner "
-                            "models on a GPU, nvidia-cuda-mps-control exists and no daemon of the host's already "
-                            "serves them (a daemon that does not start is then a warning); --mps insists, "
-                            "--no-mps turns it off (docs/gpu.md)")
+                            "models on a GPU, nvidia-cuda-mps-control exists, no daemon of the host's already "
+                            "serves them and no GPU gets more than 48 of their instances (a daemon that does not "
+                            "start is then a warning); --mps insists, --no-mps turns it off (docs/gpu.md)")
     serve.add_argument("--gpus", default=None, metavar="LIST",
                        help="serve the GPU variants on these GPUs (device ids: 0,3), each variant's instance count "
                             "on every one of them (rewrites their config.pbtxt instance groups first)")
@@ -466,8 +466,7 @@ def _tune(args: argparse.Namespace) -> int:
           f"Pareto front: {len(report.pareto)} points{hidden}")
     print(f"why: {report.why}")
     if report.mps_note:
-        print(f"warning: CUDA MPS off for tune's server: {report.mps_note}; `trtbuild serve` would say the same "
-              "(--no-mps silences this)")
+        print(f"warning: CUDA MPS off for tune's server: {report.mps_note} (--no-mps silences this)")
     for row in report.comparison:
         p99 = "-" if row.p99_ms is None else f"{row.p99_ms:.1f}"
         print(f"side by side: {row.config:<20} {row.throughput:>8.1f} infer/s  p99 {p99:>7} ms  "

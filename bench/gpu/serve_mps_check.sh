@@ -4,7 +4,7 @@
 #     bash bench/gpu/serve_mps_check.sh OUT [ROUNDS]
 #
 # Each round serves the demo's repository twice, with the daemon (`make serve-bg MPS=1`) and without (`MPS=0`),
-# in turn (on, off; the next round off, on), and loads efficientnet_lite0_fp16 with perfclient at concurrency 32 and 256,
+# in turn (on, off; the next round off, on); a last serve with MPS unset checks the default (its ready line), and loads efficientnet_lite0_fp16 with perfclient at concurrency 32 and 256,
 # inputs and outputs in CUDA shared memory. perfclient runs outside MPS (its environment names no pipe folder), as
 # a client on another host or in another container would. The first MPS serve is also checked: its ready line
 # (how many processes reached the daemon), `make verify` under MPS, the daemon's server list, and that `make stop`
@@ -21,6 +21,7 @@ fail() { note "FAIL: $*"; status=1; }
 # Live MPS processes: an ended daemon stays a zombie until the machine's init reaps it (it outlives the
 # `serve --background` process that started it); on an H200 each was gone by the next round.
 daemons() { ps -eo pid=,stat=,args= | awk '$2 !~ /^Z/ && /nvidia-cuda-mps/ && !/awk/'; }
+host=$(daemons)  # a host's own daemons, there before: not ours to count
 
 load() {  # $1: label; perfclient at 32 and 256, outside MPS
     for c in 32 256; do
@@ -44,18 +45,18 @@ EOF
     done
 }
 
-serve() {  # $1: label, $2: MPS value (1 or 0)
+serve() {  # $1: label, $2: MPS value (1, 0 or empty)
     make --no-print-directory serve-bg MPS="$2" > "$out/$1-serve.txt" 2>&1 || { fail "serve $1 exit $?"; \
         tail -5 "$out/$1-serve.txt" | tee -a "$checks"; return 1; }
     note "$1 ready: $(tail -1 "$out/$1-serve.txt")"
     if [ "$2" = 0 ] && grep -q "CUDA MPS" "$out/$1-serve.txt"; then fail "serve $1 (MPS=0) mentions MPS"; fi
-    if [ "$2" = 0 ] && [ -n "$(daemons)" ]; then fail "serve $1 (MPS=0) has an MPS daemon: $(daemons)"; fi
+    if [ "$2" = 0 ] && [ "$(daemons)" != "$host" ]; then fail "serve $1 (MPS=0) has an MPS daemon: $(daemons)"; fi
 }
 
 stop() {  # $1: label
     make --no-print-directory stop > "$out/$1-stop.txt" 2>&1 || fail "stop $1 exit $?"
     left=$(daemons)
-    [ -z "$left" ] || fail "after stop $1 MPS processes are left: $left"
+    [ "$left" = "$host" ] || fail "after stop $1 MPS processes are left: $left"
     [ ! -e .run/mps/pipe/control ] || fail "after stop $1 the control socket is left"
 }
 
@@ -77,5 +78,10 @@ for round in $(seq 1 "$rounds"); do
         stop "$label"
     done
 done
+# The default (MPS unset): on for this repository's GPU runner models, and said so.
+if serve default ""; then
+    grep -q "on by default" "$out/default-serve.txt" || fail "the default serve's ready line does not say MPS is on"
+    stop default
+fi
 note "exit $status"
 exit $status

@@ -110,27 +110,27 @@ def host_daemon() -> Path | None:
     the one CUDA_MPS_PIPE_DIRECTORY names), if there is one. Only a socket that accepts a connection counts: a
     daemon leaves its socket behind when it quits."""
     path = Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or HOST_PIPE) / "control"
-    if not path.exists():
-        return None
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        probe.settimeout(1.0)
+        probe.setblocking(False)  # a Unix connect does not wait: it is accepted, refused or its queue is full
         try:
             probe.connect(str(path))
-        except OSError:
+        except BlockingIOError:  # a listening daemon whose queue is full is a live one
+            return path
+        except OSError:  # no such path, not a socket, no permission, nobody listening: no daemon to use
             return None
     return path
 
 
-def gpu_runner_instances(repository: Path, gpus: list[int]) -> dict[int, int]:
-    """Per GPU, the python-backend instances (each a process with its own CUDA context) that `repository`'s
-    configs start on it (KIND_GPU groups: `count` on each GPU the group lists, else on every GPU). A config
-    that does not parse is left to Triton to judge (not counted)."""
+def gpu_runner_instances(repository: Path, gpus: list[int]) -> dict[int, dict[str, int]]:
+    """Per GPU, per model, the python-backend instances (each a process with its own CUDA context) that
+    `repository`'s configs start on it (KIND_GPU groups: `count`, at least 1, on each GPU the group lists, else on
+    every GPU). A config that does not parse is left to Triton to judge (not counted)."""
     from google.protobuf import text_format  # here: serve's and stop's start need none of tritonclient
     from tritonclient.grpc import model_config_pb2
 
     from builder.repository.triton_config import parse
 
-    per_gpu: dict[int, int] = {}
+    per_gpu: dict[int, dict[str, int]] = {}
     for path in sorted(repository.glob("*/config.pbtxt")):
         try:
             config = parse(path.read_text(encoding="utf-8", errors="replace"))
@@ -141,7 +141,8 @@ def gpu_runner_instances(repository: Path, gpus: list[int]) -> dict[int, int]:
         for group in config.instance_group:
             if group.kind == model_config_pb2.ModelInstanceGroup.KIND_GPU:
                 for gpu in list(group.gpus) or gpus or [0]:
-                    per_gpu[gpu] = per_gpu.get(gpu, 0) + max(group.count, 1)
+                    models = per_gpu.setdefault(gpu, {})
+                    models[path.parent.name] = models.get(path.parent.name, 0) + max(group.count, 1)
     return per_gpu
 
 
@@ -154,14 +155,17 @@ def auto(repository: Path, gpus: list[int]) -> tuple[bool, str | None]:
     if not per_gpu or not gpus:  # without a GPU such models do not load at all: Triton says why
         return False, None
     if (host := host_daemon()) is not None:  # the host's MPS setup: its processes already share the GPU
-        log.info("CUDA MPS: the daemon of %s serves this server's processes; none started", host)
+        log.debug("CUDA MPS: the daemon of %s serves this server's processes; none started", host)
         return False, None
     if shutil.which(CONTROL) is None:
         return False, f"{CONTROL} not found on PATH (it comes with the NVIDIA driver's utilities)"
-    gpu, most = max(per_gpu.items(), key=lambda item: item[1])
-    if most + 1 > CLIENTS_PER_GPU:  # + tritonserver's own context; more clients would fail to load
-        return False, (f"GPU {gpu} would hold {most} python-runner instances and the server, more than the "
-                       f"{CLIENTS_PER_GPU} clients an MPS server takes per GPU")
+    gpu, models = max(per_gpu.items(), key=lambda item: sum(item[1].values()))
+    if sum(models.values()) + 1 > CLIENTS_PER_GPU:  # + tritonserver's own context; more would fail to load
+        largest = sorted(models.items(), key=lambda item: (-item[1], item[0]))
+        named = ", ".join(f"{name} {count}" for name, count in largest[:3]) + (", ..." if len(largest) > 3 else "")
+        return False, (f"GPU {gpu} would hold {sum(models.values())} python-runner instances ({named}) and the "
+                       f"server, more than the {CLIENTS_PER_GPU} clients an MPS server takes per GPU; serve fewer "
+                       "instances (models.toml's [model.serving] instances) or spread them with --gpus")
     return True, None
 
 
@@ -203,7 +207,7 @@ def start(state_dir: Path, gpus: list[int], timeout: float = 10.0) -> dict[str, 
     except BaseException:  # refused, timed out or interrupted: no daemon of this folder is left running
         _end(daemon_pids(state_dir), state_dir)
         raise
-    log.info("CUDA MPS control daemon started (pipe %s)", env["CUDA_MPS_PIPE_DIRECTORY"])
+    log.debug("CUDA MPS control daemon started (pipe %s)", env["CUDA_MPS_PIPE_DIRECTORY"])  # the CLI says it
     return env
 
 

@@ -391,12 +391,12 @@ class TritonServer:
         self._mps_started = True  # first: an interrupt inside start() leaves nothing to quit but is safe
         try:
             env = mps.start(self.state_dir, gpus)
-        except ServerError as e:
+        except (ServerError, OSError) as e:  # OSError: its folders (a default must not end the serve with it)
             self._mps_started = False  # mps.start left no daemon of this folder
             if self.mps is not None:
                 raise
             self.mps_note = str(e).removeprefix("--mps: ")  # the CLIs say it; a library caller reads it
-            log.info("serving without CUDA MPS: %s", self.mps_note)
+            log.debug("serving without CUDA MPS: %s", self.mps_note)
             return {}
         self.mps_used = True
         return env

@@ -36,7 +36,9 @@ def html_report(report: TuneReport, png: bytes | None) -> str:
                        for c in report.comparison)
     image = "" if png is None else ("<img alt='points and Pareto front' src='data:image/png;base64,"
                                     f"{base64.b64encode(png).decode()}'>")
-    where = (f", on {e(report.attached)}" if report.attached else "") + (", under CUDA MPS" if report.mps else "")
+    mps = (", under CUDA MPS" if report.mps else
+           f", without CUDA MPS: {e(report.mps_note)}" if report.mps_note else "")
+    where = (f", on {e(report.attached)}" if report.attached else "") + mps
     partial = f"<p class='partial'>Partial run: {e(report.partial)}</p>" if report.partial else ""
     winner = e(report.winner.label()) if report.winner else "none"
     return f"""<!doctype html>

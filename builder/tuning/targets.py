@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import shutil
 import subprocess
 import tempfile
@@ -84,6 +85,15 @@ class Target:
         pass
 
 
+def _tune_note(note: str | None) -> str | None:
+    """A server's reason for running without MPS, as it reads for tune: its private state folder is removed with
+    the run (no log to see there) and has no --state-dir of its own (it lives under TMPDIR)."""
+    if note is None:
+        return None
+    note = re.sub(r"; see \S+$", "", note)
+    return note.replace("use a shorter --state-dir", "set a shorter TMPDIR (tune's server runs in a folder there)")
+
+
 class LocalTarget(Target):
     """A private Triton (explicit model control) over a temporary copy of the variants."""
 
@@ -110,7 +120,7 @@ class LocalTarget(Target):
                                        f"http://127.0.0.1:{metrics}/metrics")
             self.http = Http(self.endpoints.http)
             self.server.start(timeout=120)
-            self.mps_used, self.mps_note = self.server.mps_used, self.server.mps_note
+            self.mps_used, self.mps_note = self.server.mps_used, _tune_note(self.server.mps_note)
         except BaseException:
             self.__exit__()
             raise
@@ -157,7 +167,7 @@ class LocalTarget(Target):
         self.http = Http(self.endpoints.http)
         self.server.start(timeout=120)
         self.mps_used = self.mps_used and self.server.mps_used  # every server of the run under MPS, or not said
-        self.mps_note = self.mps_note or self.server.mps_note
+        self.mps_note = self.mps_note or _tune_note(self.server.mps_note)
 
     def _while_running(self, label: str, call: Callable[[], object], stage: str = "loading") -> None:
         """Run a repository request, but stop waiting when the server process exits. A server killed

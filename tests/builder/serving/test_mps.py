@@ -295,13 +295,16 @@ def test_only_python_models_on_a_gpu_choose_mps_by_default(daemon: Path, tmp_pat
                                       'instance_group [{ kind: KIND_CPU }, { count: 4, kind: KIND_GPU }]\n')
     _config(repository, "placed", 'name: "placed"\nbackend: "python"\n'
                                   'instance_group [{ count: 2, kind: KIND_GPU, gpus: [1] }]\n')
-    assert mps.gpu_runner_instances(repository, [0, 1]) == {0: 4, 1: 6}  # 4 on every GPU, 2 more on GPU 1
+    # 4 on every GPU, 2 more on GPU 1
+    assert mps.gpu_runner_instances(repository, [0, 1]) == {0: {"gpu_runner": 4}, 1: {"gpu_runner": 4, "placed": 2}}
     assert mps.auto(repository, [0, 1]) == (True, None)
     assert mps.auto(repository, []) == (False, None)  # such models cannot load without a GPU: Triton says so
     # More clients on one GPU than an MPS server takes: not by default.
     _config(repository, "many", 'name: "many"\nbackend: "python"\ninstance_group [{ count: 42, kind: KIND_GPU }]\n')
-    assert mps.auto(repository, [0, 1]) == (False, "GPU 1 would hold 48 python-runner instances and the server, "
-                                                   "more than the 48 clients an MPS server takes per GPU")
+    assert mps.auto(repository, [0, 1]) == (False, "GPU 1 would hold 48 python-runner instances (many 42, gpu_runner "
+                                                   "4, placed 2) and the server, more than the 48 clients an MPS "
+                                                   "server takes per GPU; serve fewer instances (models.toml's "
+                                                   "[model.serving] instances) or spread them with --gpus")
     (repository / "many" / "config.pbtxt").unlink()
     # A daemon the host already runs (here in the folder CUDA_MPS_PIPE_DIRECTORY names) is left to serve them;
     # a socket nobody listens on (a daemon leaves it after quit) is no daemon.
@@ -309,7 +312,8 @@ def test_only_python_models_on_a_gpu_choose_mps_by_default(daemon: Path, tmp_pat
     host.mkdir()
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(host))
     assert mps.host_daemon() is None and mps.auto(repository, [0]) == (True, None)
-    (host / "control").touch()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as quit_daemon:  # its socket, left after it quit
+        quit_daemon.bind(str(host / "control"))
     assert mps.host_daemon() is None and mps.auto(repository, [0]) == (True, None)
     (host / "control").unlink()
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listening:
@@ -326,7 +330,7 @@ def test_only_python_models_on_a_gpu_choose_mps_by_default(daemon: Path, tmp_pat
 @pytest.fixture
 def gpu_models(monkeypatch: pytest.MonkeyPatch) -> None:
     """The CPU test model counted as a python-runner model on a GPU, for the default's choice only."""
-    monkeypatch.setattr(mps, "gpu_runner_instances", lambda repository, gpus: {0: 1})
+    monkeypatch.setattr(mps, "gpu_runner_instances", lambda repository, gpus: {0: {"mlp_fp32": 1}})
 
 
 @pytest.mark.server
@@ -356,9 +360,10 @@ def test_a_default_daemon_that_does_not_start_is_a_warning_and_mps_insisted_on_i
     monkeypatch.setenv("STANDIN_NO_SOCKET", "1")
     monkeypatch.setattr(mps, "start", functools.partial(mps.start, timeout=0.5))
     assert main(serve_args(one_model, state)) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert "warning: CUDA MPS off: the MPS control daemon made no socket" in out
     assert "--no-mps silences this" in out and mps.daemon_pids(state) == []
+    assert out.count("MPS") == 2 and "MPS" not in err  # said once (the line names --no-mps)
     record = read_record(state)
     assert record is not None
     assert not any(item.startswith("CUDA_MPS_") for item in
@@ -383,8 +388,8 @@ def test_a_repository_without_gpu_runner_models_gets_no_daemon_and_no_line(
                                              ("true", "--mps")])
 def test_make_mps_maps_to_the_flag(value: str, flag: str | None, tmp_path: Path) -> None:
     root = Path(__file__).resolve().parents[3]
-    # STAMP: a file newer than everything, that no rule makes: the dry run prints the target's own command, not
-    # an install (a file of the checkout, such as the Makefile, has its own rule and would be remade).
+    # STAMP: a fresh file, so its install rule is up to date and the dry run prints the target's own command (a
+    # file of the checkout, such as the Makefile, would be remade by make even under -n: it is a makefile).
     stamp = tmp_path / "stamp"
     stamp.touch()
     for target in ("serve", "serve-bg", "tune"):
@@ -504,3 +509,30 @@ def test_serve_and_tune_leave_the_choice_to_the_default_unless_told(flags: list[
               "--report", str(tmp_path / "t.json"), "--plot", str(tmp_path / "t.png"), "--html",
               str(tmp_path / "t.html"), *flags])
     assert seen == [expected, expected]  # what reached TritonServer, and tune's config
+
+
+@pytest.mark.server
+@pytest.mark.usefixtures("gpu_here", "gpu_models")
+def test_ctrl_c_just_after_the_default_daemon_started_quits_it(daemon: Path, one_model: Path, state: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    started = mps.start
+
+    def start_then_interrupt(state_dir: Path, gpus: list[int], timeout: float = 10.0) -> dict[str, str]:
+        started(state_dir, gpus, timeout)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(mps, "start", start_then_interrupt)
+    server = triton_server.TritonServer(one_model, state, triton_server.Ports(*free_ports(3)), mps=None)
+    with pytest.raises(KeyboardInterrupt):
+        server.start(timeout=120)
+    assert calls_of(daemon) == ["-d", "quit"] and mps.daemon_pids(state) == [] and server.process is None
+
+
+def test_tunes_note_names_what_tune_has() -> None:
+    from builder.tuning.targets import _tune_note
+
+    assert _tune_note(None) is None
+    made_none = "the MPS control daemon made no socket /tmp/t/mps/pipe/control within 10 s"
+    assert _tune_note(f"{made_none}; see /tmp/t/mps/log/control.log") == made_none
+    assert _tune_note("the daemon's socket /x would be longer than a Unix socket's 107 bytes; use a shorter "
+                      "--state-dir").endswith("set a shorter TMPDIR (tune's server runs in a folder there)")
