@@ -30,8 +30,11 @@ import time
 from pathlib import Path
 
 import psutil
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2
 
 from builder.errors import ServerError
+from builder.repository.triton_config import parse
 from builder.serving.processes import alive, wait_gone
 
 log = logging.getLogger(__name__)
@@ -125,11 +128,6 @@ def gpu_runner_instances(repository: Path, gpus: list[int]) -> dict[int, dict[st
     """Per GPU, per model, the python-backend instances (each a process with its own CUDA context) that
     `repository`'s configs start on it (KIND_GPU groups: `count`, at least 1, on each GPU the group lists, else on
     every GPU). A config that does not parse is left to Triton to judge (not counted)."""
-    from google.protobuf import text_format  # here: serve's and stop's start need none of tritonclient
-    from tritonclient.grpc import model_config_pb2
-
-    from builder.repository.triton_config import parse
-
     per_gpu: dict[int, dict[str, int]] = {}
     for path in sorted(repository.glob("*/config.pbtxt")):
         try:
