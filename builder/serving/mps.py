@@ -90,16 +90,17 @@ def daemon_pids(state_dir: Path) -> list[int]:
     return found
 
 
-def _end(pids: list[int], state_dir: Path) -> None:
-    """SIGTERM, then SIGKILL, the given daemons of state_dir."""
+def _end(pids: list[int], state_dir: Path) -> list[int]:
+    """SIGTERM, then SIGKILL, the given daemons of state_dir; those still running after both."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in pids:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, sig)
         pids = wait_gone(pids, 5.0)
         if not pids:
-            return
+            return []
     log.warning("CUDA MPS control daemon(s) %s of %s did not exit after SIGKILL", pids, state_dir)
+    return pids
 
 
 HOST_PIPE = Path("/tmp/nvidia-mps")  # where CUDA looks for a daemon when CUDA_MPS_PIPE_DIRECTORY is unset
@@ -158,10 +159,11 @@ def auto(repository: Path, gpus: list[int]) -> tuple[bool, str | None]:
     if shutil.which(CONTROL) is None:
         return False, f"{CONTROL} not found on PATH (it comes with the NVIDIA driver's utilities)"
     gpu, models = max(per_gpu.items(), key=lambda item: sum(item[1].values()))
-    if sum(models.values()) + 1 > CLIENTS_PER_GPU:  # + tritonserver's own context; more would fail to load
+    held = sum(models.values())
+    if held + 1 > CLIENTS_PER_GPU:  # + tritonserver's own context; more would fail to load
         largest = sorted(models.items(), key=lambda item: (-item[1], item[0]))
         named = ", ".join(f"{name} {count}" for name, count in largest[:3]) + (", ..." if len(largest) > 3 else "")
-        return False, (f"GPU {gpu} would hold {sum(models.values())} python-runner instances ({named}) and the "
+        return False, (f"GPU {gpu} would hold {held} python-runner instances ({named}) and the "
                        f"server, more than the {CLIENTS_PER_GPU} clients an MPS server takes per GPU; serve fewer "
                        "instances (models.toml's [model.serving] instances) or spread them with --gpus")
     return True, None
@@ -237,8 +239,8 @@ def stop(state_dir: Path, timeout: float = 10.0) -> bool:
     if left:
         log.warning("the CUDA MPS control daemon of %s (pid %s) did not exit after quit; ending it",
                     state_dir, ", ".join(map(str, left)))
-        _end(left, state_dir)
+        left = _end(left, state_dir)
     # Only now: a socket removed while its daemon still ran would hide that daemon from the next start.
-    if not daemon_pids(state_dir):
+    if not left:
         sock.unlink(missing_ok=True)
     return answered or bool(pids)
