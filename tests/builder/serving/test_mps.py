@@ -141,11 +141,9 @@ def serve_mps(repository: Path, state: Path) -> list[str]:
 
 
 @pytest.mark.server
+@pytest.mark.usefixtures("gpu_here")
 def test_serve_mps_gives_the_server_the_daemon_and_stop_quits_it(
-        daemon: Path, one_model: Path, state: Path, monkeypatch: pytest.MonkeyPatch,
-        capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setattr(triton_server, "gpu_ids", lambda: [0])  # a GPU for --mps's check only:
-    monkeypatch.setattr(triton_server, "cuda_pool_args", lambda gpus: [])  # the CPU server gets no CUDA pool
+        daemon: Path, one_model: Path, state: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(serve_mps(one_model, state)) == 0
     record = read_record(state)
     assert record is not None
@@ -271,11 +269,13 @@ def test_tune_mps_measures_on_a_private_server_under_the_daemon(daemon: Path, re
     assert "trtbuild-tune-" in pipe and not Path(pipe).exists()  # the folder went with the run
 
 
-def test_tune_mps_with_url_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["tune", "m", "--mps", "--url", "127.0.0.1:8000", "--manifest", str(tmp_path / "models.toml"),
+@pytest.mark.parametrize("flag", ["--mps", "--no-mps"])
+def test_tune_mps_either_way_with_url_is_one_line(flag: str, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["tune", "m", flag, "--url", "127.0.0.1:8000", "--manifest", str(tmp_path / "models.toml"),
                  "--repository", str(tmp_path)]) == 1
     assert error_lines(capsys) == [
-        "trtbuild: error: --mps: only for tune's private server; with --url, start that server with "
+        f"trtbuild: error: {flag}: only for tune's private server; with --url, start that server with "
         "`trtbuild serve --mps` or `--no-mps`"]
 
 
@@ -468,13 +468,6 @@ def test_the_ready_line_names_the_default_and_how_to_turn_it_off(daemon: Path, o
     assert main(["stop", "--state-dir", str(state)]) == 0
     assert "5 client processes so far; stopped with the server\n" in out  # asked for: no note on the default
 
-
-def test_tune_no_mps_with_url_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["tune", "m", "--no-mps", "--url", "127.0.0.1:8000", "--manifest", str(tmp_path / "models.toml"),
-                 "--repository", str(tmp_path)]) == 1
-    assert error_lines(capsys) == [
-        "trtbuild: error: --no-mps: only for tune's private server; with --url, start that server with "
-        "`trtbuild serve --mps` or `--no-mps`"]
 
 
 class _Stop(Exception):
