@@ -18,6 +18,9 @@ Steps, each printed as one JSON line and gathered in DIR/ort_gpu_bench.json and 
    runner_timers, files under DIR/runner_timers) and each level gets a table of where a request's time
    goes: Triton's queue / compute_input / compute_infer / compute_output beside the runner's phases over the
    same measured windows, and what of compute_infer the phases leave unexplained.
+   With --trace-rate N Triton traces 1 in N requests (its trace API, timestamps only) and each level gets its
+   server-side p50 and p99 and the phases (receive, queue, compute_input, infer, output, send) of its median
+   requests beside those of its slowest 1 %: which phase makes the tail.
 """
 
 from __future__ import annotations
@@ -302,11 +305,13 @@ def served(models: Path, *, interval_ms: int, delay_us: int, tmp: Path, instance
            precisions: tuple[str, ...] = PRECISIONS, also_instances: tuple[int, ...] = (),
            rounds: int = 1, pa_rounds: int = 0, timers: Path | None = None,
            variants: tuple[Variant, ...] = (), unbatched: bool = True,
-           delays: tuple[int, ...] = ()) -> list[dict[str, Any]]:
+           delays: tuple[int, ...] = (), trace_rate: int = 0) -> list[dict[str, Any]]:
     """Every model on one server, each load level measured in turn. `shm` is the shared memory of the
     main rows (cuda: inputs reach the runner as device tensors); FP16 is also measured with system
     shared memory and with none, to show what each host copy costs. `timers`: a folder for the runner's
-    phase timers (each row then gets `runner_timers`, the runner's figures over its measured windows)."""
+    phase timers (each row then gets `runner_timers`, the runner's figures over its measured windows).
+    `trace_rate`: Triton traces 1 in this many requests (0: none) and each row gets `trace`, the phases of the
+    traced requests inside its measured windows."""
     repository = tmp / "repository"
     plan: list[tuple[str, int, str]] = []  # (model, concurrency, shared memory)
     for precision in precisions:
@@ -347,7 +352,8 @@ def served(models: Path, *, interval_ms: int, delay_us: int, tmp: Path, instance
                           extra_args=["--metrics-interval-ms=100", "--backend-config=python,stub-timeout-seconds=600",
                                       # GPU inputs reach the python stubs through this pool (default 64 MB,
                                       # less than 256 requests of 602 KB in flight).
-                                      "--cuda-memory-pool-byte-size=0:1073741824"])
+                                      "--cuda-memory-pool-byte-size=0:1073741824",
+                                      *(trace_args(tmp / "trace.json", trace_rate) if trace_rate else [])])
     t0 = time.perf_counter()
     try:
         server.start(timeout=540)
@@ -400,6 +406,11 @@ def served(models: Path, *, interval_ms: int, delay_us: int, tmp: Path, instance
         for r in rows:
             if "span_monotonic_ns" in r:
                 r["runner_timers"] = runner_breakdown(found, r["model"], r["span_monotonic_ns"])
+    if trace_rate:
+        traced = read_trace(tmp / "trace.json") if (tmp / "trace.json").is_file() else []
+        for r in rows:
+            if "span_monotonic_ns" in r:
+                r["trace"] = trace_breakdown(traced, r["model"], r["span_monotonic_ns"])
     rows.append({"server_log_tail": log_tail})
     return rows
 
@@ -540,6 +551,108 @@ def where_time_goes_markdown(levels: list[dict[str, Any]]) -> list[str]:
 
 
 OUTPUT_BYTES = 1000 * 4  # logits [1, 1000] float32: one request's output region for both tools
+
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Where the tail comes from: Triton's own per-request trace (--trace-rate N)
+
+# Consecutive stamps of a gRPC request in Triton's trace (level TIMESTAMPS), so the phases of a request add up
+# to its whole time in the server. The python backend reports a batch's compute stamps for every request in it.
+TRACE_PHASES: tuple[tuple[str, str, str], ...] = (
+    ("receive", "GRPC_WAITREAD_END", "QUEUE_START"),  # the request read, parsed and handed to the scheduler
+    ("queue", "QUEUE_START", "COMPUTE_START"),  # waiting for the batcher and a free instance
+    ("compute_input", "COMPUTE_START", "COMPUTE_INPUT_END"),  # Triton copies the batch's inputs to the stub
+    ("infer", "COMPUTE_INPUT_END", "COMPUTE_OUTPUT_START"),  # the stub's execute(): our runner
+    ("output", "COMPUTE_OUTPUT_START", "INFER_RESPONSE_COMPLETE"),  # the response back from the stub
+    ("send", "INFER_RESPONSE_COMPLETE", "GRPC_SEND_END"),  # written to the client
+)
+TAIL_SHARE = 0.01  # "the slowest requests": this share of a level's traced requests
+
+
+def trace_args(path: Path, rate: int) -> list[str]:
+    """Triton's options for a trace of 1 in `rate` requests with timestamps, written to `path` when the server
+    stops (the traces wait in its memory: a measured window writes no file)."""
+    return [f"--trace-config=triton,file={path}", f"--trace-config=rate={rate}", "--trace-config=level=TIMESTAMPS",
+            "--trace-config=count=-1"]
+
+
+def read_trace(path: Path) -> list[dict[str, Any]]:
+    """Triton's trace file as one record per traced request: {"id", "model", "ns": {stamp: ns}}. Triton writes
+    a request's model and each stamp as separate entries of one JSON array; they are joined by id. The stamps
+    are the server's steady clock, which is the client's monotonic clock on the same machine."""
+    entries = json.loads(path.read_text())
+    by_id: dict[int, dict[str, Any]] = {}
+    for entry in entries:
+        record = by_id.setdefault(int(entry["id"]), {"id": int(entry["id"]), "model": None, "ns": {}})
+        if "model_name" in entry:
+            record["model"] = entry["model_name"]
+        for stamp in entry.get("timestamps", ()):
+            record["ns"].setdefault(stamp["name"], int(stamp["ns"]))
+    return list(by_id.values())
+
+
+def request_phases(record: dict[str, Any]) -> dict[str, float] | None:
+    """One traced request's phases in µs and their sum ("total"); None when a stamp is missing (a request still
+    in flight when the server stopped, or one over HTTP, whose stamps are named otherwise)."""
+    ns = record["ns"]
+    if any(a not in ns or b not in ns for _, a, b in TRACE_PHASES):
+        return None
+    phases = {name: (ns[b] - ns[a]) / 1e3 for name, a, b in TRACE_PHASES}
+    return phases | {"total": sum(phases.values())}
+
+
+def trace_breakdown(records: list[dict[str, Any]], model: str, span: list[int]) -> dict[str, Any] | None:
+    """Per phase, over `model`'s traced requests that entered the queue inside `span` (the client's measured
+    windows): p50, p99 and mean in µs; and the mean phases of the median requests (total between its p45 and
+    p55) beside those of the slowest 1 %: which phase makes the tail. None where no traced request lies in the
+    span."""
+    lo, hi = span
+    mine = [r for r in records if r["model"] == model and lo <= r["ns"].get("QUEUE_START", -1) <= hi]
+    got = [p for r in mine if (p := request_phases(r)) is not None]
+    if not got:
+        return None
+    names = [name for name, _, _ in TRACE_PHASES] + ["total"]
+    totals = sorted(p["total"] for p in got)
+
+    def pct(values: list[float], q: float) -> float:
+        return values[min(len(values) - 1, int(q * len(values)))]
+
+    p45, p55, tail = pct(totals, 0.45), pct(totals, 0.55), pct(totals, 1 - TAIL_SHARE)
+    middle = [p for p in got if p45 <= p["total"] <= p55]
+    slowest = [p for p in got if p["total"] >= tail]
+    return {
+        "requests": len(got), "incomplete": len(mine) - len(got),
+        "us": {n: {"p50": pct(sorted(p[n] for p in got), 0.5), "p99": pct(sorted(p[n] for p in got), 0.99),
+                   "mean": statistics.fmean(p[n] for p in got)} for n in names},
+        "median_requests": {"n": len(middle), "us": {n: statistics.fmean(p[n] for p in middle) for n in names}},
+        "slowest": {"n": len(slowest), "share": TAIL_SHARE,
+                    "us": {n: statistics.fmean(p[n] for p in slowest) for n in names}},
+    }
+
+
+def trace_markdown(served_rows: list[dict[str, Any]]) -> list[str]:
+    """Per traced level: the server's p50 and p99 beside the client's, and the mean phases of the median
+    requests against the slowest 1 %."""
+    rows = [r for r in served_rows if r.get("trace") and "compare" not in r]
+    if not rows:
+        return []
+    names = [name for name, _, _ in TRACE_PHASES]
+    lines = ["", "Where the tail comes from (Triton's trace, 1 in N requests: `--trace-rate`): per level, the "
+             "server's time per request (gRPC read to response written) beside the client's, and the mean µs of "
+             "each phase for the median requests (p45-p55 of the server's time) and the slowest 1 %", "",
+             "| model | round | conc. | traced | client p50 / p99 ms | server p50 / p99 ms | requests | "
+             + " | ".join(names) + " |", "|" + "---|" * (7 + len(names))]
+    for r in rows:
+        t = r["trace"]
+        for label, part in (("median", t["median_requests"]), ("slowest 1 %", t["slowest"])):
+            head = ([r["model"], str(r.get("round", 1)), str(r["concurrency"]), str(t["requests"]),
+                     f"{r['latency_us']['p50'] / 1e3:.2f} / {r['latency_us']['p99'] / 1e3:.2f}",
+                     f"{t['us']['total']['p50'] / 1e3:.2f} / {t['us']['total']['p99'] / 1e3:.2f}"]
+                    if label == "median" else [""] * 6)
+            cells = [*head, f"{label} ({part['n']})", *(f"{part['us'][n]:.0f}" for n in names)]
+            lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def perf_analyzer_setup(tmp: Path) -> tuple[Path, dict[str, str]]:
@@ -713,7 +826,8 @@ def markdown(doc: dict[str, Any]) -> str:
             f"{r['latency_us']['p99'] / 1e3:.1f} | {f(r['power'].get('avg_w'), '.0f')} | "
             f"{f(r['power'].get('j_per_infer'), '.4f')} | {f(r['server'].get('avg_batch'), '.1f')} | "
             f"{f(worst, '.3f')} | {cpu['client']}/{cpu['tritonserver']}/{cpu['python_stubs']} |")
-    return "\n".join(lines + summary_markdown(doc) + where_time_goes_markdown(doc.get("where_time_goes", []))) + "\n"
+    return "\n".join(lines + summary_markdown(doc) + where_time_goes_markdown(doc.get("where_time_goes", []))
+                     + trace_markdown(doc.get("served", []))) + "\n"
 
 
 def key_value(value: str) -> tuple[str, str]:
@@ -761,6 +875,9 @@ def main() -> int:
     p.add_argument("--runner-timers", action="store_true",
                    help="serve with the runner's phase timers on (files in OUT/runner_timers) and print where a "
                         "request's time goes per level")
+    p.add_argument("--trace-rate", type=int, default=0, metavar="N",
+                   help="Triton traces 1 in N served requests (timestamps) and each level gets where its tail "
+                        "comes from: the phases of its median requests against its slowest 1 %%")
     p.add_argument("--skip", default="", help="comma-separated steps to skip: shape,ablation,inprocess,served")
     args = p.parse_args()
     names = [name for name, _, _ in args.batching_variant]
@@ -770,6 +887,8 @@ def main() -> int:
             args.delay_variant):
         p.error(f"--delay-variant: each a whole number of microseconds >= 0, once, other than --delay-us "
                 f"({args.delay_us}); got {args.delay_variant}")
+    if args.trace_rate < 0:
+        p.error(f"--trace-rate {args.trace_rate}: expected a whole number >= 1 (or 0: no trace)")
     SEARCH = args.search
     PROVIDER_OPTIONS.update(dict(args.provider_option))
     variants: list[dict[str, str]] = args.in_process_variant
@@ -800,7 +919,7 @@ def main() -> int:
                                    also_instances=tuple(int(n) for n in args.also_instances.split(",") if n),
                                    rounds=args.rounds, pa_rounds=args.pa_rounds,
                                    variants=tuple(args.batching_variant), unbatched=not args.no_unbatched,
-                                   delays=tuple(args.delay_variant),
+                                   delays=tuple(args.delay_variant), trace_rate=args.trace_rate,
                                    timers=(args.out / "runner_timers").resolve() if args.runner_timers else None,
                                    precisions=tuple(p for p in PRECISIONS
                                                     if p in args.served_precisions.split(",") or p == "fp16"))
