@@ -12,8 +12,9 @@ private pipe and log folders under DIR/on-N/mps) and quits it after each run, al
 `serve --mps`, the whole bench_ort.py process runs under the daemon: its in-process ceiling and its perfclient
 (which sends CUDA shared memory) are MPS clients too.
 
-Rounds alternate off, on, on, off, ... (`--first on`: on, off, off, on, ...; each round is one whole `bench_ort.py
-BENCH_ORT_ARGS --out DIR/MODE-N` run: its own in-process ceiling and its own server). Written to DIR:
+Rounds alternate off, on, on, off, ... (`--first on`: on, off, off, on, ...; `--only on`: on-1, on-2, ...; each
+round is one whole `bench_ort.py BENCH_ORT_ARGS --out DIR/MODE-N` run: its own in-process ceiling and its own
+server). Written to DIR:
 mps-compare.md and .json (per mode and level the median (range) over the rounds of infer/s, x the run's own FP16
 ceiling, p99/p50, J/inference and Triton's compute_input per batch; the on/off ratio of the same round),
 runs.tar.gz (every run's ort_gpu_bench.json/.md, its log and the MPS daemon's logs). Exit status 0 when every run
@@ -128,6 +129,8 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=2, help="pairs of runs, alternating off/on then on/off")
     p.add_argument("--first", choices=("off", "on"), default="off",
                    help="the mode of the first run (a later call can start with the other, to balance the order)")
+    p.add_argument("--only", choices=("off", "on"), default=None,
+                   help="every run in this mode (--rounds runs; no on/off pairs): e.g. a diagnosis under MPS")
     p.add_argument("bench_args", nargs=argparse.REMAINDER, help="-- then bench_ort.py's arguments (no --out)")
     args = p.parse_args()
     bench_args = args.bench_args[1:] if args.bench_args[:1] == ["--"] else args.bench_args
@@ -142,6 +145,8 @@ def main() -> int:
     runs: list[dict[str, Any]] = []
     pair = ("off", "on") if args.first == "off" else ("on", "off")
     order = [(r, mode) for r in range(1, args.rounds + 1) for mode in (pair if r % 2 else pair[::-1])]
+    if args.only is not None:
+        order = [(r, args.only) for r in range(1, args.rounds + 1)]
     for round_, mode in order:
         out = args.out / f"{mode}-{round_}"
         out.mkdir(parents=True, exist_ok=True)

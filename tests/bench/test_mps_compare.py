@@ -85,3 +85,15 @@ def test_no_daemon_on_the_machine_is_one_line(mps_compare: ModuleType, tmp_path:
     assert mps_compare.main() == 1
     assert capsys.readouterr().err.strip() == ("mps_compare: nvidia-cuda-mps-control not on PATH: no CUDA MPS on "
                                                "this machine")
+
+
+def test_only_on_runs_every_round_under_the_daemon(mps_compare: ModuleType, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "out"
+    monkeypatch.setattr(sys, "argv", ["mps_compare.py", "--out", str(out), "--rounds", "2", "--only", "on", "--",
+                                      "--models", "m"])
+    assert mps_compare.main() == 0
+    runs = json.loads((out / "mps-compare.json").read_text())
+    assert [(r["mode"], r["round"]) for r in runs] == [("on", 1), ("on", 2)]
+    assert [r["mps"] for r in runs] == [{"clients": 1, "quit": True}] * 2
+    assert "- fp16_batched@256: no pair" in (out / "mps-compare.md").read_text()
