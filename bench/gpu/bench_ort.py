@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import gzip
 import json
 import os
 import re
@@ -305,13 +306,14 @@ def served(models: Path, *, interval_ms: int, delay_us: int, tmp: Path, instance
            precisions: tuple[str, ...] = PRECISIONS, also_instances: tuple[int, ...] = (),
            rounds: int = 1, pa_rounds: int = 0, timers: Path | None = None,
            variants: tuple[Variant, ...] = (), unbatched: bool = True,
-           delays: tuple[int, ...] = (), trace_rate: int = 0) -> list[dict[str, Any]]:
+           delays: tuple[int, ...] = (), trace_rate: int = 0, trace_keep: Path | None = None
+           ) -> list[dict[str, Any]]:
     """Every model on one server, each load level measured in turn. `shm` is the shared memory of the
     main rows (cuda: inputs reach the runner as device tensors); FP16 is also measured with system
     shared memory and with none, to show what each host copy costs. `timers`: a folder for the runner's
     phase timers (each row then gets `runner_timers`, the runner's figures over its measured windows).
     `trace_rate`: Triton traces 1 in this many requests (0: none) and each row gets `trace`, the phases of the
-    traced requests inside its measured windows."""
+    traced requests inside its measured windows; the requests' stamps are kept, gzipped, in `trace_keep`."""
     repository = tmp / "repository"
     plan: list[tuple[str, int, str]] = []  # (model, concurrency, shared memory)
     for precision in precisions:
@@ -393,7 +395,9 @@ def served(models: Path, *, interval_ms: int, delay_us: int, tmp: Path, instance
             rows.append(result)
             brief = {k: result[k] for k in ("model", "round", "concurrency", "shared_memory", "throughput", "stable",
                                             "cpu_cores_busy", "power", "server", "span_monotonic_ns") if k in result}
-            latency = {"p50_ms": result["latency_us"]["p50"] / 1e3, "p99_ms": result["latency_us"]["p99"] / 1e3}
+            lat = result.get("latency_us")  # None when no request of the level succeeded: its errors say why
+            latency = ({"p50_ms": lat["p50"] / 1e3, "p99_ms": lat["p99"] / 1e3} if lat
+                       else {"errors": result.get("errors")})
             print(json.dumps(brief | latency), flush=True)
         if pa_rounds:
             rows += compare_perf_analyzer("fp16_batched", grpc=grpc, interval_ms=interval_ms, rounds=pa_rounds,
@@ -407,10 +411,7 @@ def served(models: Path, *, interval_ms: int, delay_us: int, tmp: Path, instance
             if "span_monotonic_ns" in r:
                 r["runner_timers"] = runner_breakdown(found, r["model"], r["span_monotonic_ns"])
     if trace_rate:
-        traced = read_trace(tmp / "trace.json") if (tmp / "trace.json").is_file() else []
-        for r in rows:
-            if "span_monotonic_ns" in r:
-                r["trace"] = trace_breakdown(traced, r["model"], r["span_monotonic_ns"])
+        attach_traces(rows, tmp / "trace.json", trace_keep)
     rows.append({"server_log_tail": log_tail})
     return rows
 
@@ -558,43 +559,57 @@ OUTPUT_BYTES = 1000 * 4  # logits [1, 1000] float32: one request's output region
 # Where the tail comes from: Triton's own per-request trace (--trace-rate N)
 
 # Consecutive stamps of a gRPC request in Triton's trace (level TIMESTAMPS), so the phases of a request add up
-# to its whole time in the server. The python backend reports a batch's compute stamps for every request in it.
+# to its whole time in the server. The python backend reports a batch's compute stamps for every request in it,
+# so the requests of one batch share compute_input and infer; queue includes the wait behind other batches.
 TRACE_PHASES: tuple[tuple[str, str, str], ...] = (
-    ("receive", "GRPC_WAITREAD_END", "QUEUE_START"),  # the request read, parsed and handed to the scheduler
+    ("receive", "GRPC_WAITREAD_END", "QUEUE_START"),  # from the request read to the scheduler
     ("queue", "QUEUE_START", "COMPUTE_START"),  # waiting for the batcher and a free instance
-    ("compute_input", "COMPUTE_START", "COMPUTE_INPUT_END"),  # Triton copies the batch's inputs to the stub
-    ("infer", "COMPUTE_INPUT_END", "COMPUTE_OUTPUT_START"),  # the stub's execute(): our runner
-    ("output", "COMPUTE_OUTPUT_START", "INFER_RESPONSE_COMPLETE"),  # the response back from the stub
+    ("compute_input", "COMPUTE_START", "COMPUTE_INPUT_END"),  # Triton hands the batch's inputs to the stub
+    # The stub's side: the IPC, the stub reading the requests, our runner's execute(), its responses written
+    # back (the runner's own share: --runner-timers).
+    ("infer", "COMPUTE_INPUT_END", "COMPUTE_OUTPUT_START"),
+    ("output", "COMPUTE_OUTPUT_START", "INFER_RESPONSE_COMPLETE"),  # the stub's outputs into a response
     ("send", "INFER_RESPONSE_COMPLETE", "GRPC_SEND_END"),  # written to the client
 )
 TAIL_SHARE = 0.01  # "the slowest requests": this share of a level's traced requests
+TRACE_FLUSH = 2000  # Triton writes its traces to a new file every this many: its memory stays bounded
+MAX_TRACE_RATE = 2**32 - 1  # Triton's rate is an unsigned 32-bit count
 
 
 def trace_args(path: Path, rate: int) -> list[str]:
-    """Triton's options for a trace of 1 in `rate` requests with timestamps, written to `path` when the server
-    stops (the traces wait in its memory: a measured window writes no file)."""
-    return [f"--trace-config=triton,file={path}", f"--trace-config=rate={rate}", "--trace-config=level=TIMESTAMPS",
-            "--trace-config=count=-1"]
+    """Triton's options for a trace of 1 in `rate` requests (every rate-th: a rate sharing no factor with the
+    concurrency avoids tracing the same client's turn each time) with timestamps, written to path.0, path.1, ...
+    every TRACE_FLUSH traces and at the server's stop."""
+    return [f"--trace-config=triton,file={path}", f"--trace-config=triton,log-frequency={TRACE_FLUSH}",
+            f"--trace-config=rate={rate}", "--trace-config=level=TIMESTAMPS", "--trace-config=count=-1"]
 
 
-def read_trace(path: Path) -> list[dict[str, Any]]:
-    """Triton's trace file as one record per traced request: {"id", "model", "ns": {stamp: ns}}. Triton writes
-    a request's model and each stamp as separate entries of one JSON array; they are joined by id. The stamps
-    are the server's steady clock, which is the client's monotonic clock on the same machine."""
-    entries = json.loads(path.read_text())
+def trace_files(path: Path) -> list[Path]:
+    """The files Triton wrote for `path`: path itself (no log frequency) and path.0, path.1, ... in order."""
+    numbered = [p for p in path.parent.glob(path.name + ".*") if p.suffix[1:].isdigit()]
+    return ([path] if path.is_file() else []) + sorted(numbered, key=lambda p: int(p.suffix[1:]))
+
+
+def read_trace(paths: list[Path]) -> list[dict[str, Any]]:
+    """Triton's trace files as one record per traced request: {"id", "model", "ns": {stamp: ns}}. Triton writes
+    a request's model and each stamp as separate entries of a JSON array (one request's entries can span two
+    files); they are joined by id. The stamps are the server's steady clock, which is the client's monotonic
+    clock on the same machine. ValueError for a file that is no complete JSON array (a server killed before it
+    closed the array)."""
     by_id: dict[int, dict[str, Any]] = {}
-    for entry in entries:
-        record = by_id.setdefault(int(entry["id"]), {"id": int(entry["id"]), "model": None, "ns": {}})
-        if "model_name" in entry:
-            record["model"] = entry["model_name"]
-        for stamp in entry.get("timestamps", ()):
-            record["ns"].setdefault(stamp["name"], int(stamp["ns"]))
+    for path in paths:
+        for entry in json.loads(path.read_text()):
+            record = by_id.setdefault(int(entry["id"]), {"id": int(entry["id"]), "model": None, "ns": {}})
+            if "model_name" in entry:
+                record["model"] = entry["model_name"]
+            for stamp in entry.get("timestamps", ()):
+                record["ns"].setdefault(stamp["name"], int(stamp["ns"]))
     return list(by_id.values())
 
 
 def request_phases(record: dict[str, Any]) -> dict[str, float] | None:
-    """One traced request's phases in µs and their sum ("total"); None when a stamp is missing (a request still
-    in flight when the server stopped, or one over HTTP, whose stamps are named otherwise)."""
+    """One traced request's phases in µs and their sum ("total"); None when a stamp is missing (a failed
+    request, or one over HTTP, whose stamps are named otherwise)."""
     ns = record["ns"]
     if any(a not in ns or b not in ns for _, a, b in TRACE_PHASES):
         return None
@@ -602,28 +617,33 @@ def request_phases(record: dict[str, Any]) -> dict[str, float] | None:
     return phases | {"total": sum(phases.values())}
 
 
+def percentile(values: list[float], q: float) -> float:
+    """The client's percentile (perf_analyzer's nearest rank: index q·(n−1) + 0.5, truncated) of sorted values,
+    so the server's p50 and p99 sit beside perfclient's on the same rule."""
+    return values[int(q * (len(values) - 1) + 0.5)]
+
+
 def trace_breakdown(records: list[dict[str, Any]], model: str, span: list[int]) -> dict[str, Any] | None:
     """Per phase, over `model`'s traced requests that entered the queue inside `span` (the client's measured
-    windows): p50, p99 and mean in µs; and the mean phases of the median requests (total between its p45 and
-    p55) beside those of the slowest 1 %: which phase makes the tail. None where no traced request lies in the
-    span."""
+    windows): p50, p99 and mean in µs; and the mean phases of the median requests (server time between its p45
+    and p55) beside those of the slowest 1 % (at least one request): which phase makes the tail. Requests with
+    a stamp missing ("incomplete") or out of the order TRACE_PHASES assumes ("disordered": a Triton whose
+    stamps mean something else) are counted and left out. None where no traced request lies in the span."""
     lo, hi = span
     mine = [r for r in records if r["model"] == model and lo <= r["ns"].get("QUEUE_START", -1) <= hi]
-    got = [p for r in mine if (p := request_phases(r)) is not None]
+    phased = [p for r in mine if (p := request_phases(r)) is not None]
+    got = [p for p in phased if all(p[name] >= 0 for name, _, _ in TRACE_PHASES)]
     if not got:
         return None
     names = [name for name, _, _ in TRACE_PHASES] + ["total"]
     totals = sorted(p["total"] for p in got)
-
-    def pct(values: list[float], q: float) -> float:
-        return values[min(len(values) - 1, int(q * len(values)))]
-
-    p45, p55, tail = pct(totals, 0.45), pct(totals, 0.55), pct(totals, 1 - TAIL_SHARE)
+    p45, p55, tail = percentile(totals, 0.45), percentile(totals, 0.55), percentile(totals, 1 - TAIL_SHARE)
     middle = [p for p in got if p45 <= p["total"] <= p55]
     slowest = [p for p in got if p["total"] >= tail]
     return {
-        "requests": len(got), "incomplete": len(mine) - len(got),
-        "us": {n: {"p50": pct(sorted(p[n] for p in got), 0.5), "p99": pct(sorted(p[n] for p in got), 0.99),
+        "requests": len(got), "incomplete": len(mine) - len(phased), "disordered": len(phased) - len(got),
+        "us": {n: {"p50": percentile(sorted(p[n] for p in got), 0.5),
+                   "p99": percentile(sorted(p[n] for p in got), 0.99),
                    "mean": statistics.fmean(p[n] for p in got)} for n in names},
         "median_requests": {"n": len(middle), "us": {n: statistics.fmean(p[n] for p in middle) for n in names}},
         "slowest": {"n": len(slowest), "share": TAIL_SHARE,
@@ -631,26 +651,54 @@ def trace_breakdown(records: list[dict[str, Any]], model: str, span: list[int]) 
     }
 
 
-def trace_markdown(served_rows: list[dict[str, Any]]) -> list[str]:
+def attach_traces(rows: list[dict[str, Any]], path: Path, keep: Path | None) -> None:
+    """Each measured row's `trace` from Triton's files at `path` (gzipped into `keep`, when given, for a later
+    look). A trace that cannot be read is each row's {"error": ...} and one printed line, not the run's end:
+    the levels were measured."""
+    files = trace_files(path)
+    try:
+        if not files:
+            raise ValueError(f"Triton wrote no trace file at {path}")
+        records = read_trace(files)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        print(json.dumps({"trace_error": str(exc)}), flush=True)
+        for r in rows:
+            if "span_monotonic_ns" in r:
+                r["trace"] = {"error": str(exc)}
+        return
+    if keep is not None:
+        with gzip.open(keep, "wt") as out:
+            json.dump([{"id": r["id"], "model": r["model"], "ns": r["ns"]} for r in records], out)
+    for r in rows:
+        if "span_monotonic_ns" in r:
+            r["trace"] = trace_breakdown(records, r["model"], r["span_monotonic_ns"])
+
+
+def trace_markdown(served_rows: list[dict[str, Any]], rate: int | None = None) -> list[str]:
     """Per traced level: the server's p50 and p99 beside the client's, and the mean phases of the median
     requests against the slowest 1 %."""
-    rows = [r for r in served_rows if r.get("trace") and "compare" not in r]
+    rows = [r for r in served_rows if r.get("trace") and r.get("latency_us") and "compare" not in r]
     if not rows:
         return []
     names = [name for name, _, _ in TRACE_PHASES]
-    lines = ["", "Where the tail comes from (Triton's trace, 1 in N requests: `--trace-rate`): per level, the "
+    lines = ["", f"Where the tail comes from (Triton's trace of 1 in {rate or 'N'} requests): per level, the "
              "server's time per request (gRPC read to response written) beside the client's, and the mean µs of "
              "each phase for the median requests (p45-p55 of the server's time) and the slowest 1 %", "",
-             "| model | round | conc. | traced | client p50 / p99 ms | server p50 / p99 ms | requests | "
-             + " | ".join(names) + " |", "|" + "---|" * (7 + len(names))]
+             "| model | round | conc. | shm | traced | client p50 / p99 ms | server p50 / p99 ms | requests (n) | "
+             + " | ".join(names) + " | total |", "|" + "---|" * (9 + len(names))]
     for r in rows:
         t = r["trace"]
+        if "error" in t:
+            lines.append(f"| {r['model']} | {r.get('round', 1)} | {r['concurrency']} | {r['shared_memory']} | "
+                         f"trace unreadable: {t['error']} |" + " |" * (4 + len(names)))
+            continue
         for label, part in (("median", t["median_requests"]), ("slowest 1 %", t["slowest"])):
-            head = ([r["model"], str(r.get("round", 1)), str(r["concurrency"]), str(t["requests"]),
+            head = ([r["model"], str(r.get("round", 1)), str(r["concurrency"]), r["shared_memory"],
+                     str(t["requests"]),
                      f"{r['latency_us']['p50'] / 1e3:.2f} / {r['latency_us']['p99'] / 1e3:.2f}",
                      f"{t['us']['total']['p50'] / 1e3:.2f} / {t['us']['total']['p99'] / 1e3:.2f}"]
-                    if label == "median" else [""] * 6)
-            cells = [*head, f"{label} ({part['n']})", *(f"{part['us'][n]:.0f}" for n in names)]
+                    if label == "median" else [""] * 7)
+            cells = [*head, f"{label} ({part['n']})", *(f"{part['us'][n]:.0f}" for n in [*names, "total"])]
             lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -741,7 +789,7 @@ def summary_markdown(doc: dict[str, Any]) -> list[str]:
             else:  # a failed round is counted in the table, not dropped from it
                 failed[(r["compare"], r["concurrency"])] = failed.get((r["compare"], r["concurrency"]), 0) + 1
                 compare.setdefault((r["compare"], r["concurrency"]), [])
-        elif "model" in r:
+        elif "model" in r and r.get("latency_us"):  # a level none of whose requests succeeded has no figures
             levels.setdefault((r["model"], r["concurrency"], r["shared_memory"]), []).append(r)
     lines = ["", "Served, over the rounds: median (min-max)", "",
              "| model | conc. | shm | rounds | infer/s | x ceiling | p50 ms | p99/p50 | J/inf | avg batch | "
@@ -815,6 +863,10 @@ def markdown(doc: dict[str, Any]) -> str:
     for r in doc.get("served", []):
         if "model" not in r or "compare" in r:
             continue
+        if not r.get("latency_us"):
+            lines.append(f"| {r['model']} | {r.get('round', 1)} | {r['concurrency']} | {r['shared_memory']} | "
+                         f"no request succeeded: {r.get('errors')} |" + " |" * 8)
+            continue
         p = r["model"].split("_")[0]
         ratios = [w["triton_vs_nvml"] for w in r["window_checks"] if w["triton_vs_nvml"] is not None]
         worst = max(ratios, key=lambda x: abs(x - 1)) if ratios else None
@@ -827,7 +879,7 @@ def markdown(doc: dict[str, Any]) -> str:
             f"{f(r['power'].get('j_per_infer'), '.4f')} | {f(r['server'].get('avg_batch'), '.1f')} | "
             f"{f(worst, '.3f')} | {cpu['client']}/{cpu['tritonserver']}/{cpu['python_stubs']} |")
     return "\n".join(lines + summary_markdown(doc) + where_time_goes_markdown(doc.get("where_time_goes", []))
-                     + trace_markdown(doc.get("served", []))) + "\n"
+                     + trace_markdown(doc.get("served", []), doc.get("trace_rate"))) + "\n"
 
 
 def key_value(value: str) -> tuple[str, str]:
@@ -876,8 +928,10 @@ def main() -> int:
                    help="serve with the runner's phase timers on (files in OUT/runner_timers) and print where a "
                         "request's time goes per level")
     p.add_argument("--trace-rate", type=int, default=0, metavar="N",
-                   help="Triton traces 1 in N served requests (timestamps) and each level gets where its tail "
-                        "comes from: the phases of its median requests against its slowest 1 %%")
+                   help="Triton traces 1 in N served requests (timestamps; a prime N such as 23 avoids tracing "
+                        "the same client's turn) and each level gets where its tail comes from: the phases of its "
+                        "median requests against its slowest 1 %%; the stamps are kept in OUT/triton_trace.json.gz. "
+                        "Tracing costs the server a little: a diagnosis, not a run for the headline figures")
     p.add_argument("--skip", default="", help="comma-separated steps to skip: shape,ablation,inprocess,served")
     args = p.parse_args()
     names = [name for name, _, _ in args.batching_variant]
@@ -887,8 +941,10 @@ def main() -> int:
             args.delay_variant):
         p.error(f"--delay-variant: each a whole number of microseconds >= 0, once, other than --delay-us "
                 f"({args.delay_us}); got {args.delay_variant}")
-    if args.trace_rate < 0:
-        p.error(f"--trace-rate {args.trace_rate}: expected a whole number >= 1 (or 0: no trace)")
+    if not 0 <= args.trace_rate <= MAX_TRACE_RATE:
+        p.error(f"--trace-rate {args.trace_rate}: expected a whole number 1..{MAX_TRACE_RATE} (or 0: no trace)")
+    if args.trace_rate and "served" in set(args.skip.split(",")):
+        p.error("--trace-rate with --skip served: the trace is of the served levels, which would not run")
     SEARCH = args.search
     PROVIDER_OPTIONS.update(dict(args.provider_option))
     variants: list[dict[str, str]] = args.in_process_variant
@@ -899,7 +955,7 @@ def main() -> int:
     nvml = Nvml()
     doc: dict[str, Any] = {"gpu": nvml.gpu, "driver": nvml.driver, "onnxruntime": ort.__version__,
                            "command": " ".join(sys.argv), "cudnn_conv_algo_search": SEARCH, "max_batch": MAX_BATCH,
-                           "delay_us": args.delay_us}
+                           "delay_us": args.delay_us, "trace_rate": args.trace_rate}
     if "shape" not in skip:
         doc["shape_change"] = shape_change(args.models)
         print(json.dumps({"shape_change": doc["shape_change"]}), flush=True)
@@ -920,6 +976,7 @@ def main() -> int:
                                    rounds=args.rounds, pa_rounds=args.pa_rounds,
                                    variants=tuple(args.batching_variant), unbatched=not args.no_unbatched,
                                    delays=tuple(args.delay_variant), trace_rate=args.trace_rate,
+                                   trace_keep=(args.out / "triton_trace.json.gz").resolve(),
                                    timers=(args.out / "runner_timers").resolve() if args.runner_timers else None,
                                    precisions=tuple(p for p in PRECISIONS
                                                     if p in args.served_precisions.split(",") or p == "fp16"))

@@ -51,7 +51,7 @@ def levels(doc: dict[str, Any]) -> dict[str, dict[str, float | None]]:
     ceiling = doc.get("in_process", {}).get("fp16", {}).get("ceiling_iobinding", {}).get("infer_per_s")
     out: dict[str, dict[str, float | None]] = {}
     for r in doc.get("served", []):
-        if "model" not in r or "throughput" not in r or r.get("shared_memory") != "cuda":
+        if "model" not in r or not r.get("latency_us") or r.get("shared_memory") != "cuda":
             continue
         key = f"{r['model']}@{r['concurrency']}"
         if key in out:  # bench_ort's own rounds: the first one (this script alternates whole runs)
@@ -126,11 +126,15 @@ def write(out: Path, runs: list[dict[str, Any]]) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--rounds", type=int, default=2, help="pairs of runs, alternating off/on then on/off")
-    p.add_argument("--first", choices=("off", "on"), default="off",
-                   help="the mode of the first run (a later call can start with the other, to balance the order)")
-    p.add_argument("--only", choices=("off", "on"), default=None,
-                   help="every run in this mode (--rounds runs; no on/off pairs): e.g. a diagnosis under MPS")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="pairs of runs, alternating off/on then on/off (with --only: runs)")
+    order_group = p.add_mutually_exclusive_group()
+    order_group.add_argument("--first", choices=("off", "on"), default="off",
+                             help="the mode of the first run (a later call can start with the other, to balance "
+                                  "the order)")
+    order_group.add_argument("--only", choices=("off", "on"), default=None,
+                             help="every run in this mode (--rounds runs, no on/off pairs): e.g. a diagnosis "
+                                  "under MPS")
     p.add_argument("bench_args", nargs=argparse.REMAINDER, help="-- then bench_ort.py's arguments (no --out)")
     args = p.parse_args()
     bench_args = args.bench_args[1:] if args.bench_args[:1] == ["--"] else args.bench_args
@@ -138,7 +142,7 @@ def main() -> int:
         p.error("--out after --: this script gives each run its own")
     if args.rounds < 1:
         p.error(f"--rounds {args.rounds}: expected 1 or more")
-    if shutil.which(mps.CONTROL) is None:
+    if args.only != "off" and shutil.which(mps.CONTROL) is None:
         print(f"mps_compare: {mps.CONTROL} not on PATH: no CUDA MPS on this machine", file=sys.stderr)
         return 1
     args.out.mkdir(parents=True, exist_ok=True)

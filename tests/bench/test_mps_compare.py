@@ -97,3 +97,22 @@ def test_only_on_runs_every_round_under_the_daemon(mps_compare: ModuleType, tmp_
     assert [(r["mode"], r["round"]) for r in runs] == [("on", 1), ("on", 2)]
     assert [r["mps"] for r in runs] == [{"clients": 1, "quit": True}] * 2
     assert "- fp16_batched@256: no pair" in (out / "mps-compare.md").read_text()
+
+
+def test_only_off_needs_no_daemon_and_only_excludes_first(mps_compare: ModuleType, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "bin" / mps_compare.mps.CONTROL).unlink()  # a machine without MPS can still run the off runs
+    out = tmp_path / "out"
+    monkeypatch.setattr(sys, "argv", ["mps_compare.py", "--out", str(out), "--rounds", "1", "--only", "off", "--",
+                                      "--models", "m"])
+    assert mps_compare.main() == 0
+    runs = json.loads((out / "mps-compare.json").read_text())
+    assert [(r["mode"], r["round"], r["mps"]) for r in runs] == [("off", 1, None)]
+    assert not (tmp_path / "calls").exists() or calls_of(tmp_path / "calls") == []
+    monkeypatch.setattr(sys, "argv", ["mps_compare.py", "--out", str(out), "--only", "on", "--first", "on", "--",
+                                      "--models", "m"])
+    with pytest.raises(SystemExit) as exit_:
+        mps_compare.main()
+    assert exit_.value.code == 2
+    assert "not allowed with argument --only" in capsys.readouterr().err.splitlines()[-1]
