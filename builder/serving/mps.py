@@ -135,13 +135,20 @@ def gpu_runner_instances(repository: Path, gpus: list[int]) -> dict[int, dict[st
             config = parse(path.read_text(encoding="utf-8", errors="replace"))
         except (OSError, text_format.ParseError):
             continue
-        if config.backend != "python":
-            continue
-        for group in config.instance_group:
-            if group.kind == model_config_pb2.ModelInstanceGroup.KIND_GPU:
-                for gpu in list(group.gpus) or gpus or [0]:
-                    models = per_gpu.setdefault(gpu, {})
-                    models[path.parent.name] = models.get(path.parent.name, 0) + max(group.count, 1)
+        for gpu, count in config_gpu_instances(config, gpus).items():
+            per_gpu.setdefault(gpu, {})[path.parent.name] = count
+    return per_gpu
+
+
+def config_gpu_instances(config: model_config_pb2.ModelConfig, gpus: list[int]) -> dict[int, int]:
+    """Per GPU, the python-backend instances one model's config starts on it (see gpu_runner_instances)."""
+    per_gpu: dict[int, int] = {}
+    if config.backend != "python":
+        return per_gpu
+    for group in config.instance_group:
+        if group.kind == model_config_pb2.ModelInstanceGroup.KIND_GPU:
+            for gpu in list(group.gpus) or gpus or [0]:
+                per_gpu[gpu] = per_gpu.get(gpu, 0) + max(group.count, 1)
     return per_gpu
 
 

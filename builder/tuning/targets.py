@@ -17,7 +17,8 @@ from google.protobuf import json_format
 
 from builder.errors import BuilderError, ServerError
 from builder.repository import triton_config
-from builder.serving.triton_server import ModelControl, Ports, TritonServer, exit_text, free_ports
+from builder.serving import mps
+from builder.serving.triton_server import ModelControl, Ports, TritonServer, exit_text, free_ports, gpu_ids
 from builder.spec.untrusted import MAX_CONFIG_BYTES, check_tree, read_text
 from builder.tuning.control import Endpoints, Http, Rejected
 from builder.tuning.points import Point, apply
@@ -94,6 +95,18 @@ def _tune_note(note: str | None) -> str | None:
     return note.replace("use a shorter --state-dir", "set a shorter TMPDIR (tune's server runs in a folder there)")
 
 
+def _refuse_past_mps_clients(config_text: str) -> None:
+    """Under CUDA MPS a GPU takes 48 client contexts: the server's and one per python-runner instance, so a point
+    with more instances on one GPU cannot load there. Rejected (the point "did not load") with that reason, not
+    Triton's load error; the as-built counts were checked when the server started (mps.auto)."""
+    per_gpu = mps.config_gpu_instances(triton_config.parse(config_text), gpu_ids())
+    for gpu, count in sorted(per_gpu.items()):
+        if count + 1 > mps.CLIENTS_PER_GPU:
+            raise Rejected(f"{count} python-runner instances on GPU {gpu} and the server are more than the "
+                           f"{mps.CLIENTS_PER_GPU} clients a CUDA MPS server takes per GPU; tune with --no-mps "
+                           "to measure this many")
+
+
 class LocalTarget(Target):
     """A private Triton (explicit model control) over a temporary copy of the variants."""
 
@@ -137,8 +150,10 @@ class LocalTarget(Target):
 
     def load(self, point: Point) -> None:
         assert self.tmp is not None, "use LocalTarget as a context manager"
-        write_atomic(self.tmp / "repository" / point.variant / "config.pbtxt",
-                     apply(self.originals[point.variant], point))
+        text = apply(self.originals[point.variant], point)
+        if self.mps_used:
+            _refuse_past_mps_clients(text)
+        write_atomic(self.tmp / "repository" / point.variant / "config.pbtxt", text)
         self._while_running(point.label(), lambda: self.http.load(point.variant))
 
     def unload(self, variant: str) -> None:

@@ -453,6 +453,49 @@ def test_tune_notes_a_restart_that_lost_mps(tmp_path: Path, monkeypatch: pytest.
         assert not target.mps_used and target.mps_note == "the MPS control daemon made no socket"
 
 
+@pytest.mark.parametrize(("mps_used", "instances", "refused"), [(True, 48, True), (True, 47, False),
+                                                              (False, 60, False)])
+def test_tune_refuses_a_point_past_the_mps_clients_of_a_gpu_before_loading_it(
+        mps_used: bool, instances: int, refused: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tune point with more python-runner instances on one GPU than an MPS server takes (48 with the server's
+    own context) could not load under the daemon: the point is rejected with that reason, nothing is loaded."""
+    from builder.tuning import targets
+    from builder.tuning.control import Rejected
+    from builder.tuning.points import Point
+
+    class StandInServer:
+        def __init__(self, repository: Path, state_dir: Path, ports: object, **kwargs: object) -> None:
+            self.repository, self.state_dir, self.process = repository, state_dir, None
+            self.mps_used, self.mps_note = mps_used, None
+
+        def start(self, timeout: float = 120.0) -> None:
+            pass
+
+        def stop(self) -> None:
+            pass
+
+    (tmp_path / "repo" / "m").mkdir(parents=True)
+    (tmp_path / "repo" / "m" / "config.pbtxt").write_text(
+        'name: "m"\nbackend: "python"\nmax_batch_size: 8\ninstance_group [{ count: 4, kind: KIND_GPU }]\n')
+    monkeypatch.setattr(targets, "TritonServer", StandInServer)
+    monkeypatch.setattr(targets, "gpu_ids", lambda: [0, 1])
+    loaded: list[str] = []
+    with targets.LocalTarget(tmp_path / "repo", ["m"], mps=None) as target:
+        monkeypatch.setattr(target, "_while_running", lambda label, call, stage="loading": loaded.append(label))
+        point = Point("m", 8, 0, instances)
+        if refused:
+            with pytest.raises(Rejected) as info:
+                target.load(point)
+            assert str(info.value) == (f"{instances} python-runner instances on GPU 0 and the server are more than "
+                                       "the 48 clients a CUDA MPS server takes per GPU; tune with --no-mps to "
+                                       "measure this many")
+            assert not loaded
+            assert "count: 4" in (target.tmp / "repository" / "m" / "config.pbtxt").read_text()  # not written
+        else:
+            target.load(point)
+            assert loaded == [point.label()]
+
+
 @pytest.mark.server
 @pytest.mark.usefixtures("gpu_here", "gpu_models")
 def test_the_ready_line_names_the_default_and_how_to_turn_it_off(daemon: Path, one_model: Path, state: Path,
