@@ -931,7 +931,7 @@ def main() -> int:
                    help="Triton traces 1 in N served requests (timestamps; a prime N such as 23 avoids tracing "
                         "the same client's turn) and each level gets where its tail comes from: the phases of its "
                         "median requests against its slowest 1 %%; the stamps are kept in OUT/triton_trace.json.gz. "
-                        "Tracing costs the server a little: a diagnosis, not a run for the headline figures")
+                        "Tracing adds work to the server: a diagnosis, not a run for the headline figures")
     p.add_argument("--skip", default="", help="comma-separated steps to skip: shape,ablation,inprocess,served")
     args = p.parse_args()
     names = [name for name, _, _ in args.batching_variant]

@@ -154,9 +154,9 @@ def config_gpu_instances(config: model_config_pb2.ModelConfig, gpus: list[int]) 
 
 def auto(repository: Path, gpus: list[int]) -> tuple[bool, str | None]:
     """Whether a server of `repository` runs under MPS by default, and why not where it matters (None: nothing
-    to say: no python-runner models on a GPU, no GPU, or the host's own daemon serves them). Measured on two
-    H200 starts (docs/results/gpu.md): FP16 EfficientNet-Lite0's four instances served 1.47-1.89x the requests
-    at concurrency 32 for 0.72-0.85x the joules per inference, and 1.06-1.23x at 256."""
+    to say: no python-runner models on a GPU, no GPU, or the host's own daemon serves them). Measured on three
+    H200 starts (docs/results/gpu.md): FP16 EfficientNet-Lite0's four instances served 1.35-1.93x the requests
+    at concurrency 32 for 0.72-0.88x the joules per inference, and 1.06-1.28x at 256."""
     per_gpu = gpu_runner_instances(repository, gpus)
     if not per_gpu or not gpus:  # without a GPU such models do not load at all: Triton says why
         return False, None

@@ -422,11 +422,8 @@ class TritonServer:
         return " | ".join(chosen[-lines:]).strip() or "no log output"
 
     def crash_lines(self, frames: int = 6) -> list[str]:
-        """Triton's own report of a fatal signal ('Signal (11) received.' and the first stack frames after
-        it, from its stdout), empty when it wrote none."""
-        lines = last_lines([self.state_dir / "tritonserver.out"], 400)
-        start = next((i for i in range(len(lines) - 1, -1, -1) if lines[i].startswith("Signal (")), None)
-        return [] if start is None else [" ".join(ln.split()) for ln in lines[start:start + 1 + frames]]
+        """Triton's own report of a fatal signal, from its stdout (crash_report)."""
+        return crash_report(self.state_dir, frames)
 
     def last_lines(self, count: int = 12) -> list[str]:
         """The log's last lines, then what the process wrote to stdout (a crash's stack goes there)."""
@@ -486,8 +483,20 @@ def dead_server_lines(state_dir: Path, count: int = 12) -> list[str]:
     if record is None or not exited(record.pid, record.start_ticks):
         return []
     tail = last_lines([state_dir / "tritonserver.log", state_dir / "tritonserver.out"], count)
+    crash = crash_report(state_dir)
+    if crash and not any(line.startswith("Signal (") for line in tail):
+        # Triton's stack after a fatal signal can outgrow the last lines: its first lines name the signal.
+        tail = [*crash, "…", *tail[len(crash) + 1:]]
     return [f"the tritonserver started from {state_dir} (pid {record.pid}) has exited; the last lines it wrote:",
             *(f"  {line}" for line in tail)]
+
+
+def crash_report(state_dir: Path, frames: int = 6) -> list[str]:
+    """Triton's own report of a fatal signal ('Signal (11) received.' and the first stack frames after it, from
+    its stdout), empty when it wrote none."""
+    lines = last_lines([state_dir / "tritonserver.out"], 400)
+    start = next((i for i in range(len(lines) - 1, -1, -1) if lines[i].startswith("Signal (")), None)
+    return [] if start is None else [" ".join(ln.split()) for ln in lines[start:start + 1 + frames]]
 
 
 def stop_recorded(state_dir: Path, timeout: float = 30.0) -> Stopped:

@@ -18,7 +18,7 @@ from google.protobuf import json_format
 from builder.errors import BuilderError, ServerError
 from builder.repository import triton_config
 from builder.serving import mps
-from builder.serving.triton_server import ModelControl, Ports, TritonServer, exit_text, free_ports, gpu_ids
+from builder.serving.triton_server import ModelControl, Ports, TritonServer, exit_text, free_ports
 from builder.spec.untrusted import MAX_CONFIG_BYTES, check_tree, read_text
 from builder.tuning.control import Endpoints, Http, Rejected
 from builder.tuning.points import Point, apply
@@ -98,11 +98,13 @@ def _tune_note(note: str | None) -> str | None:
 def _refuse_past_mps_clients(config_text: str) -> None:
     """Under CUDA MPS a GPU takes 48 client contexts: the server's and one per python-runner instance, so a point
     with more instances on one GPU cannot load there. Rejected (the point "did not load") with that reason, not
-    Triton's load error; the as-built counts were checked when the server started (mps.auto)."""
-    per_gpu = mps.config_gpu_instances(triton_config.parse(config_text), gpu_ids())
-    for gpu, count in sorted(per_gpu.items()):
+    Triton's load error; the as-built counts were checked when the server started (mps.auto). Only the point's
+    own model counts: tune loads one at a time. (A group without `gpus` puts its count on every GPU, so GPU 0
+    stands for each.)"""
+    per_gpu = mps.config_gpu_instances(triton_config.parse(config_text), [0])
+    for _, count in sorted(per_gpu.items()):
         if count + 1 > mps.CLIENTS_PER_GPU:
-            raise Rejected(f"{count} python-runner instances on GPU {gpu} and the server are more than the "
+            raise Rejected(f"{count} python-runner instances on one GPU and the server are more than the "
                            f"{mps.CLIENTS_PER_GPU} clients a CUDA MPS server takes per GPU; tune with --no-mps "
                            "to measure this many")
 

@@ -275,3 +275,51 @@ def test_a_level_none_of_whose_requests_succeeded_is_a_row_saying_so(bench_ort: 
                and "| none | 1 |" in line]
     assert len(summary) == 1 and "| 4 |" in summary[0]  # the summary has the answered level only
     assert "Where the tail comes from" in text and "| median (15) |" in text
+
+
+def test_served_goes_on_past_a_level_none_of_whose_requests_succeeded(bench_ort: ModuleType, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """What ended a run on an H200 (its first level under MPS got no answer): the level's errors are printed and
+    recorded, and the next level is measured."""
+    import os
+    import types
+
+    from tests.helpers.tiny_models import mlp_onnx
+
+    models = tmp_path / "models"
+    (models / "efficientnet_lite0_fp16" / "1").mkdir(parents=True)
+    mlp_onnx(models / "efficientnet_lite0_fp16" / "1" / "model.onnx")
+
+    class FakeServer:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self.process = types.SimpleNamespace(pid=os.getpid())
+
+        def start(self, timeout: float) -> None:
+            pass
+
+        def log_tail(self, lines: int) -> str:
+            return "E1130 stub exited"
+
+        def stop(self) -> None:
+            pass
+
+    answers = iter([(32, None), (256, {"avg": 900.0, "p50": 800.0, "p99": 1500.0})])
+
+    def fake_result(result: Any) -> dict[str, Any]:
+        concurrency, latency = next(answers)
+        return {"concurrency": concurrency, "throughput": 0.0 if latency is None else 1000.0, "latency_us": latency,
+                "power": {}, "server": {}, "errors": {} if latency else {"UNAVAILABLE": 64}}
+
+    monkeypatch.setattr(bench_ort, "TritonServer", FakeServer)
+    monkeypatch.setattr(bench_ort, "run", lambda config: [types.SimpleNamespace(result=types.SimpleNamespace(
+        windows=[]))])
+    monkeypatch.setattr(bench_ort, "result_dict", fake_result)
+    monkeypatch.setattr(bench_ort, "window_checks", lambda result: [])
+    rows = bench_ort.served(models, interval_ms=100, delay_us=0, tmp=tmp_path / "t", precisions=("fp16",),
+                            unbatched=False, compare_shm=False)
+    measured = [r for r in rows if "model" in r]
+    assert [(r["concurrency"], r["latency_us"]) for r in measured] == [
+        (32, None), (256, {"avg": 900.0, "p50": 800.0, "p99": 1500.0})]
+    assert '"errors": {"UNAVAILABLE": 64}' in capsys.readouterr().out
+    assert rows[-1] == {"server_log_tail": "E1130 stub exited"}

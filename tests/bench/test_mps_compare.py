@@ -116,3 +116,23 @@ def test_only_off_needs_no_daemon_and_only_excludes_first(mps_compare: ModuleTyp
         mps_compare.main()
     assert exit_.value.code == 2
     assert "not allowed with argument --only" in capsys.readouterr().err.splitlines()[-1]
+
+
+def test_a_level_without_answers_is_left_out_of_the_comparison(mps_compare: ModuleType) -> None:
+    doc = {"in_process": {"fp16": {"ceiling_iobinding": {"infer_per_s": 16000.0}}}, "served": [
+        {"model": "fp16_batched", "concurrency": 32, "shared_memory": "cuda", "throughput": 0.0,
+         "latency_us": None, "errors": {"UNAVAILABLE": 9}, "power": {}, "server": {}},
+        {"model": "fp16_batched", "concurrency": 256, "shared_memory": "cuda", "throughput": 9000.0,
+         "latency_us": {"p50": 20000.0, "p99": 26000.0}, "power": {"j_per_infer": 0.03}, "server": {}}]}
+    assert list(mps_compare.levels(doc)) == ["fp16_batched@256"]
+
+
+def test_only_on_without_the_daemon_binary_is_one_line(mps_compare: ModuleType, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "bin" / mps_compare.mps.CONTROL).unlink()
+    monkeypatch.setattr(sys, "argv", ["mps_compare.py", "--out", str(tmp_path / "o"), "--only", "on", "--",
+                                      "--models", "m"])
+    assert mps_compare.main() == 1
+    assert "not on PATH" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
