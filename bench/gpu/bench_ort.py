@@ -26,6 +26,7 @@ Steps, each printed as one JSON line and gathered in DIR/ort_gpu_bench.json and 
 from __future__ import annotations
 
 import argparse
+import bisect
 import csv
 import gzip
 import json
@@ -61,6 +62,7 @@ INPUT = TensorSpec("input", "float32", (-1, 3, 224, 224))
 OUTPUT = TensorSpec("logits", "float32", (-1, 1000))
 SEARCH = "HEURISTIC"  # --search; the committed H100 results ran EXHAUSTIVE (recorded in their JSON)
 RUNNER: Any = python_model  # untyped: it is copied into model folders, where Triton imports it
+RUNNER_BATCHES = 0  # --runner-batches: the runner's timers also write this many batch lines per period
 PROVIDER_OPTIONS: dict[str, str] = {}  # --provider-option: extra CUDA provider options for every runner
 
 
@@ -255,7 +257,10 @@ def write_model(root: Path, name: str, onnx: Path, *, batching: bool, instances:
     if PROVIDER_OPTIONS:
         backend = replace(backend, parameters=(*backend.parameters, *PROVIDER_OPTIONS.items()))
     if timers is not None:  # the runner's phase timers, one JSON file per instance in this folder
-        backend = replace(backend, parameters=(*backend.parameters, ("runner_timers", str(timers))))
+        backend = replace(backend, parameters=(*backend.parameters, ("runner_timers", str(timers)),
+                                               *((("runner_timers_period_s", "0.25"),
+                                                  ("runner_timers_batches", str(RUNNER_BATCHES)))
+                                                 if RUNNER_BATCHES else ())))
     if batch_buckets is not None:
         backend = replace(backend, parameters=(*backend.parameters, ("batch_buckets", batch_buckets)))
     config = build(ConfigInputs(name=name, inputs=(INPUT,), outputs=(OUTPUT,), batch=DimRange(1, 32, MAX_BATCH),
@@ -407,9 +412,12 @@ def served(models: Path, *, interval_ms: int, delay_us: int, tmp: Path, instance
         server.stop()  # the runners' finalize writes their timers' last figures
     if timers is not None:
         found = read_runner_timers(timers)
+        batches = read_runner_batches(timers, found)
         for r in rows:
             if "span_monotonic_ns" in r:
                 r["runner_timers"] = runner_breakdown(found, r["model"], r["span_monotonic_ns"])
+                if batches:
+                    r["runner_batches"] = batch_breakdown(batches, r["model"], r["span_monotonic_ns"])
     if trace_rate:
         attach_traces(rows, tmp / "trace.json", trace_keep)
     rows.append({"server_log_tail": log_tail})
@@ -476,6 +484,70 @@ def runner_breakdown(timers: list[dict[str, Any]], model: str, span: list[int]) 
         # Each write lands in one batch's compute_infer; spread over all the instances' batches of the run.
         "timer_writes_us": writes_ns / all_executes / 1e3 if all_executes else 0.0,
     }
+
+
+ROW_BANDS: tuple[tuple[int, int], ...] = ((1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (17, 32), (33, 64))
+
+
+def read_runner_batches(folder: Path, timers: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Per model, the batch lines (runner_timers_batches) of all its instances, each with its instance's name."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for t in timers:
+        path = folder / str(t.get("batches_file", ""))
+        if not t.get("batches_file") or not path.is_file():
+            continue
+        for line in path.read_text().splitlines():
+            try:
+                batch = json.loads(line)
+            except ValueError:  # a line cut short by a killed stub
+                continue
+            out.setdefault(str(t["model"]), []).append(batch | {"instance": t.get("instance")})
+    return out
+
+
+def batch_breakdown(batches: dict[str, list[dict[str, Any]]], model: str, span: list[int]) -> dict[str, Any] | None:
+    """What makes one batch slower than another, over `model`'s batches wholly inside `span`: the run phase
+    (ONNX Runtime, waiting for the GPU) and the execute by the batch's rows, and by how many batches of the
+    model's other instances were running when it started (the instances' clocks are one monotonic clock)."""
+    lo, hi = span
+    mine = [b for b in batches.get(model, []) if lo <= b["start_ns"] and b["start_ns"] + b["execute_ns"] <= hi]
+    if not mine:
+        return None
+    starts = sorted(b["start_ns"] for b in mine)
+    ends = sorted(b["start_ns"] + b["execute_ns"] for b in mine)
+
+    def running(b: dict[str, Any]) -> int:  # the others started at or before it and not yet ended (not itself)
+        return bisect.bisect_right(starts, b["start_ns"]) - bisect.bisect_right(ends, b["start_ns"]) - 1
+
+    def group(members: list[dict[str, Any]]) -> dict[str, Any]:
+        run = sorted(b["run_ns"] / 1e3 for b in members)
+        execute = sorted(b["execute_ns"] / 1e3 for b in members)
+        return {"n": len(members), "run_us_p50": percentile(run, 0.5), "run_us_p90": percentile(run, 0.9),
+                "execute_us_p50": percentile(execute, 0.5), "rows_mean": statistics.fmean(b["rows"] for b in members)}
+
+    by_rows = [{"rows": f"{a}-{b}" if a != b else str(a), **group(members)} for a, b in ROW_BANDS
+               if (members := [x for x in mine if a <= x["rows"] <= b])]
+    counted = [(running(b), b) for b in mine]
+    by_running = [{"others_running": k, **group([b for n, b in counted if n == k])}
+                  for k in sorted({n for n, _ in counted})]
+    return {"batches": len(mine), "by_rows": by_rows, "by_others_running": by_running}
+
+
+def batch_markdown(served_rows: list[dict[str, Any]]) -> list[str]:
+    lines: list[str] = []
+    for r in served_rows:
+        b = r.get("runner_batches")
+        if not b or "compare" in r:
+            continue
+        lines += ["", f"What makes a batch slow: {r['model']}, concurrency {r['concurrency']}, round "
+                  f"{r.get('round', 1)}, {b['batches']} batches (the runner's batch lines)", "",
+                  "| by | batches | run µs p50 / p90 | execute µs p50 | rows (mean) |", "|---|---|---|---|---|"]
+        for label, key, groups in (("rows", "rows", b["by_rows"]),
+                                   ("others running", "others_running", b["by_others_running"])):
+            for g in groups:
+                lines.append(f"| {label} {g[key]} | {g['n']} | {g['run_us_p50']:.0f} / {g['run_us_p90']:.0f} | "
+                             f"{g['execute_us_p50']:.0f} | {g['rows_mean']:.1f} |")
+    return lines
 
 
 def time_rows(server: dict[str, Any], runner: dict[str, Any]) -> list[tuple[str, float | None]]:
@@ -879,7 +951,8 @@ def markdown(doc: dict[str, Any]) -> str:
             f"{f(r['power'].get('j_per_infer'), '.4f')} | {f(r['server'].get('avg_batch'), '.1f')} | "
             f"{f(worst, '.3f')} | {cpu['client']}/{cpu['tritonserver']}/{cpu['python_stubs']} |")
     return "\n".join(lines + summary_markdown(doc) + where_time_goes_markdown(doc.get("where_time_goes", []))
-                     + trace_markdown(doc.get("served", []), doc.get("trace_rate"))) + "\n"
+                     + trace_markdown(doc.get("served", []), doc.get("trace_rate"))
+                     + batch_markdown(doc.get("served", []))) + "\n"
 
 
 def key_value(value: str) -> tuple[str, str]:
@@ -891,7 +964,7 @@ def key_value(value: str) -> tuple[str, str]:
 
 
 def main() -> int:
-    global SEARCH
+    global SEARCH, RUNNER_BATCHES
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", type=Path, required=True, help="repository with efficientnet_lite0_{fp32,fp16,int8}")
     p.add_argument("--out", type=Path, default=Path("reports/gpu"))
@@ -927,6 +1000,10 @@ def main() -> int:
     p.add_argument("--runner-timers", action="store_true",
                    help="serve with the runner's phase timers on (files in OUT/runner_timers) and print where a "
                         "request's time goes per level")
+    p.add_argument("--runner-batches", type=int, default=0, metavar="N",
+                   help="with --runner-timers: the runner also writes up to N batch lines per 0.25 s period, and "
+                        "each level gets what makes a batch slow (its rows, or the other instances' batches "
+                        "running at once)")
     p.add_argument("--trace-rate", type=int, default=0, metavar="N",
                    help="Triton traces 1 in N served requests (timestamps; a prime N such as 23 avoids tracing "
                         "the same client's turn) and each level gets where its tail comes from: the phases of its "
@@ -945,8 +1022,11 @@ def main() -> int:
         p.error(f"--trace-rate {args.trace_rate}: expected a whole number 1..{MAX_TRACE_RATE} (or 0: no trace)")
     if args.trace_rate and "served" in set(args.skip.split(",")):
         p.error("--trace-rate with --skip served: the trace is of the served levels, which would not run")
+    if (args.runner_batches and not args.runner_timers) or args.runner_batches < 0:
+        p.error(f"--runner-batches {args.runner_batches}: expected a whole number >= 1, with --runner-timers")
     SEARCH = args.search
     PROVIDER_OPTIONS.update(dict(args.provider_option))
+    RUNNER_BATCHES = args.runner_batches
     variants: list[dict[str, str]] = args.in_process_variant
     args.out.mkdir(parents=True, exist_ok=True)
     skip = set(filter(None, args.skip.split(",")))

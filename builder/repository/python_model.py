@@ -119,13 +119,20 @@ class PhaseTimer:
     same host can compare with its own measurement windows).
 
     start() opens an execute, mark(phase) adds the time since the previous mark (or the start) to `phase`,
-    end() closes it; so the phases of one execute never sum to more than its own wall time."""
+    end() closes it; so the phases of one execute never sum to more than its own wall time.
 
-    def __init__(self, folder, *, model, instance, period_s=1.0, reservoir=1024, extra=None):
+    With `batches` > 0 each execute is also one line of `<instance>.<pid>.batches.jsonl` (its monotonic start,
+    wall time, run phase, requests and rows; at most `batches` per period, the rest counted as dropped), so a
+    reader can ask what makes one batch slower than another: its rows, or the other instances' batches running
+    at the same time (their lines share the clock)."""
+
+    def __init__(self, folder, *, model, instance, period_s=1.0, reservoir=1024, extra=None, batches=0):
         self.folder = folder
         os.makedirs(folder, exist_ok=True)
         base = os.path.join(folder, f"{instance}.{os.getpid()}")
         self.path, self.intervals_path = base + ".json", base + ".intervals.jsonl"
+        self.batches_path = base + ".batches.jsonl"
+        self.batch_cap, self.batch_lines, self.batches_dropped = batches, [], 0
         self.head = {"format": TIMERS_FORMAT, "model": model, "instance": instance, "pid": os.getpid(),
                      "period_s": period_s, "phases": list(PHASES), **(extra or {})}
         self.period_ns = int(period_s * 1e9)
@@ -177,6 +184,11 @@ class PhaseTimer:
                 iv["weighted"][i] += v * requests
                 if v > self.maxima[i]:
                     self.maxima[i] = v
+        if self.batch_cap:
+            if len(self.batch_lines) < self.batch_cap:
+                self.batch_lines.append((self.mono0, values[-1], self.current[self.index["run"]], requests, rows))
+            else:
+                self.batches_dropped += 1
         if len(self.samples) < self.capacity:  # reservoir sampling (algorithm R): each execute equally likely kept
             self.samples.append(values)
         else:
@@ -199,6 +211,8 @@ class PhaseTimer:
     def summary(self, *, final=False):
         return {**self.head, "final": final, "written_monotonic_ns": time.monotonic_ns(),
                 "intervals_file": os.path.basename(self.intervals_path),
+                **({"batches_file": os.path.basename(self.batches_path), "batches_dropped": self.batches_dropped}
+                   if self.batch_cap else {}),
                 "executes": self.executes, "requests": self.requests, "rows": self.rows,
                 "execute": self._stats(len(PHASES)),
                 "phases": {name: self._stats(i) for i, name in enumerate(PHASES)},
@@ -217,6 +231,11 @@ class PhaseTimer:
             with open(self.intervals_path, "a") as handle:
                 handle.write(json.dumps(line) + "\n")
             self._open_interval()
+        if self.batch_lines:
+            with open(self.batches_path, "a") as handle:
+                handle.writelines(json.dumps({"start_ns": b[0], "execute_ns": b[1], "run_ns": b[2], "requests": b[3],
+                                              "rows": b[4]}) + "\n" for b in self.batch_lines)
+            self.batch_lines = []
         self.writes += 1
         tmp = f"{self.path}.tmp"
         with open(tmp, "w") as handle:
@@ -235,9 +254,13 @@ def make_timer(params, args, extra=None):
     period = float(params.get("runner_timers_period_s", "") or 1.0)
     if not period > 0:
         raise ValueError(f"parameter runner_timers_period_s {period}: expected a number of seconds > 0")
+    batches = params.get("runner_timers_batches", "") or "0"
+    if not batches.isdigit():
+        raise ValueError(f"parameter runner_timers_batches {batches!r}: expected a whole number of batches per "
+                         "period (0: none)")
     model = args.get("model_name", "model")
     instance = args.get("model_instance_name") or model
-    return PhaseTimer(folder, model=model, instance=instance, period_s=period, extra=extra)
+    return PhaseTimer(folder, model=model, instance=instance, period_s=period, extra=extra, batches=int(batches))
 
 
 class CpuRunner:

@@ -6,6 +6,7 @@ perfclient at concurrency 4 and 16, two rounds each; served.json says how)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from collections.abc import Iterator
@@ -143,3 +144,60 @@ def test_a_delay_variant_like_the_main_delay_or_repeated_is_refused_in_one_line(
     assert proc.returncode == 2
     assert said in proc.stderr.splitlines()[-1]
     assert not (tmp_path / "out").exists()
+
+
+def _batch(instance: str, start: int, end: int, rows: int, run: int) -> dict[str, Any]:
+    return {"instance": instance, "start_ns": start, "execute_ns": end - start, "run_ns": run, "requests": rows,
+            "rows": rows}
+
+
+def test_batches_are_grouped_by_rows_and_by_the_other_instances_running_at_their_start(
+        bench_ort: ModuleType) -> None:
+    batches = {"m": [_batch("a", 0, 100_000, 1, 50_000), _batch("b", 50_000, 250_000, 4, 150_000),
+                     _batch("a", 100_000, 300_000, 8, 180_000), _batch("b", 250_000, 260_000, 1, 8_000),
+                     _batch("a", 900_000, 2_000_000, 1, 9_000)],  # ends outside the span
+               "other": [_batch("c", 0, 10, 1, 5)]}
+    got = bench_ort.batch_breakdown(batches, "m", [0, 1_000_000])
+    assert got["batches"] == 4
+    assert [(g["rows"], g["n"], g["run_us_p50"]) for g in got["by_rows"]] == [
+        ("1", 2, 50.0), ("3-4", 1, 150.0), ("5-8", 1, 180.0)]
+    # a@0 started alone; b@50 beside a's first; a@100 beside b (a's first ended at 100); b@250 beside a's second.
+    assert [(g["others_running"], g["n"], g["rows_mean"]) for g in got["by_others_running"]] == [
+        (0, 1, 1.0), (1, 3, (4 + 8 + 1) / 3)]
+    assert bench_ort.batch_breakdown(batches, "m", [400_000, 500_000]) is None
+    row = {"model": "m", "concurrency": 32, "round": 1, "runner_batches": got}
+    table = [line for line in bench_ort.batch_markdown([row]) if line.startswith("| ")][1:]
+    assert table[0] == "| rows 1 | 2 | 50 / 50 | 100 | 1.0 |" and table[-1].startswith("| others running 1 | 3 |")
+
+
+def test_runner_batches_reach_the_config_and_need_the_timers(bench_ort: ModuleType, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    import subprocess
+    import sys
+
+    monkeypatch.setattr(bench_ort, "RUNNER_BATCHES", 500)
+    bench_ort.write_model(tmp_path / "repo", "m", mlp_onnx(tmp_path / "m.onnx"), batching=True, instances=1,
+                          delay_us=0, timers=tmp_path / "t")
+    params = triton_config.parse((tmp_path / "repo" / "m" / "config.pbtxt").read_text()).parameters
+    assert params["runner_timers_batches"].string_value == "500"
+    assert params["runner_timers_period_s"].string_value == "0.25"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu" / "bench_ort.py"), "--models", str(tmp_path),
+                           "--out", str(tmp_path / "out"), "--runner-batches", "100"], capture_output=True,
+                          text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 2 and "with --runner-timers" in proc.stderr.splitlines()[-1]
+
+
+def test_the_runners_batch_lines_are_read_per_model_with_their_instance(bench_ort: ModuleType,
+                                                                        tmp_path: Path) -> None:
+    for instance in ("m_0", "m_1"):
+        timer = bench_ort.RUNNER.PhaseTimer(str(tmp_path), model="m", instance=instance, period_s=3600, batches=10)
+        for rows in (1, 3):
+            timer.start()
+            timer.mark("run")
+            timer.end(requests=rows, rows=rows)
+        timer.write(final=True)
+    with (tmp_path / f"m_1.{os.getpid()}.batches.jsonl").open("a") as cut:  # a stub killed mid-line
+        cut.write('{"start_ns": 1, "cut')
+    timers = bench_ort.read_runner_timers(tmp_path)
+    got = bench_ort.read_runner_batches(tmp_path, timers)
+    assert sorted((b["instance"], b["rows"]) for b in got["m"]) == [("m_0", 1), ("m_0", 3), ("m_1", 1), ("m_1", 3)]

@@ -142,6 +142,33 @@ def test_a_failed_batch_is_counted_and_timed(tmp_path: Path, pb_utils: types.Sim
     assert summary["phases"]["respond"]["count"] == 1 and summary["phases"]["run"]["count"] == 0
 
 
+def test_batch_lines_give_each_executes_rows_and_times_within_the_cap(tmp_path: Path,
+                                                                      pb_utils: types.SimpleNamespace) -> None:
+    folder = tmp_path / "timers"
+    model = _model(tmp_path / "m", {"runner_timers": str(folder), "runner_timers_period_s": "3600",
+                                    "runner_timers_batches": "3"})
+    batches = [[1], [2, 3], [1, 1, 1, 1], [8]]
+    spans = []
+    for i, sizes in enumerate(batches):
+        t0 = time.monotonic_ns()
+        model.execute(_requests(sizes, seed=i))
+        spans.append((t0, time.monotonic_ns()))
+    model.finalize()
+    summary, _ = _files(folder)
+    assert summary["batches_dropped"] == 1  # 3 kept per period, the 4th counted
+    lines = [json.loads(line) for line in (folder / summary["batches_file"]).read_text().splitlines()]
+    assert [(b["requests"], b["rows"]) for b in lines] == [(1, 1), (2, 5), (4, 4)]
+    for line, (t0, t1) in zip(lines, spans, strict=False):
+        assert t0 <= line["start_ns"] and line["start_ns"] + line["execute_ns"] <= t1  # the client's clock
+        assert 0 < line["run_ns"] <= line["execute_ns"]
+
+
+@pytest.mark.parametrize("value", ["x", "-1", "2.5"])
+def test_a_bad_batch_count_is_refused_at_load(value: str, tmp_path: Path, pb_utils: types.SimpleNamespace) -> None:
+    with pytest.raises(ValueError, match="parameter runner_timers_batches"):
+        _model(tmp_path / "m", {"runner_timers": str(tmp_path / "t"), "runner_timers_batches": value})
+
+
 def test_a_bad_period_is_refused_at_load(tmp_path: Path, pb_utils: types.SimpleNamespace) -> None:
     with pytest.raises(ValueError, match="parameter runner_timers_period_s"):
         _model(tmp_path / "m", {"runner_timers": str(tmp_path / "t"), "runner_timers_period_s": "0"})
