@@ -18,6 +18,8 @@ Steps, each printed as one JSON line and gathered in DIR/ort_gpu_bench.json and 
    runner_timers, files under DIR/runner_timers) and each level gets a table of where a request's time
    goes: Triton's queue / compute_input / compute_infer / compute_output beside the runner's phases over the
    same measured windows, and what of compute_infer the phases leave unexplained.
+   With --runner-batches N (and --runner-timers) the runner also writes a line per batch and each level gets
+   its batches' run times by rows and by how many other instances' batches were running at their start.
    With --trace-rate N Triton traces 1 in N requests (its trace API, timestamps only) and each level gets its
    server-side p50 and p99 and the phases (receive, queue, compute_input, infer, output, send) of its median
    requests beside those of its slowest 1 %: which phase makes the tail.
@@ -417,7 +419,8 @@ def served(models: Path, *, interval_ms: int, delay_us: int, tmp: Path, instance
             if "span_monotonic_ns" in r:
                 r["runner_timers"] = runner_breakdown(found, r["model"], r["span_monotonic_ns"])
                 if batches:
-                    r["runner_batches"] = batch_breakdown(batches, r["model"], r["span_monotonic_ns"])
+                    r["runner_batches"] = batch_breakdown(batches, r["model"], r["span_monotonic_ns"],
+                                                          dropped_in(found, r["model"], r["span_monotonic_ns"]))
     if trace_rate:
         attach_traces(rows, tmp / "trace.json", trace_keep)
     rows.append({"server_log_tail": log_tail})
@@ -486,7 +489,13 @@ def runner_breakdown(timers: list[dict[str, Any]], model: str, span: list[int]) 
     }
 
 
-ROW_BANDS: tuple[tuple[int, int], ...] = ((1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (17, 32), (33, 64))
+ROW_BANDS: tuple[tuple[int, int], ...] = ((0, 0), (1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (17, 32), (33, 64),
+                                          (65, 2**62))
+
+
+def band(rows: int) -> str:
+    a, b = next(band for band in ROW_BANDS if band[0] <= rows <= band[1])
+    return str(a) if a == b else f"{a}+" if b == 2**62 else f"{a}-{b}"
 
 
 def read_runner_batches(folder: Path, timers: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
@@ -505,19 +514,28 @@ def read_runner_batches(folder: Path, timers: list[dict[str, Any]]) -> dict[str,
     return out
 
 
-def batch_breakdown(batches: dict[str, list[dict[str, Any]]], model: str, span: list[int]) -> dict[str, Any] | None:
-    """What makes one batch slower than another, over `model`'s batches wholly inside `span`: the run phase
-    (ONNX Runtime, waiting for the GPU) and the execute by the batch's rows, and by how many batches of the
-    model's other instances were running when it started (the instances' clocks are one monotonic clock)."""
+def batch_breakdown(batches: dict[str, list[dict[str, Any]]], model: str, span: list[int],
+                    dropped: int = 0) -> dict[str, Any] | None:
+    """`model`'s batches wholly inside `span`, grouped by rows and by rows × how many batches of the model's
+    other instances were running when each started (counted over all its batches, the span's edges included):
+    the run phase (ONNX Runtime, waiting for the GPU) and the execute. Groupings, not causes: at a given
+    concurrency larger batches and more overlap come together, hence the cross table. `dropped`: batch lines the
+    runner did not write in the span (its cap); the running counts are then lower bounds. A batch whose run
+    phase is 0 (its inputs failed) is counted apart."""
     lo, hi = span
-    mine = [b for b in batches.get(model, []) if lo <= b["start_ns"] and b["start_ns"] + b["execute_ns"] <= hi]
+    every = batches.get(model, [])
+    inside = [b for b in every if lo <= b["start_ns"] and b["start_ns"] + b["execute_ns"] <= hi]
+    mine = [b for b in inside if b["run_ns"] > 0]
     if not mine:
         return None
-    starts = sorted(b["start_ns"] for b in mine)
-    ends = sorted(b["start_ns"] + b["execute_ns"] for b in mine)
+    starts = sorted(b["start_ns"] for b in every)
+    ends = sorted(b["start_ns"] + b["execute_ns"] for b in every)
 
-    def running(b: dict[str, Any]) -> int:  # the others started at or before it and not yet ended (not itself)
-        return bisect.bisect_right(starts, b["start_ns"]) - bisect.bisect_right(ends, b["start_ns"]) - 1
+    def running(b: dict[str, Any]) -> int:
+        """Batches started at or before b's start and not ended by it, less b itself (a batch of its own
+        instance cannot be among them: an instance runs one batch at a time)."""
+        return (bisect.bisect_right(starts, b["start_ns"]) - bisect.bisect_right(ends, b["start_ns"])
+                - (1 if b["execute_ns"] > 0 else 0))
 
     def group(members: list[dict[str, Any]]) -> dict[str, Any]:
         run = sorted(b["run_ns"] / 1e3 for b in members)
@@ -525,12 +543,22 @@ def batch_breakdown(batches: dict[str, list[dict[str, Any]]], model: str, span: 
         return {"n": len(members), "run_us_p50": percentile(run, 0.5), "run_us_p90": percentile(run, 0.9),
                 "execute_us_p50": percentile(execute, 0.5), "rows_mean": statistics.fmean(b["rows"] for b in members)}
 
-    by_rows = [{"rows": f"{a}-{b}" if a != b else str(a), **group(members)} for a, b in ROW_BANDS
-               if (members := [x for x in mine if a <= x["rows"] <= b])]
-    counted = [(running(b), b) for b in mine]
-    by_running = [{"others_running": k, **group([b for n, b in counted if n == k])}
-                  for k in sorted({n for n, _ in counted})]
-    return {"batches": len(mine), "by_rows": by_rows, "by_others_running": by_running}
+    counted = [(band(b["rows"]), running(b), b) for b in mine]
+    bands = [band(a) for a, _ in ROW_BANDS]
+    by_rows = [{"rows": r, **group([b for br, _, b in counted if br == r])} for r in bands
+               if any(br == r for br, _, _ in counted)]
+    cross = [{"rows": r, "others_running": k, **group([b for br, n, b in counted if br == r and n == k])}
+             for r in bands for k in sorted({n for _, n, _ in counted})
+             if any(br == r and n == k for br, n, _ in counted)]
+    return {"batches": len(mine), "failed": len(inside) - len(mine), "dropped": dropped, "by_rows": by_rows,
+            "by_rows_and_running": cross}
+
+
+def dropped_in(timers: list[dict[str, Any]], model: str, span: list[int]) -> int:
+    """Batch lines `model`'s instances did not write (their cap) in the periods inside `span`."""
+    lo, hi = span
+    return sum(int(iv.get("batches_dropped", 0)) for t in timers if t.get("model") == model
+               for iv in t["intervals"] if lo <= iv["first_ns"] and iv["last_ns"] <= hi)
 
 
 def batch_markdown(served_rows: list[dict[str, Any]]) -> list[str]:
@@ -539,14 +567,18 @@ def batch_markdown(served_rows: list[dict[str, Any]]) -> list[str]:
         b = r.get("runner_batches")
         if not b or "compare" in r:
             continue
-        lines += ["", f"What makes a batch slow: {r['model']}, concurrency {r['concurrency']}, round "
-                  f"{r.get('round', 1)}, {b['batches']} batches (the runner's batch lines)", "",
-                  "| by | batches | run µs p50 / p90 | execute µs p50 | rows (mean) |", "|---|---|---|---|---|"]
-        for label, key, groups in (("rows", "rows", b["by_rows"]),
-                                   ("others running", "others_running", b["by_others_running"])):
-            for g in groups:
-                lines.append(f"| {label} {g[key]} | {g['n']} | {g['run_us_p50']:.0f} / {g['run_us_p90']:.0f} | "
-                             f"{g['execute_us_p50']:.0f} | {g['rows_mean']:.1f} |")
+        caveat = (f"; {b['dropped']} batch lines not written (the runner's cap): the running counts are lower "
+                  "bounds" if b["dropped"] else "")
+        lines += ["", f"Batches by rows and by the other instances' batches running at their start: {r['model']}, "
+                  f"concurrency {r['concurrency']}, round {r.get('round', 1)}, {b['batches']} batches "
+                  f"({b['failed']} failed, left out){caveat}", "",
+                  "| rows | others running | batches | run µs p50 / p90 | execute µs p50 |", "|---|---|---|---|---|"]
+        for g in b["by_rows"]:
+            lines.append(f"| {g['rows']} | any | {g['n']} | {g['run_us_p50']:.0f} / {g['run_us_p90']:.0f} | "
+                         f"{g['execute_us_p50']:.0f} |")
+        for g in b["by_rows_and_running"]:
+            lines.append(f"| {g['rows']} | {g['others_running']} | {g['n']} | {g['run_us_p50']:.0f} / "
+                         f"{g['run_us_p90']:.0f} | {g['execute_us_p50']:.0f} |")
     return lines
 
 
@@ -1001,9 +1033,9 @@ def main() -> int:
                    help="serve with the runner's phase timers on (files in OUT/runner_timers) and print where a "
                         "request's time goes per level")
     p.add_argument("--runner-batches", type=int, default=0, metavar="N",
-                   help="with --runner-timers: the runner also writes up to N batch lines per 0.25 s period, and "
-                        "each level gets what makes a batch slow (its rows, or the other instances' batches "
-                        "running at once)")
+                   help="with --runner-timers: the runner also writes up to N batch lines per instance and 0.25 "
+                        "s period (the timers' period then, for every figure of theirs), and each level gets its "
+                        "batches' run times by rows and by the other instances' batches running at their start")
     p.add_argument("--trace-rate", type=int, default=0, metavar="N",
                    help="Triton traces 1 in N served requests (timestamps; a prime N such as 23 avoids tracing "
                         "the same client's turn) and each level gets where its tail comes from: the phases of its "

@@ -122,9 +122,13 @@ class PhaseTimer:
     end() closes it; so the phases of one execute never sum to more than its own wall time.
 
     With `batches` > 0 each execute is also one line of `<instance>.<pid>.batches.jsonl` (its monotonic start,
-    wall time, run phase, requests and rows; at most `batches` per period, the rest counted as dropped), so a
-    reader can ask what makes one batch slower than another: its rows, or the other instances' batches running
-    at the same time (their lines share the clock)."""
+    wall time, run phase, requests and rows; at most `batches` per period and instance, the rest counted as
+    dropped, per period in the intervals file), so a reader can group batches by their rows and by the other
+    instances' batches running at the same time (their lines share the clock). A bench diagnostic: the file
+    grows with the run.
+
+    A periodic write that fails (a full disk, a removed folder) stops the timers' files with one log line; the
+    requests are served as before."""
 
     def __init__(self, folder, *, model, instance, period_s=1.0, reservoir=1024, extra=None, batches=0):
         self.folder = folder
@@ -133,6 +137,7 @@ class PhaseTimer:
         self.path, self.intervals_path = base + ".json", base + ".intervals.jsonl"
         self.batches_path = base + ".batches.jsonl"
         self.batch_cap, self.batch_lines, self.batches_dropped = batches, [], 0
+        self.write_failed = None  # why the timers stopped writing, once a write failed
         self.head = {"format": TIMERS_FORMAT, "model": model, "instance": instance, "pid": os.getpid(),
                      "period_s": period_s, "phases": list(PHASES), **(extra or {})}
         self.period_ns = int(period_s * 1e9)
@@ -149,7 +154,7 @@ class PhaseTimer:
 
     def _open_interval(self):
         self.interval = {"first_ns": None, "last_ns": None, "executes": 0, "requests": 0, "rows": 0,
-                         "sums": [0] * (len(PHASES) + 1), "weighted": [0] * (len(PHASES) + 1)}
+                         "sums": [0] * (len(PHASES) + 1), "weighted": [0] * (len(PHASES) + 1), "dropped": 0}
 
     def start(self):
         self.mono0 = time.monotonic_ns()
@@ -189,14 +194,20 @@ class PhaseTimer:
                 self.batch_lines.append((self.mono0, values[-1], self.current[self.index["run"]], requests, rows))
             else:
                 self.batches_dropped += 1
+                iv["dropped"] += 1
         if len(self.samples) < self.capacity:  # reservoir sampling (algorithm R): each execute equally likely kept
             self.samples.append(values)
         else:
             j = self.rng.randrange(self.executes)
             if j < self.capacity:
                 self.samples[j] = values
-        if now - self.last_write >= self.period_ns:
-            self.write()
+        if now - self.last_write >= self.period_ns and self.write_failed is None:
+            try:
+                self.write()
+            except OSError as exc:  # the timers' files, not the requests: serving goes on without them
+                self.write_failed = str(exc)
+                log.warning("runner timers: writing to %s failed (%s); no more timer files from this instance",
+                            self.folder, exc)
 
     def _stats(self, i):
         kept = sorted(s[i] for s in self.samples if s[i])
@@ -227,14 +238,15 @@ class PhaseTimer:
                     "requests": iv["requests"], "rows": iv["rows"], "execute_ns": iv["sums"][-1],
                     "execute_weighted_ns": iv["weighted"][-1],
                     "phases_ns": dict(zip(PHASES, iv["sums"][:-1], strict=True)),
-                    "phases_weighted_ns": dict(zip(PHASES, iv["weighted"][:-1], strict=True))}
+                    "phases_weighted_ns": dict(zip(PHASES, iv["weighted"][:-1], strict=True)),
+                    **({"batches_dropped": iv["dropped"]} if self.batch_cap else {})}
             with open(self.intervals_path, "a") as handle:
                 handle.write(json.dumps(line) + "\n")
             self._open_interval()
         if self.batch_lines:
             with open(self.batches_path, "a") as handle:
-                handle.writelines(json.dumps({"start_ns": b[0], "execute_ns": b[1], "run_ns": b[2], "requests": b[3],
-                                              "rows": b[4]}) + "\n" for b in self.batch_lines)
+                handle.writelines(f'{{"start_ns": {b[0]}, "execute_ns": {b[1]}, "run_ns": {b[2]}, '
+                                  f'"requests": {b[3]}, "rows": {b[4]}}}\n' for b in self.batch_lines)
             self.batch_lines = []
         self.writes += 1
         tmp = f"{self.path}.tmp"
@@ -254,8 +266,8 @@ def make_timer(params, args, extra=None):
     period = float(params.get("runner_timers_period_s", "") or 1.0)
     if not period > 0:
         raise ValueError(f"parameter runner_timers_period_s {period}: expected a number of seconds > 0")
-    batches = params.get("runner_timers_batches", "") or "0"
-    if not batches.isdigit():
+    batches = (params.get("runner_timers_batches") or "").strip() or "0"
+    if not re.fullmatch(r"[0-9]+", batches):
         raise ValueError(f"parameter runner_timers_batches {batches!r}: expected a whole number of batches per "
                          "period (0: none)")
     model = args.get("model_name", "model")
@@ -907,5 +919,9 @@ class TritonPythonModel:
 
     def finalize(self):
         """The timers' last figures (Triton calls this when the model unloads or the server stops)."""
-        if getattr(self, "timer", None) is not None:
-            self.timer.write(final=True)
+        timer = getattr(self, "timer", None)
+        if timer is not None and timer.write_failed is None:
+            try:
+                timer.write(final=True)
+            except OSError as exc:
+                log.warning("runner timers: the last write to %s failed (%s)", timer.folder, exc)

@@ -153,21 +153,37 @@ def _batch(instance: str, start: int, end: int, rows: int, run: int) -> dict[str
 
 def test_batches_are_grouped_by_rows_and_by_the_other_instances_running_at_their_start(
         bench_ort: ModuleType) -> None:
-    batches = {"m": [_batch("a", 0, 100_000, 1, 50_000), _batch("b", 50_000, 250_000, 4, 150_000),
+    batches = {"m": [_batch("c", -50_000, 60_000, 2, 40_000),  # started before the span: counted as running
+                     _batch("a", 0, 100_000, 1, 50_000), _batch("b", 50_000, 250_000, 4, 150_000),
                      _batch("a", 100_000, 300_000, 8, 180_000), _batch("b", 250_000, 260_000, 1, 8_000),
-                     _batch("a", 900_000, 2_000_000, 1, 9_000)],  # ends outside the span
-               "other": [_batch("c", 0, 10, 1, 5)]}
-    got = bench_ort.batch_breakdown(batches, "m", [0, 1_000_000])
-    assert got["batches"] == 4
+                     _batch("c", 250_000, 270_000, 70, 10_000),  # starts with b's second: each counts the other
+                     _batch("a", 400_000, 410_000, 3, 0),  # its inputs failed: counted apart
+                     _batch("a", 900_000, 2_000_000, 1, 9_000)],  # ends outside the span: not grouped
+               "other": [_batch("d", 0, 10, 1, 5)]}
+    got = bench_ort.batch_breakdown(batches, "m", [0, 1_000_000], dropped=0)
+    assert (got["batches"], got["failed"], got["dropped"]) == (5, 1, 0)
     assert [(g["rows"], g["n"], g["run_us_p50"]) for g in got["by_rows"]] == [
-        ("1", 2, 50.0), ("3-4", 1, 150.0), ("5-8", 1, 180.0)]
-    # a@0 started alone; b@50 beside a's first; a@100 beside b (a's first ended at 100); b@250 beside a's second.
-    assert [(g["others_running"], g["n"], g["rows_mean"]) for g in got["by_others_running"]] == [
-        (0, 1, 1.0), (1, 3, (4 + 8 + 1) / 3)]
-    assert bench_ort.batch_breakdown(batches, "m", [400_000, 500_000]) is None
-    row = {"model": "m", "concurrency": 32, "round": 1, "runner_batches": got}
-    table = [line for line in bench_ort.batch_markdown([row]) if line.startswith("| ")][1:]
-    assert table[0] == "| rows 1 | 2 | 50 / 50 | 100 | 1.0 |" and table[-1].startswith("| others running 1 | 3 |")
+        ("1", 2, 50.0), ("3-4", 1, 150.0), ("5-8", 1, 180.0), ("65+", 1, 10.0)]
+    # a@0 beside c's first; b@50 beside a's first and c's first; a@100 beside b (a's first ended at 100);
+    # b@250 beside a's second and c@250; c@250 beside a's second and b@250.
+    assert [(g["rows"], g["others_running"], g["n"]) for g in got["by_rows_and_running"]] == [
+        ("1", 1, 1), ("1", 2, 1), ("3-4", 2, 1), ("5-8", 1, 1), ("65+", 2, 1)]
+    assert bench_ort.batch_breakdown(batches, "m", [500_000, 600_000]) is None
+    assert bench_ort.batch_breakdown({"m": [_batch("a", 0, 0, 1, 0), _batch("a", 5, 5, 1, 1)]}, "m",
+                                     [0, 10])["by_rows_and_running"][0]["others_running"] == 0  # zero-length
+    row = {"model": "m", "concurrency": 32, "round": 1, "runner_batches": got | {"dropped": 7}}
+    lines = bench_ort.batch_markdown([row])
+    assert "1 failed, left out); 7 batch lines not written" in lines[1]
+    table = [line for line in lines if line.startswith("| ")][1:]
+    assert table[0] == "| 1 | any | 2 | 50 / 50 | 100 |" and table[-1] == "| 65+ | 2 | 1 | 10 / 10 | 20 |"
+
+
+def test_dropped_lines_are_counted_in_the_levels_periods(bench_ort: ModuleType) -> None:
+    timers = [{"model": "m", "intervals": [{"first_ns": 0, "last_ns": 10, "batches_dropped": 3},
+                                           {"first_ns": 20, "last_ns": 30, "batches_dropped": 4},
+                                           {"first_ns": 50, "last_ns": 60}]},
+              {"model": "n", "intervals": [{"first_ns": 0, "last_ns": 10, "batches_dropped": 100}]}]
+    assert bench_ort.dropped_in(timers, "m", [0, 35]) == 7
 
 
 def test_runner_batches_reach_the_config_and_need_the_timers(bench_ort: ModuleType, tmp_path: Path,

@@ -163,7 +163,50 @@ def test_batch_lines_give_each_executes_rows_and_times_within_the_cap(tmp_path: 
         assert 0 < line["run_ns"] <= line["execute_ns"]
 
 
-@pytest.mark.parametrize("value", ["x", "-1", "2.5"])
+def test_batch_lines_are_flushed_each_period_and_their_run_times_are_the_run_phases(
+        tmp_path: Path, pb_utils: types.SimpleNamespace) -> None:
+    folder = tmp_path / "timers"
+    model = _model(tmp_path / "m", {"runner_timers": str(folder), "runner_timers_period_s": "1e-9",
+                                    "runner_timers_batches": " 2 "})
+    sizes = [[1], [2, 3], [4], [8], [4]]
+    for i, batch in enumerate(sizes):
+        model.execute(_requests(batch, seed=i))
+    model.finalize()
+    summary, intervals = _files(folder)
+    lines = [json.loads(line) for line in (folder / summary["batches_file"]).read_text().splitlines()]
+    assert summary["batches_dropped"] == 0 and all(iv["batches_dropped"] == 0 for iv in intervals)
+    assert [b["rows"] for b in lines] == [sum(b) for b in sizes]  # each period's lines, written once
+    assert sum(b["run_ns"] for b in lines) == summary["phases"]["run"]["sum_ns"]
+    assert sum(b["execute_ns"] for b in lines) == summary["execute"]["sum_ns"]
+
+
+@pytest.mark.parametrize("value", ["0", ""])
+def test_no_batch_lines_unless_asked(value: str, tmp_path: Path, pb_utils: types.SimpleNamespace) -> None:
+    folder = tmp_path / "timers"
+    model = _model(tmp_path / "m", {"runner_timers": str(folder), "runner_timers_batches": value})
+    model.execute(_requests([1, 2]))
+    model.finalize()
+    summary, intervals = _files(folder)
+    assert "batches_file" not in summary and "batches_dropped" not in intervals[0]
+    assert not list(folder.glob("*.batches.jsonl"))
+
+
+def test_a_timer_write_that_fails_stops_the_files_not_the_requests(tmp_path: Path, pb_utils: types.SimpleNamespace,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    folder = tmp_path / "timers"
+    model = _model(tmp_path / "m", {"runner_timers": str(folder), "runner_timers_period_s": "1e-9",
+                                    "runner_timers_batches": "10"})
+    (summary_file,) = folder.glob("*.json")
+    (folder / json.loads(summary_file.read_text())["intervals_file"]).mkdir()  # no period's line can be appended
+    for i in range(3):
+        responses = model.execute(_requests([1, 2], seed=i))
+        assert [r.error for r in responses] == [None, None]
+    model.finalize()
+    assert model.timer.write_failed is not None
+    assert sum("runner timers: writing to" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize("value", ["x", "-1", "2.5", "²", "٣"])
 def test_a_bad_batch_count_is_refused_at_load(value: str, tmp_path: Path, pb_utils: types.SimpleNamespace) -> None:
     with pytest.raises(ValueError, match="parameter runner_timers_batches"):
         _model(tmp_path / "m", {"runner_timers": str(tmp_path / "t"), "runner_timers_batches": value})
