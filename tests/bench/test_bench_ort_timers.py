@@ -9,7 +9,6 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -17,17 +16,10 @@ from typing import Any
 import pytest
 
 from builder.repository import triton_config
-from tests.helpers.scripts import loaded_script
 from tests.helpers.tiny_models import mlp_onnx
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = Path(__file__).resolve().parent / "data" / "runner_timers_cpu"
-
-
-@pytest.fixture(scope="module")
-def bench_ort() -> Iterator[ModuleType]:
-    with loaded_script("bench_ort", ROOT / "bench" / "gpu" / "bench_ort.py") as module:
-        yield module
 
 
 def _served(bench_ort: ModuleType, folder: Path = SAMPLE / "timers") -> list[dict[str, Any]]:

@@ -9,23 +9,14 @@ import gzip
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
 
-from tests.helpers.scripts import loaded_script
-
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = Path(__file__).resolve().parent / "data" / "triton_trace_cpu"
-
-
-@pytest.fixture(scope="module")
-def bench_ort() -> Iterator[ModuleType]:
-    with loaded_script("bench_ort", ROOT / "bench" / "gpu" / "bench_ort.py") as module:
-        yield module
 
 
 @pytest.fixture(scope="module")

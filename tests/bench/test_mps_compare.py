@@ -46,12 +46,18 @@ def mps_compare(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Mod
         yield module
 
 
+def _runs(mps_compare: ModuleType, monkeypatch: pytest.MonkeyPatch, out: Path, *flags: str) -> list[dict[str, object]]:
+    """mps_compare.main with these flags (and the stand-in bench's arguments): it succeeds; the runs it recorded."""
+    monkeypatch.setattr(sys, "argv", ["mps_compare.py", "--out", str(out), *flags, "--", "--models", "m"])
+    assert mps_compare.main() == 0
+    runs: list[dict[str, object]] = json.loads((out / "mps-compare.json").read_text())
+    return runs
+
+
 def test_runs_alternate_and_only_the_on_runs_use_mps(mps_compare: ModuleType, tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "out"
-    monkeypatch.setattr(sys, "argv", ["mps_compare.py", "--out", str(out), "--rounds", "2", "--", "--models", "m"])
-    assert mps_compare.main() == 0
-    runs = json.loads((out / "mps-compare.json").read_text())
+    runs = _runs(mps_compare, monkeypatch, out, "--rounds", "2")
     assert [(r["mode"], r["round"]) for r in runs] == [("off", 1), ("on", 1), ("on", 2), ("off", 2)]
     assert [r["mps"] for r in runs if r["mode"] == "on"] == [{"clients": 1, "quit": True}] * 2
     # Each on run: the daemon started with its own pipe folder (run under the stand-in bench), then quit.
@@ -68,11 +74,7 @@ def test_runs_alternate_and_only_the_on_runs_use_mps(mps_compare: ModuleType, tm
 
 def test_first_on_starts_with_the_daemon_and_still_alternates(mps_compare: ModuleType, tmp_path: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    out = tmp_path / "out"
-    monkeypatch.setattr(sys, "argv", ["mps_compare.py", "--out", str(out), "--rounds", "2", "--first", "on", "--",
-                                      "--models", "m"])
-    assert mps_compare.main() == 0
-    runs = json.loads((out / "mps-compare.json").read_text())
+    runs = _runs(mps_compare, monkeypatch, tmp_path / "out", "--rounds", "2", "--first", "on")
     assert [(r["mode"], r["round"]) for r in runs] == [("on", 1), ("off", 1), ("off", 2), ("on", 2)]
     assert [r["mps"] is not None for r in runs] == [True, False, False, True]
 
@@ -90,10 +92,7 @@ def test_no_daemon_on_the_machine_is_one_line(mps_compare: ModuleType, tmp_path:
 def test_only_on_runs_every_round_under_the_daemon(mps_compare: ModuleType, tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "out"
-    monkeypatch.setattr(sys, "argv", ["mps_compare.py", "--out", str(out), "--rounds", "2", "--only", "on", "--",
-                                      "--models", "m"])
-    assert mps_compare.main() == 0
-    runs = json.loads((out / "mps-compare.json").read_text())
+    runs = _runs(mps_compare, monkeypatch, out, "--rounds", "2", "--only", "on")
     assert [(r["mode"], r["round"]) for r in runs] == [("on", 1), ("on", 2)]
     assert [r["mps"] for r in runs] == [{"clients": 1, "quit": True}] * 2
     assert "- fp16_batched@256: no pair" in (out / "mps-compare.md").read_text()
@@ -104,10 +103,7 @@ def test_only_off_needs_no_daemon_and_only_excludes_first(mps_compare: ModuleTyp
                                                           capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "bin" / mps_compare.mps.CONTROL).unlink()  # a machine without MPS can still run the off runs
     out = tmp_path / "out"
-    monkeypatch.setattr(sys, "argv", ["mps_compare.py", "--out", str(out), "--rounds", "1", "--only", "off", "--",
-                                      "--models", "m"])
-    assert mps_compare.main() == 0
-    runs = json.loads((out / "mps-compare.json").read_text())
+    runs = _runs(mps_compare, monkeypatch, out, "--rounds", "1", "--only", "off")
     assert [(r["mode"], r["round"], r["mps"]) for r in runs] == [("off", 1, None)]
     assert not (tmp_path / "calls").exists() or calls_of(tmp_path / "calls") == []
     monkeypatch.setattr(sys, "argv", ["mps_compare.py", "--out", str(out), "--only", "on", "--first", "on", "--",
