@@ -2,10 +2,10 @@
 default where the repository has python-runner models on a GPU and the daemon exists; `--mps`, `--no-mps`).
 
 Why: the python runner's instances are separate processes (python stubs), each with its own CUDA context, and
-without MPS the GPU time-slices between the contexts instead of running their kernels at once. On two H200
-starts (docs/results/gpu.md) MPS took FP16 EfficientNet-Lite0 from 0.27x to 0.40-0.43x of the in-process
+without MPS the GPU time-slices between the contexts instead of running their kernels at once. On three H200
+starts (docs/results/gpu.md) MPS took FP16 EfficientNet-Lite0 from 0.27x to 0.37-0.43x of the in-process
 ceiling at concurrency 32 and cut Triton's compute_input (its copies of a batch's GPU inputs, waiting for a time
-slice) from about 2200 to 300 µs per batch.
+slice) from about 2200 to 300-400 µs per batch.
 
 The control daemon is a user-space process: it changes none of the card's settings. It runs with its pipe and
 log folders under `<state>/mps`, so only the processes given that environment (this folder's tritonserver and
@@ -109,6 +109,12 @@ HOST_PIPE = Path("/tmp/nvidia-mps")  # where CUDA looks for a daemon when CUDA_M
 CLIENTS_PER_GPU = 48
 
 
+def past_clients(instances: int) -> bool:
+    """Whether `instances` python-runner processes on one GPU, with tritonserver's own context, are more than an
+    MPS server takes there (those past it fail to load)."""
+    return instances + 1 > CLIENTS_PER_GPU
+
+
 def host_daemon() -> Path | None:
     """The control socket of a live MPS daemon this process's CUDA programs would already reach (the host's, or
     the one CUDA_MPS_PIPE_DIRECTORY names), if there is one. Only a socket that accepts a connection counts: a
@@ -167,7 +173,7 @@ def auto(repository: Path, gpus: list[int]) -> tuple[bool, str | None]:
         return False, f"{CONTROL} not found on PATH (it comes with the NVIDIA driver's utilities)"
     gpu, models = max(per_gpu.items(), key=lambda item: sum(item[1].values()))
     held = sum(models.values())
-    if held + 1 > CLIENTS_PER_GPU:  # + tritonserver's own context; more would fail to load
+    if past_clients(held):
         largest = sorted(models.items(), key=lambda item: (-item[1], item[0]))
         named = ", ".join(f"{name} {count}" for name, count in largest[:3]) + (", ..." if len(largest) > 3 else "")
         return False, (f"GPU {gpu} would hold {held} python-runner instances ({named}) and the "

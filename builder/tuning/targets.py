@@ -101,12 +101,11 @@ def _refuse_past_mps_clients(config_text: str) -> None:
     Triton's load error; the as-built counts were checked when the server started (mps.auto). Only the point's
     own model counts: tune loads one at a time. (A group without `gpus` puts its count on every GPU, so GPU 0
     stands for each.)"""
-    per_gpu = mps.config_gpu_instances(triton_config.parse(config_text), [0])
-    for _, count in sorted(per_gpu.items()):
-        if count + 1 > mps.CLIENTS_PER_GPU:
-            raise Rejected(f"{count} python-runner instances on one GPU and the server are more than the "
-                           f"{mps.CLIENTS_PER_GPU} clients a CUDA MPS server takes per GPU; tune with --no-mps "
-                           "to measure this many")
+    count = max(mps.config_gpu_instances(triton_config.parse(config_text), [0]).values(), default=0)
+    if mps.past_clients(count):
+        raise Rejected(f"{count} python-runner instances on one GPU and the server are more than the "
+                       f"{mps.CLIENTS_PER_GPU} clients a CUDA MPS server takes per GPU; tune with --no-mps "
+                       "to measure this many")
 
 
 class LocalTarget(Target):
