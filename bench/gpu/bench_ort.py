@@ -543,13 +543,16 @@ def batch_breakdown(batches: dict[str, list[dict[str, Any]]], model: str, span: 
         return {"n": len(members), "run_us_p50": percentile(run, 0.5), "run_us_p90": percentile(run, 0.9),
                 "execute_us_p50": percentile(execute, 0.5), "rows_mean": statistics.fmean(b["rows"] for b in members)}
 
-    counted = [(band(b["rows"]), running(b), b) for b in mine]
-    bands = [band(a) for a, _ in ROW_BANDS]
-    by_rows = [{"rows": r, **group([b for br, _, b in counted if br == r])} for r in bands
-               if any(br == r for br, _, _ in counted)]
-    cross = [{"rows": r, "others_running": k, **group([b for br, n, b in counted if br == r and n == k])}
-             for r in bands for k in sorted({n for _, n, _ in counted})
-             if any(br == r and n == k for br, n, _ in counted)]
+    per_band: dict[str, list[dict[str, Any]]] = {}
+    per_cell: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for b in mine:
+        rows = band(b["rows"])
+        per_band.setdefault(rows, []).append(b)
+        per_cell.setdefault((rows, running(b)), []).append(b)
+    order = {band(a): i for i, (a, _) in enumerate(ROW_BANDS)}  # bands in ROW_BANDS' order, then by count
+    by_rows = [{"rows": r, **group(per_band[r])} for r in sorted(per_band, key=order.__getitem__)]
+    cross = [{"rows": r, "others_running": k, **group(per_cell[(r, k)])}
+             for r, k in sorted(per_cell, key=lambda cell: (order[cell[0]], cell[1]))]
     return {"batches": len(mine), "failed": len(inside) - len(mine), "dropped": dropped, "by_rows": by_rows,
             "by_rows_and_running": cross}
 
@@ -740,15 +743,15 @@ def trace_breakdown(records: list[dict[str, Any]], model: str, span: list[int]) 
     if not got:
         return None
     names = [name for name, _, _ in TRACE_PHASES] + ["total"]
-    totals = sorted(p["total"] for p in got)
+    ordered = {n: sorted(p[n] for p in got) for n in names}
+    totals = ordered["total"]
     p45, p55, tail = percentile(totals, 0.45), percentile(totals, 0.55), percentile(totals, 1 - TAIL_SHARE)
     middle = [p for p in got if p45 <= p["total"] <= p55]
     slowest = [p for p in got if p["total"] >= tail]
     return {
         "requests": len(got), "incomplete": len(mine) - len(phased), "disordered": len(phased) - len(got),
-        "us": {n: {"p50": percentile(sorted(p[n] for p in got), 0.5),
-                   "p99": percentile(sorted(p[n] for p in got), 0.99),
-                   "mean": statistics.fmean(p[n] for p in got)} for n in names},
+        "us": {n: {"p50": percentile(ordered[n], 0.5), "p99": percentile(ordered[n], 0.99),
+                   "mean": statistics.fmean(ordered[n])} for n in names},
         "median_requests": {"n": len(middle), "us": {n: statistics.fmean(p[n] for p in middle) for n in names}},
         "slowest": {"n": len(slowest), "share": TAIL_SHARE,
                     "us": {n: statistics.fmean(p[n] for p in slowest) for n in names}},
